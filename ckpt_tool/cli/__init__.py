@@ -1,0 +1,1 @@
+"""The ``ckpt`` command: thin Typer commands over ``ckpt_tool.ops``."""

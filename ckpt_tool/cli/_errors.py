@@ -1,0 +1,58 @@
+"""The one error map at the CLI boundary: exception -> one line on stderr + exit code."""
+
+from __future__ import annotations
+
+import functools
+import sys
+import traceback
+from typing import Callable, TypeVar
+
+import typer
+
+from ckpt_tool.errors import CkptError
+
+__all__ = ["handle_errors", "state"]
+
+F = TypeVar("F", bound=Callable[..., object])
+
+
+class _State:
+    debug: bool = False
+
+
+state = _State()
+
+
+def _exit_for(exc: BaseException) -> tuple[str, int]:
+    if isinstance(exc, CkptError):
+        return exc.one_line(), exc.exit_code
+    if isinstance(exc, FileNotFoundError):
+        return f"{exc.filename}: no such file or directory (check the path)", 2
+    if isinstance(exc, PermissionError):
+        return f"{exc.filename}: permission denied (check the file permissions)", 2
+    if isinstance(exc, IsADirectoryError | NotADirectoryError):
+        return f"{exc.filename}: {exc.strerror}", 2
+    if isinstance(exc, OSError):
+        return f"{getattr(exc, 'filename', '') or ''}: {exc.strerror or exc} ".strip(), 2
+    if isinstance(exc, KeyboardInterrupt):
+        return "interrupted", 130
+    return f"internal error: {type(exc).__name__}: {exc} (rerun with --debug for a traceback)", 2
+
+
+def handle_errors(fn: F) -> F:
+    """Wrap a command body: CkptError and OS errors become one stderr line and an exit code."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: object, **kwargs: object) -> object:
+        try:
+            return fn(*args, **kwargs)
+        except (typer.Exit, typer.Abort):
+            raise
+        except BaseException as exc:  # noqa: BLE001 - this is the one boundary
+            if state.debug:
+                traceback.print_exc(file=sys.stderr)
+            line, code = _exit_for(exc)
+            print(f"ckpt: error: {line}", file=sys.stderr)
+            raise typer.Exit(code) from None
+
+    return wrapper  # type: ignore[return-value]

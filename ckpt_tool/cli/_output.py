@@ -1,0 +1,34 @@
+"""The one output helper: data to stdout (JSON or Rich), messages and progress to stderr."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+from rich.console import Console
+
+__all__ = ["stdout", "stderr", "print_json", "message", "human_bytes"]
+
+stdout = Console(soft_wrap=True)
+stderr = Console(stderr=True, soft_wrap=True)
+
+
+def print_json(data: Any) -> None:
+    """Machine output: one JSON document on stdout, nothing else."""
+    sys.stdout.write(json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
+    sys.stdout.flush()
+
+
+def message(text: str) -> None:
+    """A message for people, on stderr."""
+    stderr.print(text, highlight=False)
+
+
+def human_bytes(n: int | float) -> str:
+    """``1536`` -> ``"1.5 KiB"``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} PiB"

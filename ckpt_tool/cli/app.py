@@ -1,0 +1,53 @@
+"""Root of the ``ckpt`` command: global options and command registration."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from ckpt_tool import __version__
+from ckpt_tool.cli._errors import state
+from ckpt_tool.cli._pending import register_pending
+
+app = typer.Typer(
+    name="ckpt",
+    help="Inspect, validate, reshard, convert and diff large-model training checkpoints.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        print(f"ckpt {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def root(
+    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks on errors.")] = False,
+    version: Annotated[
+        Optional[bool],
+        typer.Option("--version", callback=_version, is_eager=True, help="Print the version."),
+    ] = None,
+) -> None:
+    """Inspect, validate, reshard, convert and diff large-model training checkpoints."""
+    state.debug = debug
+
+
+def _register() -> None:
+    from ckpt_tool.cli import inspect as inspect_cmd
+
+    built = {"inspect"}
+    app.command("inspect")(inspect_cmd.inspect)
+    register_pending(app, built)
+
+
+_register()
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()

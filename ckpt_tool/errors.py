@@ -1,0 +1,73 @@
+"""The one exception hierarchy of ckpt_tool.
+
+Every error a user can cause derives from :class:`CkptError`. Each carries the *what* (message),
+the *where* (``path``) and the *how to fix* (``hint``); the CLI turns it into one line on stderr
+and an exit code (see ``ckpt_tool.cli._errors``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+__all__ = [
+    "CkptError",
+    "UsageError",
+    "InputError",
+    "NotACheckpointError",
+    "CorruptCheckpointError",
+    "UnsafePickleError",
+    "UnsupportedError",
+    "FindingsError",
+]
+
+
+class CkptError(Exception):
+    """Base of every ckpt_tool error. ``exit_code`` is what the CLI exits with."""
+
+    exit_code = 2
+
+    def __init__(self, message: str, *, path: str | Path | None = None, hint: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.path = None if path is None else str(path)
+        self.hint = hint
+
+    def one_line(self) -> str:
+        """``what: where (how to fix)`` on a single line."""
+        text = self.message if self.path is None else f"{self.path}: {self.message}"
+        if self.hint:
+            text += f" ({self.hint})"
+        return " ".join(text.split())
+
+    def __str__(self) -> str:
+        return self.one_line()
+
+
+class UsageError(CkptError):
+    """The command was called wrongly (bad option values, conflicting options)."""
+
+
+class InputError(CkptError):
+    """An input could not be read at all: missing, unreadable, a file where a dir was expected."""
+
+
+class NotACheckpointError(InputError):
+    """The path exists but no known checkpoint format matches it."""
+
+
+class CorruptCheckpointError(InputError):
+    """The path is a checkpoint of a known format but its metadata is truncated or garbage."""
+
+
+class UnsafePickleError(InputError):
+    """A pickle references a global outside the allowlist; ``--trust`` opts into a full unpickle."""
+
+
+class UnsupportedError(CkptError):
+    """A valid request the tool does not (yet) support, or a command not built yet."""
+
+
+class FindingsError(CkptError):
+    """The operation ran and found problems (invalid checkpoint, differences): exit 1."""
+
+    exit_code = 1

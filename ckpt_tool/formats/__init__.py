@@ -1,0 +1,11 @@
+"""Checkpoint formats: one module per format, all registered here in detection order.
+
+Importing this package registers the built-in formats (see ``base.register``).
+"""
+
+from ckpt_tool.formats.base import Format, Reader, detect, formats, open_checkpoint, register
+
+__all__ = ["Format", "Reader", "detect", "formats", "open_checkpoint", "register"]
+
+# Built-in formats register themselves on import; keep this list in detection order.
+from ckpt_tool.formats import mcore_dist as _mcore_dist  # noqa: E402,F401

@@ -1,0 +1,1 @@
+"""Megatron-Core dist checkpoints (torch_dist and zarr backends). Placeholder."""

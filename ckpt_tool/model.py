@@ -1,0 +1,216 @@
+"""The one metadata model every checkpoint format maps into.
+
+Frozen dataclasses with ``to_dict``/``from_dict`` and no torch import. ``inspect``, ``validate``,
+``diff`` and the reshard planner work on these objects only; readers and writers move bytes.
+
+Dtypes are torch dtype names without the ``torch.`` prefix (``"bfloat16"``, ``"float32"``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "DTYPE_ITEMSIZE",
+    "dtype_itemsize",
+    "ChunkRef",
+    "TensorMeta",
+    "ObjectMeta",
+    "CheckpointMeta",
+]
+
+DTYPE_ITEMSIZE: dict[str, int] = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
+    "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1,
+    "uint16": 2, "uint32": 4, "uint64": 8, "bool": 1,
+    "complex64": 8, "complex128": 16,
+}
+
+
+def dtype_itemsize(dtype: str) -> int:
+    """Bytes per element of a dtype name (``"bfloat16"`` -> 2)."""
+    try:
+        return DTYPE_ITEMSIZE[dtype]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}") from None
+
+
+@dataclass(frozen=True)
+class ChunkRef:
+    """Where one stored piece of a global tensor lives.
+
+    ``offsets``/``sizes`` place the piece in the global tensor. ``file`` is relative to the
+    checkpoint root; ``byte_offset``/``byte_length`` is the stored item's range in that file
+    (for DCP: the whole ``torch.save`` archive of the piece). ``transforms`` lists stream
+    transforms (e.g. ``"stream.zstd/1"``) applied to the stored bytes. ``layout`` says how the
+    bytes are stored: ``"torch_save"`` (a torch.save zip item), ``"raw"`` (C-order little-endian
+    elements) or ``"flat"`` (a flattened N-D reformulated piece, see ``TensorMeta.stored_shape``).
+    """
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    file: str | None = None
+    byte_offset: int | None = None
+    byte_length: int | None = None
+    transforms: tuple[str, ...] = ()
+    layout: str = "raw"
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.sizes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "offsets": list(self.offsets), "sizes": list(self.sizes), "file": self.file,
+            "byte_offset": self.byte_offset, "byte_length": self.byte_length,
+            "transforms": list(self.transforms), "layout": self.layout,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ChunkRef:
+        return cls(
+            offsets=tuple(d["offsets"]), sizes=tuple(d["sizes"]), file=d.get("file"),
+            byte_offset=d.get("byte_offset"), byte_length=d.get("byte_length"),
+            transforms=tuple(d.get("transforms", ())), layout=d.get("layout", "raw"),
+        )
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """One global tensor: its key, dtype, global shape and the chunks that store it.
+
+    ``stored_shape`` is set when the on-disk tensor has another shape than the logical one
+    (Megatron-Core's N-D reformulated flattened optimizer state); ``shape`` is always the
+    logical global shape users expect.
+    """
+
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    chunks: tuple[ChunkRef, ...] = ()
+    stored_shape: tuple[int, ...] | None = None
+    origin: str | None = None
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * dtype_itemsize(self.dtype)
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "dtype": self.dtype, "shape": list(self.shape), "chunks": len(self.chunks),
+            "nbytes": self.nbytes,
+        }
+        if self.stored_shape is not None:
+            d["stored_shape"] = list(self.stored_shape)
+        return d
+
+    def to_full_dict(self) -> dict[str, Any]:
+        """Like ``to_dict`` but with every chunk spelled out (for ``from_dict`` round trips)."""
+        d = self.to_dict()
+        d["key"] = self.key
+        d["chunks"] = [c.to_dict() for c in self.chunks]
+        d["origin"] = self.origin
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TensorMeta:
+        stored = d.get("stored_shape")
+        return cls(
+            key=d["key"], dtype=d["dtype"], shape=tuple(d["shape"]),
+            chunks=tuple(ChunkRef.from_dict(c) for c in d.get("chunks", ())),
+            stored_shape=None if stored is None else tuple(stored), origin=d.get("origin"),
+        )
+
+
+@dataclass(frozen=True)
+class ObjectMeta:
+    """A non-tensor stored item: a ShardedObject (``unique_key`` like ``rng_state/shard_0.0_1.1``)
+    or another bytes item, with where its bytes live."""
+
+    key: str
+    unique_key: str
+    file: str | None = None
+    byte_offset: int | None = None
+    byte_length: int | None = None
+    global_shape: tuple[int, ...] = ()
+    global_offset: tuple[int, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "key": self.key, "unique_key": self.unique_key, "file": self.file,
+            "byte_offset": self.byte_offset, "byte_length": self.byte_length,
+            "global_shape": list(self.global_shape), "global_offset": list(self.global_offset),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ObjectMeta:
+        return cls(
+            key=d["key"], unique_key=d["unique_key"], file=d.get("file"),
+            byte_offset=d.get("byte_offset"), byte_length=d.get("byte_length"),
+            global_shape=tuple(d.get("global_shape", ())),
+            global_offset=tuple(d.get("global_offset", ())),
+        )
+
+
+@dataclass(frozen=True)
+class CheckpointMeta:
+    """A whole checkpoint as the rest of ckpt_tool sees it.
+
+    ``format`` is the registry name (``"torch_dist"``, ``"zarr"``, ``"dcp"``, ...); ``root`` the
+    resolved checkpoint directory (or file); ``common`` a JSON-safe summary of the common state
+    (iteration, parallel sizes, model sizes, ...); ``extras`` format-specific facts (backend
+    versions, optimizer sharding type, ...).
+    """
+
+    format: str
+    root: str
+    tensors: dict[str, TensorMeta] = field(default_factory=dict)
+    objects: tuple[ObjectMeta, ...] = ()
+    common: dict[str, Any] = field(default_factory=dict)
+    extras: dict[str, Any] = field(default_factory=dict)
+    version: str | None = None
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+    def bytes_per_dtype(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for t in self.tensors.values():
+            out[t.dtype] = out.get(t.dtype, 0) + t.nbytes
+        return dict(sorted(out.items()))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``inspect --json`` document."""
+        return {
+            "format": self.format,
+            "version": self.version,
+            "root": self.root,
+            "tensors": {k: t.to_dict() for k, t in sorted(self.tensors.items())},
+            "objects": [o.to_dict() for o in self.objects],
+            "common": self.common,
+            "extras": self.extras,
+            "totals": {"tensors": len(self.tensors), "nbytes": self.total_bytes,
+                       "bytes_per_dtype": self.bytes_per_dtype()},
+        }
+
+    def to_full_dict(self) -> dict[str, Any]:
+        d = self.to_dict()
+        d["tensors"] = {k: t.to_full_dict() for k, t in sorted(self.tensors.items())}
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> CheckpointMeta:
+        return cls(
+            format=d["format"], root=d["root"], version=d.get("version"),
+            tensors={k: TensorMeta.from_dict({**v, "key": k}) for k, v in d["tensors"].items()},
+            objects=tuple(ObjectMeta.from_dict(o) for o in d.get("objects", ())),
+            common=dict(d.get("common", {})), extras=dict(d.get("extras", {})),
+        )
