@@ -1,1 +1,264 @@
-"""Megatron-Core dist checkpoints (torch_dist and zarr backends). Placeholder."""
+"""Megatron-Core dist checkpoints: the ``torch_dist`` and ``zarr`` sharded backends.
+
+Both are a directory with ``metadata.json`` (``sharded_backend``), ``common.pt`` (rank 0's
+non-sharded state) and the sharded data: DCP ``.metadata`` + ``*.distcp`` files for
+``torch_dist``, one zarr array directory per tensor for ``zarr``. The path may also be a
+training save directory (``latest_checkpointed_iteration.txt`` is followed).
+
+The metadata path imports no torch: ``.metadata`` and ``common.pt`` are unpickled into
+stand-ins through the allowlist. Reading tensors imports torch.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from ckpt_tool.errors import CorruptCheckpointError, InputError
+from ckpt_tool.formats._resolve import resolve_checkpoint_dir
+from ckpt_tool.formats.base import Format, Reader, register
+from ckpt_tool.model import CheckpointMeta, ObjectMeta, TensorMeta
+
+__all__ = ["read_backend_config", "infer_optimizer_sharding", "McoreDistReader",
+           "TorchDistReader", "ZarrReader", "TORCH_DIST", "ZARR"]
+
+METADATA_JSON = "metadata.json"
+COMMON_FILE = "common.pt"
+COMMON_STATE_OBJECT = "common_state"
+_DP_BUCKET_RE = re.compile(r"optimizer\.distributed\.dp_group_idx_\d+\.gbuf_idx_\d+\..*bucket_idx_")
+_DP_PARAM_STATE_RE = re.compile(r"optimizer\.distributed\.dp_group_idx_\d+\.param_state")
+
+
+def read_backend_config(ckpt_dir: Path) -> dict[str, Any]:
+    """The parsed ``metadata.json``; InputError if absent, CorruptCheckpointError if bad."""
+    f = ckpt_dir / METADATA_JSON
+    if not f.is_file():
+        raise InputError(f"no {METADATA_JSON}", path=ckpt_dir)
+    try:
+        cfg = json.loads(f.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CorruptCheckpointError(f"{METADATA_JSON} is not valid JSON ({exc})",
+                                     path=ckpt_dir) from None
+    if not isinstance(cfg, dict) or not isinstance(cfg.get("sharded_backend"), str):
+        raise CorruptCheckpointError(f"{METADATA_JSON} has no 'sharded_backend' string",
+                                     path=ckpt_dir)
+    return cfg
+
+
+def _sniffer(backend: str):
+    def sniff(path: Path) -> str | None:
+        try:
+            d = resolve_checkpoint_dir(path)
+            if not d.is_dir():
+                return "not a directory"
+            cfg = read_backend_config(d)
+        except (InputError, OSError) as exc:
+            return exc.message if isinstance(exc, InputError) else str(exc)
+        if cfg["sharded_backend"] != backend:
+            return f"{METADATA_JSON} says sharded_backend {cfg['sharded_backend']!r}"
+        return None
+    return sniff
+
+
+def infer_optimizer_sharding(tensors: dict[str, TensorMeta], objects: list[ObjectMeta] | tuple,
+                             content_metadata: Any) -> dict[str, Any] | None:
+    """The distributed-optimizer sharding type: from ``content_metadata`` or from the keys."""
+    if isinstance(content_metadata, dict) and content_metadata.get("distrib_optim_sharding_type"):
+        return {"type": str(content_metadata["distrib_optim_sharding_type"]),
+                "source": "content_metadata"}
+    if any(_DP_BUCKET_RE.match(k) for k in tensors):
+        return {"type": "dp_reshardable", "source": "inferred from per-bucket keys"}
+    if any(_DP_PARAM_STATE_RE.match(o.key) for o in objects):
+        return {"type": "dp_zero_gather_scatter", "source": "inferred from the param_state object"}
+    opt = {k: t for k, t in tensors.items() if k.startswith("optimizer.state.")}
+    if not opt:
+        return None
+    for k, t in opt.items():
+        if t.stored_shape is not None:
+            return {"type": "fully_sharded_model_space",
+                    "source": "inferred from N-D flattened optimizer tensors"}
+        model_key = k.split(".", 3)[3] if k.count(".") >= 3 else ""
+        model = tensors.get(model_key)
+        if model is not None and len(t.shape) == 1 and t.shape != model.shape:
+            return {"type": "fully_sharded_model_space",
+                    "source": "inferred from 1-D flattened optimizer tensors"}
+    return {"type": "fully_reshardable",
+            "source": "inferred from model-space optimizer.state.* keys"}
+
+
+class McoreDistReader(Reader):
+    """What both backends share: directory resolution, metadata.json and the common state."""
+
+    def __init__(self, path: Path, *, trust: bool = False):
+        super().__init__(path, trust=trust)
+        self.root = resolve_checkpoint_dir(path)
+        self.config = read_backend_config(self.root)
+        self._meta: CheckpointMeta | None = None
+
+    def _sharded(self) -> tuple[dict[str, TensorMeta], list[ObjectMeta], dict[str, Any]]:
+        raise NotImplementedError
+
+    def _common_light(self, objects: list[ObjectMeta]) -> Any:
+        f = self.root / COMMON_FILE
+        if f.is_file():
+            from ckpt_tool.formats._common import load_torch_save_light
+
+            return load_torch_save_light(f, trust=self.trust)
+        obj = next((o for o in objects if o.key == COMMON_STATE_OBJECT), None)
+        if obj is not None:
+            return self._object_payload_light(obj)
+        return None
+
+    def _object_payload_light(self, obj: ObjectMeta) -> Any:
+        return None
+
+    def metadata(self) -> CheckpointMeta:
+        """Every tensor and object, the common summary and backend facts; no tensor bytes."""
+        if self._meta is not None:
+            return self._meta
+        from ckpt_tool.formats._common import summarize_common
+
+        tensors, objects, extras = self._sharded()
+        state = self._common_light(objects)
+        common = summarize_common(state) if state is not None else {}
+        extras = {"sharded_backend": self.config.get("sharded_backend"),
+                  "sharded_backend_version": self.config.get("sharded_backend_version"),
+                  "common_backend": self.config.get("common_backend"),
+                  "common_backend_version": self.config.get("common_backend_version"),
+                  "common_file": COMMON_FILE if (self.root / COMMON_FILE).is_file() else None,
+                  **extras}
+        extras["optimizer_sharding"] = infer_optimizer_sharding(
+            tensors, objects, common.get("content_metadata"))
+        self._meta = CheckpointMeta(
+            format=self.format_name, root=str(self.root), tensors=tensors,
+            objects=tuple(objects), common=common, extras=extras,
+            version=str(self.config.get("sharded_backend_version")))
+        return self._meta
+
+    def common(self) -> dict[str, Any]:
+        """The full common state, loaded with torch through the safe unpickler."""
+        f = self.root / COMMON_FILE
+        if f.is_file():
+            from ckpt_tool.formats._pickle import load_torch_file
+
+            state = load_torch_file(f, trust=self.trust)
+            return state if isinstance(state, dict) else {"value": state}
+        objs = [o for o in self.metadata().objects if o.key == COMMON_STATE_OBJECT]
+        return self.read_object(objs[0].unique_key) if objs else {}
+
+    def _tensor_meta(self, key: str) -> TensorMeta:
+        try:
+            return self.metadata().tensors[key]
+        except KeyError:
+            raise InputError(f"no tensor {key!r} in the checkpoint", path=self.root) from None
+
+    def _object_meta(self, unique_key: str) -> ObjectMeta:
+        for o in self.metadata().objects:
+            if o.unique_key == unique_key:
+                return o
+        raise InputError(f"no object {unique_key!r} in the checkpoint", path=self.root)
+
+
+class TorchDistReader(McoreDistReader):
+    """``sharded_backend: torch_dist``: DCP ``.metadata`` + ``*.distcp`` files."""
+
+    format_name = "torch_dist"
+
+    def _sharded(self) -> tuple[dict[str, TensorMeta], list[ObjectMeta], dict[str, Any]]:
+        from ckpt_tool.formats._dcp_metadata import dcp_tensor_metas, read_dcp_metadata_light
+
+        md = read_dcp_metadata_light(self.root, trust=self.trust)
+        tensors, objects = dcp_tensor_metas(md)
+        files = sorted({c.file for t in tensors.values() for c in t.chunks if c.file}
+                       | {o.file for o in objects if o.file})
+        mcore_data = getattr(md, "mcore_data", None)
+        extras = {
+            "dcp_version": getattr(md, "version", None),
+            "data_files": len(files),
+            "data_files_on_disk": len(list(self.root.glob("*.distcp"))),
+            "has_all_local_plans": getattr(md, "all_local_plans", None) is not None,
+            "metadata_class": getattr(type(md), "__stand_in_for__", type(md).__qualname__),
+            "nd_reformulated": sorted(k for k, t in tensors.items() if t.stored_shape),
+            "has_mcore_data": bool(mcore_data),
+            "has_integrity_json": (self.root / "integrity.json").is_file(),
+        }
+        return tensors, objects, extras
+
+    def _object_payload_light(self, obj: ObjectMeta) -> Any:
+        from ckpt_tool.formats._common import load_torch_save_light
+        from ckpt_tool.formats._dcp_io import read_item_bytes
+
+        data = read_item_bytes(self.root, obj.file, obj.byte_offset, obj.byte_length)
+        payload = load_torch_save_light(data, trust=self.trust, where=self.root / str(obj.file))
+        return payload[0] if isinstance(payload, list) and len(payload) == 1 else payload
+
+    def read(self, key: str, slices: tuple[slice, ...] | None = None) -> Any:
+        """The global tensor ``key`` (or ``slices`` of it), assembled from its stored chunks."""
+        from ckpt_tool.formats._dcp_io import assemble, load_chunk
+
+        return assemble(self._tensor_meta(key), slices,
+                        lambda c: load_chunk(self.root, c, trust=self.trust))
+
+    def read_object(self, unique_key: str) -> Any:
+        """The payload of a ShardedObject (``rng_state/shard_0.0_1.2``)."""
+        import io
+
+        from ckpt_tool.formats._dcp_io import read_item_bytes
+        from ckpt_tool.formats._pickle import load_torch_file
+
+        o = self._object_meta(unique_key)
+        data = read_item_bytes(self.root, o.file, o.byte_offset, o.byte_length)
+        payload = load_torch_file(io.BytesIO(data), trust=self.trust)
+        # MCore stores torch.save([obj.data]) for a ShardedObject's bytes item.
+        return payload[0] if isinstance(payload, list) and len(payload) == 1 else payload
+
+
+class ZarrReader(McoreDistReader):
+    """``sharded_backend: zarr``: one zarr v2 array directory per tensor."""
+
+    format_name = "zarr"
+
+    def _sharded(self) -> tuple[dict[str, TensorMeta], list[ObjectMeta], dict[str, Any]]:
+        from ckpt_tool.formats._zarr import scan_zarr_dir
+
+        tensors, objects = scan_zarr_dir(self.root)
+        chunk_files = sum(len(t.chunks) for t in tensors.values())
+        return tensors, objects, {"arrays": len(tensors), "chunk_files": chunk_files,
+                                  "object_files": len(objects)}
+
+    def _object_payload_light(self, obj: ObjectMeta) -> Any:
+        from ckpt_tool.formats._common import load_torch_save_light
+
+        return load_torch_save_light(self.root / str(obj.file), trust=self.trust)
+
+    def read(self, key: str, slices: tuple[slice, ...] | None = None) -> Any:
+        """The global tensor ``key`` (or ``slices`` of it) from its chunk files."""
+        from ckpt_tool.formats._dcp_io import assemble
+        from ckpt_tool.formats._zarr import load_zarr_chunk
+
+        meta = self._tensor_meta(key)
+        try:
+            za = json.loads((self.root / key / ".zarray").read_text(encoding="utf-8"))
+            chunk_shape = tuple(int(c) for c in za["chunks"])
+        except (OSError, ValueError, KeyError) as exc:
+            raise CorruptCheckpointError(f"unreadable .zarray of {key} ({exc})",
+                                         path=self.root) from None
+        return assemble(meta, slices,
+                        lambda c: load_zarr_chunk(self.root, meta, c, chunk_shape))
+
+    def read_object(self, unique_key: str) -> Any:
+        """The payload of a ShardedObject file (``<key>/shard_*.pt``)."""
+        from ckpt_tool.formats._pickle import load_torch_file
+
+        o = self._object_meta(unique_key)
+        return load_torch_file(self.root / str(o.file), trust=self.trust)
+
+
+TORCH_DIST = register(Format(
+    name="torch_dist", sniff=_sniffer("torch_dist"), open=TorchDistReader,
+    description="Megatron-Core dist checkpoint, torch_dist backend (DCP .metadata + .distcp)"))
+ZARR = register(Format(
+    name="zarr", sniff=_sniffer("zarr"), open=ZarrReader,
+    description="Megatron-Core dist checkpoint, zarr backend (one zarr array per tensor)"))

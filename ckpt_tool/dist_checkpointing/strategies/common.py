@@ -1,0 +1,154 @@
+"""The ``torch`` common backend: ``common.pt`` and ShardedObjects stored as files.
+
+``common.pt`` is a plain ``torch.save`` of every non-sharded value, written by the coordinator
+(rank 0). Backends that cannot store objects themselves (zarr) keep each ShardedObject main
+replica as ``<checkpoint>/<key>/shard_<offsets>_<shape>.pt``. Everything is read back through
+the allowlisting unpickler of :mod:`ckpt_tool.formats._pickle`, never plain pickle.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Union
+
+import torch
+
+from ..core import CheckpointingException
+from ..dict_utils import dict_list_map_inplace, nested_values
+from ..mapping import ShardedObject, ShardedStateDict, StateDict, is_main_replica
+from .base import (
+    LoadCommonStrategy,
+    SaveCommonStrategy,
+    StrategyAction,
+    register_default_strategy,
+)
+
+__all__ = [
+    "COMMON_STATE_FNAME",
+    "TorchCommonSaveStrategy",
+    "TorchCommonLoadStrategy",
+    "register_default_common_strategies",
+]
+
+COMMON_STATE_FNAME = "common.pt"
+
+logger = logging.getLogger(__name__)
+
+
+def _rank() -> int:
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _load_file(path: Union[str, Path], trust: bool = False):
+    from ckpt_tool.formats._pickle import load_torch_file
+
+    return load_torch_file(path, trust=trust, map_location="cpu")
+
+
+class TorchCommonSaveStrategy(SaveCommonStrategy):
+    """Writes ``common.pt`` with ``torch.save`` and ShardedObjects as ``.pt`` files."""
+
+    def save_common(self, common_state_dict: StateDict, checkpoint_dir: Union[str, Path]):
+        """Write ``common.pt`` (rank 0 only)."""
+        if _rank() == 0:
+            torch.save(common_state_dict, os.path.join(checkpoint_dir, COMMON_STATE_FNAME))
+
+    def save_sharded_objects(
+        self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: Union[str, Path]
+    ):
+        """Write each main-replica ShardedObject to ``<unique_key>.pt``."""
+        for sh_obj in nested_values(sharded_objects_state_dict):
+            if not is_main_replica(sh_obj.replica_id):
+                continue
+            path = os.path.join(checkpoint_dir, f"{sh_obj.unique_key}.pt")
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            torch.save(sh_obj.data, path)
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        return True
+
+
+class TorchCommonLoadStrategy(LoadCommonStrategy):
+    """Reads ``common.pt`` and object ``.pt`` files through the allowlisting unpickler.
+
+    Args:
+        trust: unpickle without the allowlist (only for checkpoints from a trusted source).
+    """
+
+    def __init__(self, trust: bool = False):
+        self.trust = trust
+
+    def load_common(self, checkpoint_dir: Union[str, Path]) -> StateDict:
+        """The common state dict; CheckpointingException if ``common.pt`` is absent."""
+        path = Path(checkpoint_dir) / COMMON_STATE_FNAME
+        if not path.is_file():
+            listing = sorted(p.name for p in Path(checkpoint_dir).iterdir()) \
+                if Path(checkpoint_dir).is_dir() else []
+            logger.debug("Checkpoint directory content: %s", listing)
+            raise CheckpointingException(f"Common file {path} does not exist")
+        return _load_file(path, self.trust)
+
+    def load_sharded_objects(
+        self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: Union[str, Path]
+    ):
+        """Replace every ShardedObject by its saved value (in place; also returned).
+
+        Falls back to the pre-0.5 file name without the global shape suffix.
+        """
+
+        def load_one(sh_obj: ShardedObject):
+            path = Path(checkpoint_dir) / f"{sh_obj.unique_key}.pt"
+            if not path.is_file():
+                legacy = Path(checkpoint_dir) / (sh_obj.unique_key.rsplit("_", 1)[0] + ".pt")
+                if not legacy.is_file():
+                    raise CheckpointingException(f"Object shard {path} not found")
+                path = legacy
+            return _load_file(path, self.trust)
+
+        return dict_list_map_inplace(load_one, sharded_objects_state_dict)
+
+    def load_sharded_metadata(self, checkpoint_dir: Union[str, Path]) -> ShardedStateDict:
+        """ShardedObjects found as ``<key>/shard_*.pt`` files, by unique key.
+
+        Old file names lack the global shape's last axis; it is inferred as the largest last
+        offset + 1.
+        """
+        found = {}
+        for subdir in sorted(Path(checkpoint_dir).iterdir()):
+            if not subdir.is_dir():
+                continue
+            objs = [ShardedObject.empty_from_unique_key(f"{subdir.name}/{f.stem}")
+                    for f in sorted(subdir.glob("shard_*.pt"))]
+            if not objs:
+                continue
+            if objs[0].global_shape[-1] < 0:
+                last = max(o.global_offset[-1] for o in objs) + 1
+                for o in objs:
+                    o.global_shape = (*o.global_shape[:-1], last)
+            found.update({o.unique_key: o for o in objs})
+        return found
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        return True
+
+    def check_backend_compatibility(self, loaded_backend):
+        pass
+
+    def check_version_compatibility(self, loaded_version):
+        pass
+
+
+def register_default_common_strategies() -> None:
+    """Register the ``torch`` common backend, version 1."""
+    register_default_strategy(StrategyAction.LOAD_COMMON, "torch", 1, TorchCommonLoadStrategy())
+    register_default_strategy(
+        StrategyAction.SAVE_COMMON, "torch", 1, TorchCommonSaveStrategy("torch", 1)
+    )
+
+
+register_default_common_strategies()

@@ -1,0 +1,289 @@
+"""The ``torch_dist`` backend: Megatron-Core checkpoints in PyTorch DCP format.
+
+Built on :mod:`torch.distributed.checkpoint` (its file format, read planning and I/O); the
+planners in :mod:`._dcp_planner` translate ShardedTensors/ShardedObjects into DCP items.
+Checkpoints written here load in Megatron-Core and vice versa; loads read only the requested
+local regions, so a checkpoint can be loaded at another parallel layout.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import pickle
+import warnings
+from pathlib import Path
+from typing import Any, Dict, List, Union
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+from ..core import CheckpointingException
+from ..dict_utils import dict_list_map_outplace, nested_values
+from ..mapping import (
+    ShardedObject,
+    ShardedStateDict,
+    ShardedTensor,
+    StateDict,
+    is_main_replica,
+)
+from ._dcp_planner import (
+    McoreFileSystemWriter,
+    McoreLoadPlanner,
+    McoreSavePlanner,
+    SafeFileSystemReader,
+    TensorRequest,
+    WriteTable,
+)
+from .async_utils import AsyncRequest
+from .base import (
+    AsyncSaveShardedStrategy,
+    LoadShardedStrategy,
+    StrategyAction,
+    register_default_strategy,
+)
+
+__all__ = [
+    "TorchDistSaveShardedStrategy",
+    "TorchDistLoadShardedStrategy",
+    "register_default_torch_strategies",
+]
+
+logger = logging.getLogger(__name__)
+
+_METADATA_FNAME = ".metadata"
+
+
+def _dist_ready() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def _chunk_view(sh_ten: ShardedTensor, tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` with the ShardedTensor's prepended axes as leading size-1 dims (a view)."""
+    for _ in range(sh_ten.prepend_axis_num):
+        tensor = tensor.unsqueeze(0)
+    return tensor
+
+
+def _check_not_flattened(sh_ten: ShardedTensor) -> None:
+    if getattr(sh_ten, "flattened_range", None) is not None:
+        raise CheckpointingException(
+            f"ShardedTensor.flattened_range is not supported (key {sh_ten.key})")
+
+
+class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
+    """Saves ShardedTensors and ShardedObjects in PyTorch DCP format (``torch_dist``).
+
+    Args:
+        backend: format name recorded in ``metadata.json`` (``"torch_dist"``).
+        version: format version (1).
+        keep_only_main_replica: write only main replicas (``replica_id`` 0); recommended.
+        thread_count: writer threads, and so data files per rank (``__{rank}_{i}.distcp``).
+        cached_metadata: accepted for compatibility; plans are not cached between saves.
+        separation_hint: accepted for compatibility; not supported yet (raises if set).
+    """
+
+    def __init__(self, backend: str, version: int, keep_only_main_replica: bool = True,
+                 thread_count: int = 2, cached_metadata: bool = False,
+                 separation_hint: str = None):
+        super().__init__(backend, version)
+        if separation_hint is not None:
+            raise CheckpointingException("separation_hint is not supported yet")
+        self.keep_only_main_replica = keep_only_main_replica
+        self.thread_count = thread_count
+        self.use_cached_ckpt_structure = cached_metadata
+        self.separation_hint = separation_hint
+
+    def _write_table(self, sharded_state_dict: ShardedStateDict) -> WriteTable:
+        table = WriteTable()
+        objects: Dict[str, List[Any]] = {}
+        for sh in nested_values(sharded_state_dict):
+            if self.keep_only_main_replica and not is_main_replica(sh.replica_id):
+                continue
+            if isinstance(sh, ShardedObject):
+                objects.setdefault(sh.unique_key, []).append(sh.data)
+            elif isinstance(sh, ShardedTensor):
+                _check_not_flattened(sh)
+                if sh.data is None:
+                    raise CheckpointingException(f"`data` attr is None for {sh}")
+                data = _chunk_view(sh, sh.data.detach()).contiguous()
+                table.add_chunk(sh.key, sh.global_offset, data, sh.global_shape)
+            else:
+                raise CheckpointingException(f"Cannot save {type(sh).__name__} {sh}")
+        for key, values in objects.items():
+            table.add_objects(key, values)
+        return table
+
+    def async_save(self, sharded_state_dict: ShardedStateDict,
+                   checkpoint_dir: Union[str, Path]) -> AsyncRequest:
+        """Prepare the DCP save of ``sharded_state_dict``.
+
+        NOTE: the returned request runs the whole DCP save (planning collectives included) in
+        ``async_fn``; it is meant to be executed synchronously until a background-safe split
+        of planning and writing lands.
+        """
+        table = self._write_table(sharded_state_dict)
+        writer = McoreFileSystemWriter(str(checkpoint_dir), thread_count=self.thread_count,
+                                       overwrite=True)
+
+        def run():
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="Detected an existing checkpoint")
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.save({}, storage_writer=writer, planner=McoreSavePlanner(table),
+                         no_dist=not _dist_ready())
+
+        return AsyncRequest(run, (), [])
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        return True
+
+
+class TorchDistLoadShardedStrategy(LoadShardedStrategy):
+    """Loads ShardedTensors and ShardedObjects from a ``torch_dist`` checkpoint.
+
+    Each rank reads only the regions its ShardedTensors cover, from whichever saved chunks
+    intersect them; tensors are loaded into the given ``data`` tensors when present.
+
+    Args:
+        trust: unpickle ``.metadata`` and objects without the allowlist (trusted sources only).
+    """
+
+    def __init__(self, trust: bool = False):
+        super().__init__()
+        self.trust = trust
+        self.cached_global_metadata = None
+
+    def _load_object(self, value: io.BytesIO):
+        from ckpt_tool.formats._pickle import load_torch_file
+
+        return load_torch_file(value, trust=self.trust)
+
+    def load(self, sharded_state_dict: ShardedStateDict,
+             checkpoint_dir: Union[str, Path]) -> StateDict:
+        """Load the requested values; returns the same nested structure with plain values."""
+        requests: Dict[int, TensorRequest] = {}
+        objects: Dict[int, ShardedObject] = {}
+        shape_checked = {}
+        for sh in nested_values(sharded_state_dict):
+            if isinstance(sh, ShardedObject):
+                objects[id(sh)] = sh
+                continue
+            if not isinstance(sh, ShardedTensor):
+                raise CheckpointingException(f"Cannot load {type(sh).__name__} {sh}")
+            _check_not_flattened(sh)
+            if sh.data is None:
+                sh.init_data("cpu", init_fn=torch.zeros if sh.allow_shape_mismatch
+                             else torch.empty)
+            elif sh.allow_shape_mismatch:
+                sh.data.zero_()
+            if not sh.allow_shape_mismatch:
+                shape_checked[sh.key] = tuple(sh.global_shape)
+            target = _chunk_view(sh, sh.data.detach())
+            requests[id(sh)] = TensorRequest(sh.key, tuple(sh.global_offset), target)
+
+        reader = SafeFileSystemReader(str(checkpoint_dir), trust=self.trust)
+        planner = McoreLoadPlanner(list(requests.values()),
+                                   sorted({o.unique_key for o in objects.values()}),
+                                   shape_checked, self._load_object)
+        planner.check(reader.read_metadata())
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load({}, storage_reader=reader, planner=planner, no_dist=not _dist_ready())
+        planner.finish_requests()
+        self.cached_global_metadata = reader.read_metadata()
+
+        def result(sh):
+            if isinstance(sh, ShardedObject):
+                values = planner.loaded_objects[sh.unique_key]
+                return values[0] if isinstance(values, list) and values else values
+            return sh.data
+
+        return dict_list_map_outplace(result, sharded_state_dict)
+
+    def _read_metadata(self, checkpoint_dir: Union[str, Path]):
+        return SafeFileSystemReader(str(checkpoint_dir), trust=self.trust).read_metadata()
+
+    def load_tensors_metadata(self, checkpoint_dir: Union[str, Path], metadata=None):
+        """Every saved tensor as a data-less ShardedTensor (global shape, dtype, meta device).
+
+        Tensors that Megatron-Core <= 0.15 stored N-D reformulated get their original shape.
+        """
+        if metadata is None:
+            metadata = self._read_metadata(checkpoint_dir)
+        mcore_data = getattr(metadata, "mcore_data", None) or {}
+        out = {}
+        for key, md in metadata.state_dict_metadata.items():
+            if not isinstance(md, TensorStorageMetadata):
+                continue
+            orig = (mcore_data.get(key) or {}).get("nd_reformulated_orig_global_shape")
+            shape = tuple(orig) if orig is not None else tuple(md.size)
+            empty = torch.empty(shape, dtype=md.properties.dtype, device="meta")
+            out[key] = ShardedTensor.from_rank_offsets(key, empty).without_data()
+        return out
+
+    def load_sharded_metadata(self, checkpoint_dir: Union[str, Path]) -> ShardedStateDict:
+        """Tensors as in :meth:`load_tensors_metadata` plus ShardedObjects by unique key."""
+        metadata = self._read_metadata(checkpoint_dir)
+        out = {}
+        for key, md in metadata.state_dict_metadata.items():
+            if isinstance(md, BytesStorageMetadata):
+                obj = ShardedObject.empty_from_unique_key(key)
+                out[obj.unique_key] = obj
+        out.update(self.load_tensors_metadata(checkpoint_dir, metadata))
+        return out
+
+    def remove_sharded_tensors(self, checkpoint_dir: Union[str, Path], key_prefix: str):
+        """Drop tensors whose key starts with ``key_prefix`` and the data files named so.
+
+        Like Megatron-Core, only files whose *name* starts with the prefix (written with a
+        separation hint) are deleted; ``.metadata`` is rewritten atomically first.
+        """
+        checkpoint_dir = Path(checkpoint_dir)
+        files = [f for f in os.listdir(checkpoint_dir)
+                 if f.endswith(".distcp") and f.startswith(key_prefix)]
+        if not files:
+            warnings.warn(f'There are no files in {checkpoint_dir} that begin with '
+                          f'"{key_prefix}". Skipping removal.')
+            return
+        md = self._read_metadata(checkpoint_dir)
+        md.state_dict_metadata = {k: v for k, v in md.state_dict_metadata.items()
+                                  if not k.startswith(key_prefix)}
+        if md.planner_data:
+            md.planner_data = {k: v for k, v in md.planner_data.items()
+                               if not k.startswith(key_prefix)}
+        md.storage_data = {k: v for k, v in (md.storage_data or {}).items()
+                           if not k.fqn.startswith(key_prefix)}
+        tmp = checkpoint_dir / f"{_METADATA_FNAME}.tmp"
+        with open(tmp, "wb") as f:
+            pickle.dump(md, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, checkpoint_dir / _METADATA_FNAME)
+        for f in files:
+            os.remove(checkpoint_dir / f)
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        return True
+
+    def check_backend_compatibility(self, loaded_backend):
+        pass
+
+    def check_version_compatibility(self, loaded_version):
+        pass
+
+
+def register_default_torch_strategies() -> None:
+    """Register ``torch_dist`` version 1 load and save defaults."""
+    register_default_strategy(
+        StrategyAction.LOAD_SHARDED, "torch_dist", 1, TorchDistLoadShardedStrategy())
+    register_default_strategy(
+        StrategyAction.SAVE_SHARDED, "torch_dist", 1,
+        TorchDistSaveShardedStrategy("torch_dist", 1))
+
+
+register_default_torch_strategies()

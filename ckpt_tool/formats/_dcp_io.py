@@ -1,0 +1,130 @@
+"""Moving bytes out of DCP ``.distcp`` files and assembling global tensors (imports torch).
+
+Each stored DCP item is an independent ``torch.save`` archive at ``[offset, offset+length)`` of
+its file; :func:`read_item_bytes` fetches that range and :func:`load_chunk` unpickles it through
+the allowlist. :func:`assemble` builds a (sliced) global tensor from a ``TensorMeta``'s chunks,
+for any chunk source, and undoes MCore's N-D reformulation of flattened tensors.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from pathlib import Path
+from typing import Any, Callable
+
+from ckpt_tool.errors import CorruptCheckpointError, UnsupportedError, UsageError
+from ckpt_tool.model import ChunkRef, TensorMeta
+
+__all__ = ["read_item_bytes", "load_chunk", "normalize_slices", "assemble", "torch_dtype"]
+
+
+def torch_dtype(name: str) -> Any:
+    """``"bfloat16"`` -> ``torch.bfloat16``."""
+    import torch
+
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise UnsupportedError(f"unknown dtype {name!r}")
+    return dt
+
+
+def read_item_bytes(root: Path, file: str | None, offset: int | None, length: int | None) -> bytes:
+    """The stored bytes of one item; CorruptCheckpointError if the file is short or missing."""
+    if file is None or offset is None or length is None:
+        raise CorruptCheckpointError("no storage location recorded for the item", path=root)
+    path = root / file
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            data = f.read(length)
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"data file {file} is missing", path=root) from None
+    if len(data) != length:
+        raise CorruptCheckpointError(
+            f"data file {file} is truncated: item at {offset} needs {length} bytes, "
+            f"{len(data)} present", path=root)
+    return data
+
+
+def load_chunk(root: Path, chunk: ChunkRef, *, trust: bool = False) -> Any:
+    """One stored chunk as a torch.Tensor (a ``torch.save`` item of a ``.distcp`` file)."""
+    from ckpt_tool.formats._pickle import load_torch_file
+
+    if chunk.transforms:
+        raise UnsupportedError(f"stream transforms {list(chunk.transforms)} are not supported yet")
+    data = read_item_bytes(root, chunk.file, chunk.byte_offset, chunk.byte_length)
+    try:
+        return load_torch_file(io.BytesIO(data), trust=trust)
+    except CorruptCheckpointError as exc:
+        exc.path = exc.path or str(root / str(chunk.file))
+        raise
+
+
+def normalize_slices(shape: tuple[int, ...], slices: tuple[slice, ...] | None
+                     ) -> tuple[tuple[int, int], ...]:
+    """``(start, stop)`` per dimension for contiguous ``slices`` (missing trailing dims: full)."""
+    slices = tuple(slices or ())
+    if len(slices) > len(shape):
+        raise UsageError(f"{len(slices)} slices for a {len(shape)}-D tensor")
+    out = []
+    for dim, size in enumerate(shape):
+        s = slices[dim] if dim < len(slices) else slice(None)
+        if not isinstance(s, slice):
+            raise UsageError(f"dimension {dim}: only slice objects are supported, got {s!r}")
+        start, stop, step = s.indices(size)
+        if step != 1:
+            raise UsageError(f"dimension {dim}: slices with a step are not supported")
+        out.append((start, max(start, stop)))
+    return tuple(out)
+
+
+def _unflatten(stored: Any, logical: tuple[int, ...]) -> Any:
+    """Undo MCore's N-D reformulation: ``[X//x, .., x*y*..]`` -> ``[X, Y, ..]``."""
+    grid = tuple(stored.shape[:-1])
+    local = tuple(g // n for g, n in zip(logical, grid))
+    if math.prod(local) != stored.shape[-1]:
+        raise CorruptCheckpointError(
+            f"reformulated shape {list(stored.shape)} does not match the logical shape "
+            f"{list(logical)}")
+    nd = len(logical)
+    t = stored.reshape(*grid, *local)
+    order = [i for d in range(nd) for i in (d, nd + d)]
+    return t.permute(*order).reshape(*logical)
+
+
+def assemble(meta: TensorMeta, slices: tuple[slice, ...] | None,
+             load: Callable[[ChunkRef], Any]) -> Any:
+    """The global tensor ``meta`` (or a region of it) from its chunks; ``load(chunk)`` returns
+    the chunk's tensor with ``chunk.sizes`` elements."""
+    import torch
+
+    if meta.stored_shape is not None:
+        stored = assemble(TensorMeta(meta.key, meta.dtype, meta.stored_shape, meta.chunks),
+                          None, load)
+        full = _unflatten(stored, meta.shape)
+        region = normalize_slices(meta.shape, slices)
+        return full[tuple(slice(a, b) for a, b in region)].clone()
+    region = normalize_slices(meta.shape, slices)
+    out = torch.empty([b - a for a, b in region], dtype=torch_dtype(meta.dtype))
+    covered = 0
+    for chunk in meta.chunks:
+        inter = []
+        for (a, b), off, size in zip(region, chunk.offsets, chunk.sizes):
+            lo, hi = max(a, off), min(b, off + size)
+            if lo >= hi:
+                break
+            inter.append((lo, hi))
+        else:
+            data = load(chunk)
+            if tuple(data.shape) != tuple(chunk.sizes):
+                data = data.reshape(chunk.sizes)
+            src = tuple(slice(lo - off, hi - off) for (lo, hi), off in zip(inter, chunk.offsets))
+            dst = tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(inter, region))
+            out[dst] = data[src].to(out.dtype)
+            covered += math.prod(hi - lo for lo, hi in inter)
+    if covered < out.numel():
+        raise CorruptCheckpointError(
+            f"tensor {meta.key}: stored chunks cover {covered} of {out.numel()} requested "
+            "elements")
+    return out

@@ -1,0 +1,313 @@
+"""The allowlisting unpickler: load checkpoint pickles without running code from them.
+
+Checkpoints are pickles, and a plain ``pickle.load``/``torch.load(weights_only=False)`` of an
+untrusted one runs whatever the file asks for. Everything in ckpt_tool unpickles through
+:class:`SafeUnpickler` instead:
+
+* globals on the allowlist (containers, ``argparse.Namespace``, numpy scalars/arrays/dtypes,
+  ``pathlib`` paths, torch tensor rebuild functions, dtypes, ``torch.Size``, DCP metadata
+  classes, ...) are imported normally;
+* ``megatron.*`` globals become inert :class:`StandIn` classes that keep the pickled fields and
+  show the original qualified name, so megatron is never imported;
+* anything else raises :class:`~ckpt_tool.errors.UnsafePickleError` naming the global.
+
+``trust=True`` turns the allowlist off (a full, unrestricted unpickle).
+
+This module does not import torch; :func:`load_torch_file` imports it when called.
+"""
+
+from __future__ import annotations
+
+import _compat_pickle
+import importlib
+import io
+import os
+import pickle
+import sys
+import types
+from pathlib import Path
+from typing import IO, Any, Callable
+
+from ckpt_tool.errors import CorruptCheckpointError, UnsafePickleError
+
+__all__ = [
+    "ALLOWED_GLOBALS",
+    "StandIn",
+    "stand_in_class",
+    "SafeUnpickler",
+    "safe_loads",
+    "safe_load",
+    "safe_pickle_module",
+    "load_torch_file",
+    "TRUST_HINT",
+]
+
+TRUST_HINT = "pass --trust to unpickle it anyway, only if you trust where the checkpoint comes from"
+
+# Harmless globals: "module": {names}. Constructors of plain data, never I/O or code execution.
+ALLOWED_GLOBALS: dict[str, frozenset[str]] = {
+    mod: frozenset(names)
+    for mod, names in {
+        "builtins": {"set", "frozenset", "slice", "range", "complex", "bytearray", "bytes",
+                     "list", "dict", "tuple", "int", "float", "bool", "str", "object"},
+        "copyreg": {"_reconstructor"},
+        "_codecs": {"encode"},
+        "collections": {"OrderedDict", "defaultdict", "deque", "Counter"},
+        "argparse": {"Namespace"},
+        "datetime": {"datetime", "date", "time", "timedelta", "timezone"},
+        "decimal": {"Decimal"},
+        "fractions": {"Fraction"},
+        "uuid": {"UUID"},
+        "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"},
+        "pathlib._local": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath",
+                           "Path"},
+        "numpy": {"dtype", "ndarray", "bool_", "float64", "float32", "float16", "int64",
+                  "int32", "int16", "int8", "uint8", "uint16", "uint32", "uint64"},
+        "numpy.core.multiarray": {"scalar", "_reconstruct"},
+        "numpy._core.multiarray": {"scalar", "_reconstruct"},
+        "numpy.dtypes": {"Float64DType", "Float32DType", "Float16DType", "Int64DType",
+                         "Int32DType", "Int16DType", "Int8DType", "UInt8DType", "UInt16DType",
+                         "UInt32DType", "UInt64DType", "BoolDType", "BytesDType", "StrDType"},
+        "numpy.random._pickle": {"__randomstate_ctor", "__bit_generator_ctor",
+                                 "__generator_ctor"},
+        "ml_dtypes": {"bfloat16"},
+        "torch": {"Size", "device", "dtype", "layout", "memory_format", "Tensor",
+                  "float32", "float", "float64", "double", "float16", "half", "bfloat16",
+                  "int64", "long", "int32", "int", "int16", "short", "int8", "uint8", "bool",
+                  "uint16", "uint32", "uint64", "complex64", "complex128", "cfloat", "cdouble",
+                  "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
+                  "strided", "sparse_coo", "contiguous_format", "channels_last",
+                  "preserve_format"},
+        "torch._utils": {"_rebuild_tensor", "_rebuild_tensor_v2", "_rebuild_tensor_v3",
+                         "_rebuild_parameter", "_rebuild_parameter_with_state",
+                         "_rebuild_device_tensor_from_numpy", "_rebuild_meta_tensor_no_storage",
+                         "_rebuild_qtensor", "_rebuild_sparse_tensor", "_rebuild_nested_tensor",
+                         "_rebuild_wrapper_subclass", "_rebuild_device_tensor_from_cpu_tensor"},
+        "torch._tensor": {"_rebuild_from_type_v2"},
+        "torch.nn.parameter": {"Parameter"},
+        "torch.serialization": {"_get_layout"},
+        "torch.storage": {"UntypedStorage", "TypedStorage"},
+        "torch.distributed.checkpoint.metadata": {
+            "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+            "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING"},
+        "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+        "torch.distributed.checkpoint.planner": {
+            "SavePlan", "WriteItem", "WriteItemType", "TensorWriteData", "BytesIOWriteData",
+            "LoadPlan", "ReadItem", "LoadItemType"},
+        "torch.distributed._shard.sharded_tensor.metadata": {"TensorProperties",
+                                                              "MEM_FORMAT_ENCODING"},
+        "torch.distributed._shard.metadata": {"ShardMetadata"},
+    }.items()
+}
+
+
+def is_allowed(module: str, name: str) -> bool:
+    """Whether ``module.name`` is on the allowlist (``megatron.*`` stand-ins are separate)."""
+    if name in ALLOWED_GLOBALS.get(module, ()):
+        return True
+    # Typed storages (``torch FloatStorage``) are rebuilt by torch.load itself.
+    return module == "torch" and name.endswith("Storage") and name.isidentifier()
+
+
+def _is_megatron(module: str) -> bool:
+    return module == "megatron" or module.startswith("megatron.")
+
+
+class StandIn:
+    """An inert object standing in for an instance of a class that was not imported.
+
+    It accepts any constructor arguments and pickle state and keeps them: keyword fields and
+    dict state become attributes, positional arguments go to ``_args``, list/dict payloads
+    appended by the unpickler to ``_items``. ``repr`` shows the original qualified name.
+    """
+
+    __stand_in_for__ = "?"
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> StandIn:
+        obj = object.__new__(cls)
+        if args:
+            obj.__dict__["_args"] = args
+        return obj
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if args:
+            self.__dict__["_args"] = args
+        self.__dict__.update(kwargs)
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, dict):
+            self.__dict__.update(state)
+        elif (isinstance(state, tuple) and len(state) == 2
+              and all(s is None or isinstance(s, dict) for s in state)):
+            for part in state:
+                self.__dict__.update(part or {})
+        else:
+            self.__dict__["_state"] = state
+
+    # Payloads of list/dict subclasses arrive through append/extend/__setitem__.
+    def append(self, item: Any) -> None:
+        self.__dict__.setdefault("_items", []).append(item)
+
+    def extend(self, items: Any) -> None:
+        self.__dict__.setdefault("_items", []).extend(items)
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        items = self.__dict__.setdefault("_items", {})
+        if isinstance(items, dict):
+            items[key] = value
+
+    def __getattr__(self, name: str) -> Any:
+        raise AttributeError(f"{self.__stand_in_for__} stand-in has no field {name!r}")
+
+    def fields(self) -> dict[str, Any]:
+        """The kept fields (constructor keywords and pickle state)."""
+        return dict(self.__dict__)
+
+    def __repr__(self) -> str:
+        parts = [repr(a) for a in self.__dict__.get("_args", ())]
+        parts += [f"{k}={v!r}" for k, v in self.__dict__.items() if k != "_args"]
+        return f"{self.__stand_in_for__}({', '.join(parts)})"
+
+
+_STAND_INS: dict[str, type] = {}
+
+
+def stand_in_class(module: str, name: str, base: type = StandIn) -> type:
+    """The (cached) :class:`StandIn` subclass for the global ``module.name``."""
+    qual = f"{module}.{name}"
+    cls = _STAND_INS.get(qual)
+    if cls is None:
+        cls = type(name, (base,), {"__stand_in_for__": qual, "__module__": __name__,
+                                   "__qualname__": f"StandIn[{qual}]"})
+        _STAND_INS[qual] = cls
+    return cls
+
+
+class SafeUnpickler(pickle.Unpickler):
+    """``pickle.Unpickler`` whose ``find_class`` enforces the allowlist.
+
+    ``overrides`` maps ``"module.name"`` to an object returned instead of importing it (used to
+    put stand-ins in place of MCore classes); ``fallback(module, name)`` may return a
+    replacement (or ``None`` to go on with the allowlist). ``trust=True`` imports everything
+    else.
+    """
+
+    def __init__(self, file: IO[bytes], *, trust: bool = False,
+                 overrides: dict[str, Any] | None = None,
+                 fallback: Callable[[str, str], Any] | None = None,
+                 persistent_load: Callable[[Any], Any] | None = None, **kwargs: Any):
+        super().__init__(file, **kwargs)
+        if persistent_load is not None:
+            self.persistent_load = persistent_load
+        self._trust = trust
+        self._overrides = overrides or {}
+        self._fallback = fallback
+
+    def find_class(self, module: str, name: str) -> Any:
+        # Protocol <= 2 pickles name Python 2 modules (``__builtin__``, ``commands``): check and
+        # report the Python 3 global the default unpickler would import.
+        if (module, name) in _compat_pickle.NAME_MAPPING:
+            module, name = _compat_pickle.NAME_MAPPING[(module, name)]
+        elif module in _compat_pickle.IMPORT_MAPPING:
+            module = _compat_pickle.IMPORT_MAPPING[module]
+        qual = f"{module}.{name}"
+        if qual in self._overrides:
+            return self._overrides[qual]
+        if self._fallback is not None:
+            found = self._fallback(module, name)
+            if found is not None:
+                return found
+        if self._trust:
+            return super().find_class(module, name)
+        if is_allowed(module, name):
+            return _import_global(module, name)
+        if _is_megatron(module):
+            return stand_in_class(module, name)
+        raise UnsafePickleError(
+            f"the pickle references {qual}, which is not on the allowlist of safe globals",
+            hint=TRUST_HINT,
+        )
+
+
+def _import_global(module: str, name: str) -> Any:
+    mod = sys.modules.get(module) or importlib.import_module(module)
+    obj = mod
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _reraise(exc: BaseException, where: str | os.PathLike | None) -> None:
+    """Turn what a garbage pickle raises into CorruptCheckpointError (keeps our own errors)."""
+    if isinstance(exc, (UnsafePickleError, CorruptCheckpointError)):
+        if exc.path is None and where is not None:
+            exc.path = str(where)
+        raise exc
+    detail = (str(exc).strip().splitlines() or [""])[0]
+    detail = detail.split(". ")[0][:160] if detail else "empty input"
+    raise CorruptCheckpointError(
+        f"cannot unpickle ({type(exc).__name__}: {detail}); the file is truncated or not a "
+        "valid pickle", path=where,
+    ) from None
+
+
+def safe_loads(data: bytes, *, trust: bool = False, where: str | os.PathLike | None = None,
+               **kwargs: Any) -> Any:
+    """Unpickle ``data`` through :class:`SafeUnpickler` (kwargs go to it)."""
+    return safe_load(io.BytesIO(data), trust=trust, where=where, **kwargs)
+
+
+def safe_load(file: IO[bytes], *, trust: bool = False, where: str | os.PathLike | None = None,
+              **kwargs: Any) -> Any:
+    """Unpickle one object from ``file``; a truncated or garbage pickle raises
+    CorruptCheckpointError, a forbidden global UnsafePickleError."""
+    try:
+        return SafeUnpickler(file, trust=trust, **kwargs).load()
+    except Exception as exc:  # noqa: BLE001 - garbage input can raise anything
+        _reraise(exc, where)
+
+
+def safe_pickle_module(*, trust: bool = False) -> types.ModuleType:
+    """A module object usable as ``torch.load(pickle_module=...)`` that unpickles safely."""
+    mod = types.ModuleType("ckpt_tool_safe_pickle")
+
+    class Unpickler(SafeUnpickler):
+        def __init__(self, file: IO[bytes], **kwargs: Any):
+            super().__init__(file, trust=trust, **kwargs)
+
+    def load(file: IO[bytes], **kwargs: Any) -> Any:
+        return Unpickler(file, **kwargs).load()
+
+    def loads(data: bytes, **kwargs: Any) -> Any:
+        return load(io.BytesIO(data), **kwargs)
+
+    mod.Unpickler = Unpickler  # type: ignore[attr-defined]
+    mod.load = load  # type: ignore[attr-defined]
+    mod.loads = loads  # type: ignore[attr-defined]
+    mod.__dict__.update({k: getattr(pickle, k) for k in ("HIGHEST_PROTOCOL", "UnpicklingError")})
+    return mod
+
+
+def load_torch_file(path_or_fileobj: str | os.PathLike | IO[bytes], *, trust: bool = False,
+                    map_location: Any = "cpu") -> Any:
+    """``torch.load`` a file (path or binary file object) through the allowlisting unpickler.
+
+    Loads Megatron-LM's ``common.pt`` (``argparse.Namespace`` args, numpy values, torch dtypes,
+    ``PosixPath``, megatron enums/dataclasses as :class:`StandIn`) without importing megatron.
+    A global outside the allowlist raises UnsafePickleError; a damaged file
+    CorruptCheckpointError. ``trust=True`` does an unrestricted ``torch.load``.
+    """
+    import torch
+
+    where = path_or_fileobj if isinstance(path_or_fileobj, (str, os.PathLike)) else None
+    if where is not None and not Path(where).is_file():
+        from ckpt_tool.errors import InputError
+
+        raise InputError("no such file", path=where, hint="check the path")
+    try:
+        return torch.load(path_or_fileobj, map_location=map_location, weights_only=False,
+                          pickle_module=safe_pickle_module(trust=trust))
+    except (UnsafePickleError, CorruptCheckpointError) as exc:
+        _reraise(exc, where)
+    except Exception as exc:  # noqa: BLE001
+        _reraise(exc, where)

@@ -1,0 +1,1 @@
+"""Operations the CLI calls: each takes paths/options and returns a result dataclass."""

@@ -1,0 +1,29 @@
+"""Run a worker script under ``torchrun`` (gloo, CPU only) from a test."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+WORKERS = Path(__file__).resolve().parent
+REPO = WORKERS.parents[2]
+
+
+def torchrun(script: str, nproc: int, *args: str, timeout: float = 300) -> str:
+    """Run ``_workers/<script>`` on ``nproc`` ranks; returns the output, fails on rc != 0.
+
+    ``--standalone`` makes torchrun pick a free rendezvous port, so tests never collide.
+    """
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+               PYTHONWARNINGS="ignore")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={nproc}", str(WORKERS / script), *map(str, args)]
+    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout)
+    out = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{out[-6000:]}")
+    return out
