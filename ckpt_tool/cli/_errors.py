@@ -39,6 +39,16 @@ def _exit_for(exc: BaseException) -> tuple[str, int]:
     return f"internal error: {type(exc).__name__}: {exc} (rerun with --debug for a traceback)", 2
 
 
+def _silence_stdout() -> None:
+    import os
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+
+
 def handle_errors(fn: F) -> F:
     """Wrap a command body: CkptError and OS errors become one stderr line and an exit code."""
 
@@ -48,6 +58,12 @@ def handle_errors(fn: F) -> F:
             return fn(*args, **kwargs)
         except (typer.Exit, typer.Abort):
             raise
+        except (BrokenPipeError, SystemExit) as exc:
+            # The reader of our stdout went away (``ckpt inspect ... | head``): not an error.
+            if isinstance(exc, SystemExit) and exc.code not in (None, 0, 1):
+                raise
+            _silence_stdout()
+            raise typer.Exit(0) from None
         except BaseException as exc:  # noqa: BLE001 - this is the one boundary
             if state.debug:
                 traceback.print_exc(file=sys.stderr)

@@ -10,7 +10,9 @@ from rich.console import Console
 
 __all__ = ["stdout", "stderr", "print_json", "message", "human_bytes"]
 
-stdout = Console(soft_wrap=True)
+# Piped output is read by people too (``| less``): don't squeeze tables to 80 columns there.
+_PIPE_WIDTH = 200
+stdout = Console(soft_wrap=True, width=None if sys.stdout.isatty() else _PIPE_WIDTH)
 stderr = Console(stderr=True, soft_wrap=True)
 
 

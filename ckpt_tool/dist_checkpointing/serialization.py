@@ -248,7 +248,8 @@ def save(
 
     Args:
         sharded_state_dict: this rank's state dict with ShardedTensors/ShardedObjects.
-        checkpoint_dir: an existing directory (an old incomplete checkpoint is overwritten).
+        checkpoint_dir: the target directory (rank 0 creates it if needed; an old
+            incomplete checkpoint in it is overwritten).
         sharded_strategy: a save strategy or a ``(backend, version)`` default
             (``torch_dist`` v1 by default).
         common_strategy: must be None (the ``torch`` common backend).
@@ -264,8 +265,10 @@ def save(
         the AsyncRequest with ``async_sharded_save``, else None.
     """
     checkpoint_dir = str(checkpoint_dir)
-    if _rank() == 0 and os.path.isdir(checkpoint_dir) and os.listdir(checkpoint_dir):
-        logger.warning("Overwriting old incomplete / corrupted checkpoint...")
+    if _rank() == 0:
+        if os.path.isdir(checkpoint_dir) and os.listdir(checkpoint_dir):
+            logger.warning("Overwriting old incomplete / corrupted checkpoint...")
+        os.makedirs(checkpoint_dir, exist_ok=True)
 
     if common_strategy is not None:
         raise NotImplementedError("The only supported common strategy is torch")

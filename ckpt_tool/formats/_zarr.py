@@ -96,7 +96,10 @@ def scan_zarr_dir(root: Path) -> tuple[dict[str, TensorMeta], list[ObjectMeta]]:
     while stack:
         d = stack.pop()
         for child in sorted(d.iterdir()):
-            if not child.is_dir() or child.name.endswith(".sync"):
+            # ``*.sync``: flattened-tensor synchronizers; a nested ``metadata.json`` marks a
+            # separate checkpoint (``modelopt_state/``).
+            if not child.is_dir() or child.name.endswith(".sync") \
+                    or (child / "metadata.json").is_file():
                 continue
             if (child / ".zarray").is_file():
                 tm = read_zarr_array_meta(child, root)

@@ -35,7 +35,10 @@ def read_backend_config(ckpt_dir: Path) -> dict[str, Any]:
     """The parsed ``metadata.json``; InputError if absent, CorruptCheckpointError if bad."""
     f = ckpt_dir / METADATA_JSON
     if not f.is_file():
-        raise InputError(f"no {METADATA_JSON}", path=ckpt_dir)
+        present = [n for n in (".metadata", COMMON_FILE) if (ckpt_dir / n).is_file()]
+        why = (f" (has {' and '.join(present)}: a plain DCP checkpoint or an interrupted "
+               f"Megatron-Core save, which writes {METADATA_JSON} last)") if present else ""
+        raise InputError(f"no {METADATA_JSON}{why}", path=ckpt_dir)
     try:
         cfg = json.loads(f.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -128,6 +131,7 @@ class McoreDistReader(Reader):
                   "common_backend": self.config.get("common_backend"),
                   "common_backend_version": self.config.get("common_backend_version"),
                   "common_file": COMMON_FILE if (self.root / COMMON_FILE).is_file() else None,
+                  "modelopt_state": (self.root / "modelopt_state" / METADATA_JSON).is_file(),
                   **extras}
         extras["optimizer_sharding"] = infer_optimizer_sharding(
             tensors, objects, common.get("content_metadata"))

@@ -198,13 +198,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun(nproc: int, *args: str, timeout: float = 120) -> str:
-    """Run the zarr worker under torchrun with ``nproc`` gloo ranks; return its output."""
+def torchrun(nproc: int, *args: str, timeout: float = 300, check: bool = True):
+    """Run the zarr worker under torchrun with ``nproc`` gloo ranks; return its stdout
+    (the CompletedProcess when ``check`` is False)."""
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
            "--master-addr=127.0.0.1", f"--master-port={_free_port()}", str(WORKER), *args]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    if not check:
+        return proc
     if proc.returncode != 0:
         rank_lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("[rank")]
         pytest.fail("torchrun failed:\n" + "\n".join(rank_lines[-60:]) + proc.stderr[-3000:])
@@ -250,6 +253,14 @@ def test_multirank_load_at_other_world_sizes(saved4):
         assert torch.equal(loaded["ids"], ref["ids"])
         assert all(torch.equal(_bits(t), _bits(ref["stacked"][i]))
                    for i, t in enumerate(loaded["stacked"]))
+
+
+@pytest.mark.multiproc
+def test_multirank_error_on_one_rank_fails_all_without_hanging(tmp_path):
+    proc = torchrun(2, "save-bad", str(tmp_path), check=False)
+    assert proc.returncode != 0
+    assert "rank 0 raised: zarr save failed while writing chunks on rank 1" in proc.stdout
+    assert "rank 1 raised: Array" in proc.stdout and "no rank did" in proc.stdout
 
 
 @pytest.mark.multiproc

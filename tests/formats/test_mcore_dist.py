@@ -124,6 +124,17 @@ def test_nd_reformulated_flattened_tensor(tmp_path):
     assert torch.equal(r.read(key, (slice(1, 4), slice(2, 3))), logical[1:4, 2:3])
 
 
+def test_common_state_object_without_common_pt(tmp_path):
+    # Newest MCore keeps the common state in DCP as the ShardedObject common_state/shard_0_1.
+    ck = write_mcore_dist(tmp_path, {"w": ((2,), [((0,), torch.ones(2))])},
+                          {"common_state/shard_0_1": {"iteration": 7, "args": COMMON["args"]}})
+    r = open_checkpoint(ck)
+    meta = r.metadata()
+    assert meta.common["iteration"] == 7 and meta.common["parallel"]["tp"] == 2
+    assert meta.extras["common_file"] is None
+    assert r.common()["iteration"] == 7
+
+
 def test_optimizer_sharding_inference():
     from ckpt_tool.model import ObjectMeta, TensorMeta
 
@@ -202,6 +213,42 @@ def _fixture_dirs():
     names = ["mcore016_gpt_tp2pp2_fp32", "mcore016_gpt_tp2pp2_bf16_optim",
              "mcore015_gpt_flattened_optim"]
     return [FIXTURES / n for n in names if (FIXTURES / n).is_dir()]
+
+
+@pytest.mark.parametrize("name", ["mcore016_gpt_tp2pp2_fp32", "mcore016_gpt_tp2pp2_bf16_optim",
+                                  "mcore015_zarr_gpt_tp2pp2", "mcore015_gpt_flattened_optim"])
+def test_fixture_reads_match_chunks(name):
+    """Real checkpoints: every tensor assembles; zarr ones equal tensorstore's reading."""
+    if not (FIXTURES / name).is_dir():
+        pytest.skip(f"fixtures/{name} not generated")
+    r = open_checkpoint(FIXTURES / name)
+    meta = r.metadata()
+    assert meta.common.get("iteration") == 10 and meta.tensors
+    for key, t in meta.tensors.items():
+        x = r.read(key)
+        assert tuple(x.shape) == t.shape and str(x.dtype) == f"torch.{t.dtype}", key
+        if meta.format == "zarr":
+            ts = pytest.importorskip("tensorstore")
+            arr = ts.open({"driver": "zarr", "metadata_key": ".zarray", "kvstore": {
+                "driver": "file", "path": str(Path(meta.root) / key)}}, open=True).result()
+            ref = arr.read().result()
+            ref_t = (torch.from_numpy(ref.view("int16")).view(torch.bfloat16)
+                     if t.dtype == "bfloat16" else torch.from_numpy(ref))
+            assert torch.equal(x, ref_t), key
+
+
+def test_flattened_fixture_logical_layout():
+    """MCore 0.15 fully_sharded_model_space: the un-reformulated fp32 main params, cast to the
+    model dtype, equal the saved model weights (an independent check of the layout)."""
+    if not (FIXTURES / "mcore015_gpt_flattened_optim").is_dir():
+        pytest.skip("fixtures/mcore015_gpt_flattened_optim not generated")
+    r = open_checkpoint(FIXTURES / "mcore015_gpt_flattened_optim")
+    keys = [k for k, t in r.metadata().tensors.items()
+            if k.startswith("optimizer.state.fp32_param.") and t.stored_shape is not None]
+    assert keys
+    for k in keys:
+        model = r.read(k.removeprefix("optimizer.state.fp32_param."))
+        assert torch.equal(r.read(k).to(model.dtype), model), k
 
 
 @pytest.fixture(scope="module")

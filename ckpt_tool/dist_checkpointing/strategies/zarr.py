@@ -64,9 +64,23 @@ def _dist_ready() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
-def _barrier() -> None:
-    if _dist_ready():
-        torch.distributed.barrier()
+def _sync_errors(step: str, error: Optional[BaseException]) -> None:
+    """Collective barrier that also fails every rank if ``step`` failed on any rank.
+
+    A rank raising alone would leave the others waiting forever in the next collective.
+    """
+    if not _dist_ready():
+        if error is not None:
+            raise error
+        return
+    messages: List[Optional[str]] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(messages, None if error is None else str(error))
+    if error is not None:
+        raise error
+    failed = [(rank, msg) for rank, msg in enumerate(messages) if msg is not None]
+    if failed:
+        rank, msg = failed[0]
+        raise CheckpointingException(f"zarr save failed while {step} on rank {rank}: {msg}")
 
 
 class ZarrSaveShardedStrategy(SaveShardedStrategy):
@@ -93,19 +107,26 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
             )
         checkpoint_dir = Path(checkpoint_dir)
         tensors = [t for t in nested_values(sharded_state_dict) if isinstance(t, ShardedTensor)]
-        for ten in tensors:
-            _check_saveable(ten)
-        arrays: List[Optional[object]] = [
-            _create_array(ten, checkpoint_dir) if _creates_array(ten) else None for ten in tensors
-        ]
-        _barrier()  # arrays exist before anyone writes
-        for i, ten in enumerate(tensors):
-            if not is_main_replica(ten.replica_id):
-                continue
-            if arrays[i] is None:
-                arrays[i] = _open_created_array(ten, checkpoint_dir)
-            _write_tensor(ten, arrays[i])
-        _barrier()
+        arrays: List[Optional[object]] = [None] * len(tensors)
+        error = None
+        try:
+            for i, ten in enumerate(tensors):
+                _check_saveable(ten)
+                if _creates_array(ten):
+                    arrays[i] = _create_array(ten, checkpoint_dir)
+        except Exception as e:  # noqa: BLE001 - re-raised on every rank by _sync_errors
+            error = e
+        _sync_errors("creating arrays", error)  # arrays exist before anyone writes
+        try:
+            for i, ten in enumerate(tensors):
+                if not is_main_replica(ten.replica_id):
+                    continue
+                if arrays[i] is None:
+                    arrays[i] = _open_created_array(ten, checkpoint_dir)
+                _write_tensor(ten, arrays[i])
+        except Exception as e:  # noqa: BLE001
+            error = e
+        _sync_errors("writing chunks", error)
 
 
 def _check_saveable(ten: ShardedTensor) -> None:

@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node N zarr_worker.py save <ckpt_dir>
     torchrun --nproc-per-node N zarr_worker.py load <ckpt_dir>
+    torchrun --nproc-per-node N zarr_worker.py save-bad <ckpt_dir>   # must fail on all ranks
     torchrun --nproc-per-node N zarr_worker.py api-save <ckpt_dir>   # dist_checkpointing.save
     torchrun --nproc-per-node N zarr_worker.py api-load <ckpt_dir>
 
@@ -101,6 +102,20 @@ def main(mode: str, ckpt_dir: str) -> None:
 
         request = sharded_state_dict(rank, world, with_data=False)
         _check(ZarrLoadShardedStrategy().load(request, ckpt_dir), rank, world)
+    elif mode == "save-bad":
+        # nobody holds the origin chunk of "orphan": only the ranks > 0 fail, all must raise
+        from ckpt_tool.dist_checkpointing.mapping import ShardedTensor
+        from ckpt_tool.dist_checkpointing.strategies.zarr import ZarrSaveShardedStrategy
+
+        sd = {"ok": ShardedTensor.from_rank_offsets("ok", torch.ones(2), (0, rank, world))}
+        if rank > 0:
+            sd["orphan"] = ShardedTensor.from_rank_offsets("orphan", torch.ones(2), (0, rank, world))
+        try:
+            ZarrSaveShardedStrategy("zarr", 1).save(sd, ckpt_dir)
+        except Exception as e:  # noqa: BLE001
+            print(f"rank {rank} raised: {e}", flush=True)
+            raise SystemExit(3)
+        raise SystemExit(0)
     elif mode in ("api-save", "api-load"):
         from ckpt_tool import dist_checkpointing as dc
         from ckpt_tool.dist_checkpointing.mapping import ShardedObject
