@@ -97,17 +97,22 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
     ):
         """Replace every ShardedObject by its saved value (in place; also returned).
 
-        Falls back to the pre-0.5 file name without the global shape suffix.
+        Falls back to the old file name, which lost the last element of the global shape
+        (``shard_0.1_1.2`` was stored as ``shard_0.1_1.pt``: the name went through
+        ``with_suffix``), and then to a name without any shape.
         """
 
         def load_one(sh_obj: ShardedObject):
             path = Path(checkpoint_dir) / f"{sh_obj.unique_key}.pt"
-            if not path.is_file():
-                legacy = Path(checkpoint_dir) / (sh_obj.unique_key.rsplit("_", 1)[0] + ".pt")
-                if not legacy.is_file():
-                    raise CheckpointingException(f"Object shard {path} not found")
-                path = legacy
-            return _load_file(path, self.trust)
+            candidates = [
+                path,
+                (Path(checkpoint_dir) / sh_obj.unique_key).with_suffix(".pt"),
+                Path(checkpoint_dir) / (sh_obj.unique_key.rsplit("_", 1)[0] + ".pt"),
+            ]
+            found = next((c for c in candidates if c.is_file()), None)
+            if found is None:
+                raise CheckpointingException(f"Object shard {path} not found")
+            return _load_file(found, self.trust)
 
         return dict_list_map_inplace(load_one, sharded_objects_state_dict)
 
