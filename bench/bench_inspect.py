@@ -24,6 +24,9 @@ from _harness import python_cmd, report, run  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 PATCH = "import torch; torch.cuda.synchronize=lambda *a,**k: None; torch.cuda.current_device=lambda: 'cpu'; "
+# Megatron-Core's load path calls torch.distributed.get_rank(): it needs a (1-rank) process group.
+PG = ("import torch.distributed as d; d.init_process_group('gloo', init_method='tcp://127.0.0.1:29655', "
+      "rank=0, world_size=1); ")
 
 
 def build(out: Path, size_mb: int) -> None:
@@ -62,7 +65,7 @@ def main() -> None:
     plain = [
         run("cat (I/O floor)", ["sh", "-c", 'cat "$@" > /dev/null', "cat", *files], repeat=a.repeat),
         run("megatron-core load_plain_tensors", python_cmd(
-            PATCH + f"from megatron.core.dist_checkpointing import load_plain_tensors as f; f({str(ckpt)!r})"),
+            PATCH + PG + f"from megatron.core.dist_checkpointing import load_plain_tensors as f; f({str(ckpt)!r})"),
             repeat=a.repeat),
         run("ckpt_tool load_plain_tensors", python_cmd(
             f"from ckpt_tool.dist_checkpointing import load_plain_tensors as f; f({str(ckpt)!r})"),

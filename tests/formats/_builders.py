@@ -104,13 +104,21 @@ def fake_module(name: str, **attrs: Any):
         if mod_name not in sys.modules:
             sys.modules[mod_name] = types.ModuleType(mod_name)
             added.append(mod_name)
+    module = sys.modules[name]
+    missing = object()
+    previous = {k: getattr(module, k, missing) for k in attrs}
     for k, v in attrs.items():
         v.__module__ = name
         v.__qualname__ = k
-        setattr(sys.modules[name], k, v)
+        setattr(module, k, v)
     try:
-        yield sys.modules[name]
+        yield module
     finally:
+        for k, v in previous.items():  # the real module may be imported by another test
+            if v is missing:
+                delattr(module, k)
+            else:
+                setattr(module, k, v)
         for mod_name in added:
             del sys.modules[mod_name]
 
