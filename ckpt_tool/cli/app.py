@@ -39,9 +39,11 @@ def root(
 
 def _register() -> None:
     from ckpt_tool.cli import inspect as inspect_cmd
+    from ckpt_tool.cli import validate as validate_cmd
 
-    built = {"inspect"}
+    built = {"inspect", "validate"}
     app.command("inspect")(inspect_cmd.inspect)
+    app.command("validate")(validate_cmd.validate)
     register_pending(app, built)
 
 

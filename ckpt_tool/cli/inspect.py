@@ -55,9 +55,10 @@ def render(result: Any) -> None:
     if files:
         stdout.print("files: " + ", ".join(files), highlight=False)
     _render_common(meta.common)
-    opt = ex.get("optimizer_sharding")
-    stdout.print("optimizer sharding: " + (f"{opt['type']} ({opt['source']})" if opt
-                                           else "no optimizer state"), highlight=False)
+    if "optimizer_sharding" in ex:  # Megatron-Core formats only
+        opt = ex["optimizer_sharding"]
+        stdout.print("optimizer sharding: " + (f"{opt['type']} ({opt['source']})" if opt
+                                               else "no optimizer state"), highlight=False)
 
     table = Table(title=f"{len(meta.tensors)} tensors", title_justify="left", expand=False)
     for col, just in (("key", "left"), ("dtype", "left"), ("shape", "left"),
@@ -101,9 +102,11 @@ def _render_common(common: dict[str, Any]) -> None:
     for k in ("iteration", "checkpoint_version", "num_floating_point_operations_so_far"):
         if k in common:
             lines.append(f"{k}: {common[k]}")
-    for k in ("parallel", "model", "training", "content_metadata"):
+    for k in ("parallel", "model", "training", "content_metadata", "values"):
         if common.get(k):
             lines.append(f"{k}: {_kv(common[k])}")
     if common.get("keys"):
         lines.append("common keys: " + ", ".join(common["keys"]))
-    stdout.print("\n".join(lines), highlight=False)
+    from rich.markup import escape
+
+    stdout.print(escape("\n".join(lines)), highlight=False)

@@ -37,12 +37,13 @@ MODEL_ARGS = (
 
 
 def load_torch_save_light(source: str | os.PathLike | bytes, *, trust: bool = False,
-                          where: str | os.PathLike | None = None) -> Any:
+                          where: str | os.PathLike | None = None,
+                          torch_fallback: bool = True) -> Any:
     """The object a ``torch.save`` zip holds, tensors as placeholders; never imports torch.
 
     ``source`` is a path or the archive's bytes (e.g. a DCP bytes item). Falls back to the
     torch-based safe loader for the legacy (non-zip) format or a torch global without a
-    stand-in.
+    stand-in; with ``torch_fallback=False`` those raise ``_torch_stubs.NeedsTorch`` instead.
     """
     from ckpt_tool.formats._torch_stubs import NeedsTorch, StoragePlaceholder, torch_free_fallback
 
@@ -58,6 +59,8 @@ def load_torch_save_light(source: str | os.PathLike | bytes, *, trust: bool = Fa
             raise CorruptCheckpointError("empty file (zero bytes)", path=where)
         blob = where
     if not zipfile.is_zipfile(blob):
+        if not torch_fallback:
+            raise NeedsTorch("not a zip archive (legacy torch.save format)")
         return _load_with_torch(source, trust, where)
     try:
         with zipfile.ZipFile(blob) as zf:
@@ -84,6 +87,8 @@ def load_torch_save_light(source: str | os.PathLike | bytes, *, trust: bool = Fa
         return safe_load(io.BytesIO(data), trust=trust, where=where, fallback=fallback,
                          persistent_load=persistent_load, encoding="utf-8")
     except _NeedsTorchSignal:
+        if not torch_fallback:
+            raise NeedsTorch("the pickle needs a torch global without a stand-in") from None
         return _load_with_torch(source, trust, where)
 
 

@@ -70,10 +70,14 @@ class StoragePlaceholder:
 
 
 class TensorPlaceholder:
-    """A tensor of a torch.save archive, described but not read."""
+    """A tensor of a torch.save archive, described but not read (``storage_offset`` in
+    elements, ``stride`` as pickled; ``None`` when unknown)."""
 
-    def __init__(self, dtype: str, shape: tuple[int, ...], storage: StoragePlaceholder | None):
+    def __init__(self, dtype: str, shape: tuple[int, ...], storage: StoragePlaceholder | None,
+                 storage_offset: int = 0, stride: tuple[int, ...] | None = None):
         self.dtype, self.shape, self.storage = dtype, tuple(shape), storage
+        self.storage_offset = int(storage_offset)
+        self.stride = None if stride is None else tuple(int(s) for s in stride)
 
     @property
     def numel(self) -> int:
@@ -83,11 +87,22 @@ class TensorPlaceholder:
         return f"<tensor {self.dtype} {list(self.shape)}>"
 
 
-def _rebuild_tensor(storage: Any, storage_offset: int = 0, size: Any = (), *rest: Any
-                    ) -> TensorPlaceholder:
+def _rebuild_tensor(storage: Any, storage_offset: int = 0, size: Any = (), stride: Any = None,
+                    *rest: Any) -> TensorPlaceholder:
     dtype = storage.dtype if isinstance(storage, StoragePlaceholder) else "unknown"
     return TensorPlaceholder(dtype, tuple(size), storage if isinstance(storage,
-                                                                        StoragePlaceholder) else None)
+                                                                        StoragePlaceholder) else None,
+                             storage_offset, stride)
+
+
+def _rebuild_tensor_v3(storage: Any, storage_offset: int, size: Any, stride: Any,
+                       requires_grad: Any = False, backward_hooks: Any = None,
+                       dtype: Any = None, *rest: Any) -> TensorPlaceholder:
+    """v3 (untyped storage + explicit dtype: uint16, float8, ...)."""
+    t = _rebuild_tensor(storage, storage_offset, size, stride)
+    if dtype is not None:
+        t.dtype = dtype_name(dtype)
+    return t
 
 
 def _rebuild_parameter(data: Any, *rest: Any) -> Any:
@@ -146,7 +161,8 @@ def _special(qual: str) -> Any:
             "torch.device": lambda *a: "device(" + ", ".join(map(repr, a)) + ")",
             "torch._utils._rebuild_tensor": _rebuild_tensor,
             "torch._utils._rebuild_tensor_v2": _rebuild_tensor,
-            "torch._utils._rebuild_tensor_v3": _rebuild_tensor,
+            "torch._utils._rebuild_tensor_v3": _rebuild_tensor_v3,
+            "torch.storage.UntypedStorage": DtypeName("uint8"),
             "torch._utils._rebuild_parameter": _rebuild_parameter,
             "torch._utils._rebuild_parameter_with_state": _rebuild_parameter,
             "torch.distributed.checkpoint.metadata.TensorProperties": TensorPropertiesStub,

@@ -36,8 +36,9 @@ def read_backend_config(ckpt_dir: Path) -> dict[str, Any]:
     f = ckpt_dir / METADATA_JSON
     if not f.is_file():
         present = [n for n in (".metadata", COMMON_FILE) if (ckpt_dir / n).is_file()]
-        why = (f" (has {' and '.join(present)}: a plain DCP checkpoint or an interrupted "
-               f"Megatron-Core save, which writes {METADATA_JSON} last)") if present else ""
+        why = (f" (has {' and '.join(present)}: a plain PyTorch DCP checkpoint, format 'dcp', "
+               f"or an interrupted Megatron-Core save, which writes {METADATA_JSON} last)"
+               ) if present else ""
         raise InputError(f"no {METADATA_JSON}{why}", path=ckpt_dir)
     try:
         cfg = json.loads(f.read_text(encoding="utf-8"))

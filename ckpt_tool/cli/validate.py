@@ -1,0 +1,94 @@
+"""``ckpt validate PATH``: completeness and integrity of a checkpoint (the CI job).
+
+Exit codes: 0 valid (warnings allowed), 1 at least one error finding (an incomplete or damaged
+checkpoint, an expectation not met), 2 the input cannot be read at all (missing path, unknown
+format, unsafe pickle without ``--trust``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+
+from ckpt_tool.cli._errors import handle_errors
+from ckpt_tool.cli._options import CheckpointPath, JsonFlag, TrustFlag
+from ckpt_tool.cli._output import message, print_json, stdout
+
+
+@handle_errors
+def validate(
+    path: CheckpointPath,
+    json_: JsonFlag = False,
+    trust: TrustFlag = False,
+    deep: Annotated[bool, typer.Option(
+        "--deep", help="Also read every tensor: report read failures and NaN/Inf counts.")] = False,
+    expect_tp: Annotated[Optional[int], typer.Option(
+        "--expect-tp", min=1, help="Fail unless the checkpoint was saved with this TP size.",
+        show_default=False)] = None,
+    expect_pp: Annotated[Optional[int], typer.Option(
+        "--expect-pp", min=1, help="Fail unless the checkpoint was saved with this PP size.",
+        show_default=False)] = None,
+    expect_keys: Annotated[Optional[Path], typer.Option(
+        "--expect-keys", help="File with one key per line; fail if any is missing.",
+        show_default=False)] = None,
+    expect_iteration: Annotated[Optional[int], typer.Option(
+        "--expect-iteration", help="Fail unless the checkpoint is at this iteration.",
+        show_default=False)] = None,
+) -> None:
+    """Check a checkpoint for completeness and integrity (CI job): exit 0 valid, 1 problems found,
+    2 unreadable input. Every problem is reported, not only the first.
+
+    Example: ckpt validate checkpoints/gpt --expect-tp 2 --expect-pp 2 --json
+    """
+    from ckpt_tool.ops.validate import read_expected_keys
+    from ckpt_tool.ops.validate import validate as run_validate
+
+    keys = None if expect_keys is None else read_expected_keys(expect_keys)
+    result = run_validate(path, trust=trust, deep=deep, expect_tp=expect_tp,
+                          expect_pp=expect_pp, expect_keys=keys,
+                          expect_iteration=expect_iteration)
+    if json_:
+        print_json([f.to_dict() for f in result.findings])
+    else:
+        render(result)
+    message(verdict(result))
+    if not result.ok:
+        raise typer.Exit(1)
+
+
+def verdict(result: Any) -> str:
+    """One line: ``valid``/``INVALID``, the format, what was checked, counts of findings."""
+    n_err, n_warn = len(result.errors), len(result.warnings)
+    what = result.root or result.path
+    fmt = f" ({result.format})" if result.format else ""
+    s = result.stats
+    checked = ", ".join(f"{s[k]} {k.replace('_', ' ')}" for k in
+                        ("tensors", "objects", "files", "zip_items_checked", "tensors_read")
+                        if k in s)
+    counts = f"{n_err} error{'s' * (n_err != 1)}, {n_warn} warning{'s' * (n_warn != 1)}"
+    head = "valid" if result.ok else "INVALID"
+    return f"{head}: {what}{fmt}: {counts}" + (f" [{checked}]" if checked else "")
+
+
+def render(result: Any) -> None:
+    """Rich table of findings (stdout); nothing when there are none."""
+    if not result.findings:
+        return
+    from rich.table import Table
+
+    table = Table(title=f"{len(result.findings)} findings", title_justify="left")
+    for col in ("severity", "key", "file", "message"):
+        table.add_column(col, overflow="fold")
+    for f in result.findings:
+        style = "red" if f.severity == "error" else "yellow"
+        table.add_row(f"[{style}]{f.severity}[/{style}]", _plain(f.key), _plain(f.file),
+                      _plain(f.message))
+    stdout.print(table)
+
+
+def _plain(text: str | None) -> str:
+    from rich.markup import escape
+
+    return "" if text is None else escape(text)

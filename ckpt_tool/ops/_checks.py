@@ -1,0 +1,241 @@
+"""Pure checks of ``validate``: they work on the metadata model (and facts passed in), no I/O.
+
+Each returns a list of :class:`Finding`; none raises on a bad checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
+
+from ckpt_tool.model import DTYPE_ITEMSIZE, CheckpointMeta, ChunkRef, TensorMeta
+
+__all__ = ["Finding", "error", "warning", "check_coverage", "check_storage",
+           "check_expectations", "MAX_REPORTED"]
+
+# At most this many findings of one kind per tensor (overlaps, out-of-bounds chunks).
+MAX_REPORTED = 5
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One problem ``validate`` found. ``severity`` is ``"error"`` or ``"warning"``; ``key`` the
+    tensor/object it concerns, ``file`` the file (relative to the checkpoint root) if any."""
+
+    severity: str
+    key: str | None
+    file: str | None
+    message: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"severity": self.severity, "key": self.key, "file": self.file,
+                "message": self.message}
+
+
+def error(message: str, *, key: str | None = None, file: str | None = None) -> Finding:
+    return Finding("error", key, file, message)
+
+
+def warning(message: str, *, key: str | None = None, file: str | None = None) -> Finding:
+    return Finding("warning", key, file, message)
+
+
+def _box(c: ChunkRef) -> str:
+    return "[" + ", ".join(f"{o}:{o + s}" for o, s in zip(c.offsets, c.sizes)) + "]"
+
+
+def _overlaps(a: ChunkRef, b: ChunkRef) -> bool:
+    return all(ao < bo + bs and bo < ao + as_
+               for ao, as_, bo, bs in zip(a.offsets, a.sizes, b.offsets, b.sizes))
+
+
+def _find_overlaps(chunks: list[ChunkRef], limit: int) -> list[tuple[ChunkRef, ChunkRef]]:
+    """Pairs of overlapping chunks (at most ``limit``): a sweep along the dimension with the
+    most distinct offsets, comparing each chunk only with those still open along it."""
+    if len(chunks) < 2:
+        return []
+    ndim = len(chunks[0].offsets)
+    if ndim == 0:
+        return [(chunks[0], chunks[1])]
+    dim = max(range(ndim), key=lambda d: len({c.offsets[d] for c in chunks}))
+    ordered = sorted(chunks, key=lambda c: c.offsets[dim])
+    active: list[ChunkRef] = []
+    found: list[tuple[ChunkRef, ChunkRef]] = []
+    for c in ordered:
+        start = c.offsets[dim]
+        active = [a for a in active if a.offsets[dim] + a.sizes[dim] > start]
+        for a in active:
+            if _overlaps(a, c):
+                found.append((a, c))
+                if len(found) >= limit:
+                    return found
+        if c.sizes[dim] > 0:
+            active.append(c)
+    return found
+
+
+def _union_volume(chunks: list[ChunkRef], shape: tuple[int, ...],
+                  max_cells: int = 1 << 16) -> int | None:
+    """Elements covered by the union of ``chunks`` (coordinate compression), or None when the
+    compressed grid would be too large to enumerate."""
+    import itertools
+
+    bounds = []
+    for d in range(len(shape)):
+        b = sorted({0, shape[d]} | {c.offsets[d] for c in chunks}
+                   | {c.offsets[d] + c.sizes[d] for c in chunks})
+        bounds.append(b)
+    if math.prod(len(b) - 1 for b in bounds) > max_cells:
+        return None
+    total = 0
+    for cell in itertools.product(*(range(len(b) - 1) for b in bounds)):
+        lo = [bounds[d][i] for d, i in enumerate(cell)]
+        if any(all(o <= x < o + s for o, s, x in zip(c.offsets, c.sizes, lo)) for c in chunks):
+            total += math.prod(bounds[d][i + 1] - bounds[d][i] for d, i in enumerate(cell))
+    return total
+
+
+def check_coverage(t: TensorMeta) -> list[Finding]:
+    """Every element of the (stored) global tensor is stored exactly once: chunks in bounds,
+    no overlap, no gap; dtype known; ranks and reformulated shapes consistent."""
+    out: list[Finding] = []
+    key = t.key
+    if t.dtype not in DTYPE_ITEMSIZE:
+        out.append(error(f"unknown dtype {t.dtype!r}", key=key))
+    shape = t.stored_shape if t.stored_shape is not None else t.shape
+    where = "stored shape" if t.stored_shape is not None else "shape"
+    if any(s < 0 for s in shape):
+        return out + [error(f"negative size in {where} {list(shape)}", key=key)]
+    if t.stored_shape is not None and math.prod(t.stored_shape) != math.prod(t.shape):
+        out.append(error(f"stored shape {list(t.stored_shape)} does not hold the logical shape "
+                         f"{list(t.shape)}", key=key))
+    good: list[ChunkRef] = []
+    bad = 0
+    for c in t.chunks:
+        problem = None
+        if len(c.offsets) != len(shape) or len(c.sizes) != len(shape):
+            problem = (f"chunk at {list(c.offsets)} has rank {len(c.sizes)}, the tensor's "
+                       f"{where} {list(shape)} has rank {len(shape)}")
+        elif any(s < 0 for s in c.sizes) or any(o < 0 for o in c.offsets):
+            problem = f"chunk {_box(c)} has a negative offset or size"
+        elif any(o + s > n for o, s, n in zip(c.offsets, c.sizes, shape)):
+            problem = f"chunk {_box(c)} lies outside the {where} {list(shape)}"
+        if problem is None:
+            good.append(c)
+            continue
+        bad += 1
+        if bad <= MAX_REPORTED:
+            out.append(error(problem, key=key, file=c.file))
+    if bad > MAX_REPORTED:
+        out.append(error(f"{bad - MAX_REPORTED} more chunks out of bounds or of a wrong rank",
+                         key=key))
+    total = math.prod(shape)
+    nonempty = [c for c in good if c.numel > 0]
+    overlaps = _find_overlaps(nonempty, MAX_REPORTED + 1)
+    for a, b in overlaps[:MAX_REPORTED]:
+        out.append(error(f"chunks {_box(a)} and {_box(b)} overlap", key=key, file=b.file))
+    if len(overlaps) > MAX_REPORTED:
+        out.append(error("more overlapping chunks not listed", key=key))
+    covered = sum(c.numel for c in nonempty)
+    if overlaps and not bad:
+        union = _union_volume(nonempty, shape)
+        if union is not None and union < total:
+            out.append(error(f"chunks cover {union} of {total} elements ({where} "
+                             f"{list(shape)}): a gap besides the overlap", key=key))
+    if not overlaps and not bad and covered < total:
+        if not t.chunks:
+            out.append(error(f"no chunk stored for a tensor of {total} elements", key=key))
+        else:
+            out.append(error(f"chunks cover {covered} of {total} elements ({where} "
+                             f"{list(shape)}): a gap, some chunks are missing", key=key))
+    elif not overlaps and not bad and covered > total:  # cannot happen without overlap
+        out.append(error(f"chunks hold {covered} elements for {total}", key=key))
+    return out
+
+
+def check_storage(meta: CheckpointMeta, sizes: Mapping[str, int | None]) -> list[Finding]:
+    """Every file a chunk or object names exists (``sizes[file]`` is not None) and holds every
+    item's byte range; raw untransformed chunks hold exactly ``numel * itemsize`` bytes."""
+    out: list[Finding] = []
+    missing: dict[str, set[str]] = {}  # file -> keys whose items it holds
+    # file -> [(key, what, off, end)] of items past the end of the file (one finding per file)
+    short: dict[str, list[tuple[str, str, int, int]]] = {}
+
+    def one(key: str, file: str | None, off: int | None, length: int | None, what: str) -> None:
+        if file is None:
+            out.append(error(f"{what} has no storage location in the metadata", key=key))
+            return
+        size = sizes.get(file)
+        if size is None:
+            missing.setdefault(file, set()).add(key)
+            return
+        if off is None or length is None:
+            return
+        if off < 0 or length < 0:
+            out.append(error(f"{what} has a negative byte range", key=key, file=file))
+        elif off + length > size:
+            short.setdefault(file, []).append((key, what, off, off + length))
+
+    for key in sorted(meta.tensors):
+        t = meta.tensors[key]
+        itemsize = DTYPE_ITEMSIZE.get(t.dtype)
+        for c in t.chunks:
+            one(key, c.file, c.byte_offset, c.byte_length, f"chunk {_box(c)}")
+            if (c.layout == "raw" and not c.transforms and itemsize is not None
+                    and c.byte_length is not None and c.byte_length != c.numel * itemsize
+                    and sizes.get(c.file or "") is not None):
+                out.append(error(f"chunk {_box(c)} has {c.byte_length} bytes, "
+                                 f"{c.numel} x {t.dtype} needs {c.numel * itemsize}",
+                                 key=key, file=c.file))
+    for o in meta.objects:
+        one(o.unique_key, o.file, o.byte_offset, o.byte_length, "object")
+    for file, keys in sorted(missing.items()):
+        one_key = next(iter(keys)) if len(keys) == 1 else None
+        out.append(error(f"data file {file} is missing" + (
+            "" if one_key else f" (it holds items of {len(keys)} tensors/objects)"),
+            key=one_key, file=file))
+    for file, items in sorted(short.items()):
+        size = sizes[file]
+        key, what, off, end = min(items, key=lambda x: x[2])
+        if len(items) == 1:
+            msg = f"{what} needs bytes [{off}, {end}), the file has {size}"
+        else:
+            msg = (f"{len(items)} items end past its {size} bytes (first: {what} of {key}, "
+                   f"bytes [{off}, {end}); needs at least {max(x[3] for x in items)} bytes)")
+        out.append(error(f"data file {file} is truncated: {msg}",
+                         key=key if len(items) == 1 else None, file=file))
+    return out
+
+
+def check_expectations(meta: CheckpointMeta, *, expect_tp: int | None = None,
+                       expect_pp: int | None = None, expect_keys: Iterable[str] | None = None,
+                       expect_iteration: int | None = None) -> list[Finding]:
+    """What the caller expects (parallel sizes, keys, iteration) against the metadata."""
+    out: list[Finding] = []
+    parallel = meta.common.get("parallel") or {}
+    for name, want in (("tp", expect_tp), ("pp", expect_pp)):
+        if want is None:
+            continue
+        have = parallel.get(name)
+        if have is None:
+            out.append(error(f"expected {name}={want} but the checkpoint records no {name} "
+                             "(no parallel sizes in the common state)"))
+        elif have != want:
+            out.append(error(f"expected {name}={want}, the checkpoint was saved with "
+                             f"{name}={have}"))
+    if expect_keys is not None:
+        present = set(meta.tensors) | {o.key for o in meta.objects} \
+            | {o.unique_key for o in meta.objects}
+        for k in expect_keys:
+            if k not in present:
+                out.append(error("expected key is missing from the checkpoint", key=k))
+    if expect_iteration is not None:
+        have = meta.common.get("iteration")
+        if have is None:
+            out.append(error(f"expected iteration {expect_iteration} but the checkpoint "
+                             "records no iteration"))
+        elif str(have) != str(expect_iteration):
+            out.append(error(f"expected iteration {expect_iteration}, the checkpoint is at "
+                             f"iteration {have}"))
+    return out

@@ -1,0 +1,365 @@
+"""``validate``: is a checkpoint complete and intact? Collects every finding, never stops early.
+
+Checks, in order (the pure ones live in ``ops/_checks.py``, CRC32/sha256 ones in
+``ops/_integrity.py``):
+
+1. completeness markers: the tracker file of a training save directory names an existing
+   iteration; dist checkpoints have a parseable ``metadata.json`` and ``.metadata`` (an
+   interrupted save, e.g. ``*.distcp`` without ``.metadata``, is an *error finding*, exit 1);
+2. every file the chunks/objects reference exists and holds every item's byte range;
+3. every tensor is covered by its chunks exactly once (in bounds, no gap, no overlap);
+4. integrity: the CRC32 of every zip entry of every DCP item (``torch.load`` does not check
+   them), streamed from a bounded view of the file; ``integrity.json`` sha256 digests;
+5. stale ``*.distcp`` files nobody references, leftover ``*.tmp``/staging files (warnings);
+6. the caller's expectations: ``expect_tp``/``expect_pp``/``expect_keys``/``expect_iteration``;
+7. ``deep``: read every tensor, count NaN/Inf (warnings), report read failures (errors).
+
+A path that is not a checkpoint at all (missing, unknown format, unsafe pickle without
+``trust``) raises the usual :class:`~ckpt_tool.errors.InputError` (exit 2): there is nothing to
+validate. A checkpoint that is recognisably a checkpoint but broken gives error findings.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+from ckpt_tool.errors import CorruptCheckpointError, InputError, UnsafePickleError
+from ckpt_tool.model import CheckpointMeta
+from ckpt_tool.ops._checks import (Finding, check_coverage, check_expectations, check_storage,
+                                   error, warning)
+from ckpt_tool.ops._integrity import (BoundedReader, check_integrity_json, check_zip_item,
+                                      check_zip_items)
+
+__all__ = ["Finding", "ValidateResult", "validate", "read_expected_keys", "BoundedReader",
+           "check_zip_item"]
+
+_DCP_FORMATS = ("torch_dist", "dcp")
+
+
+@dataclass(frozen=True)
+class ValidateResult:
+    """Every finding plus what was checked (``stats``)."""
+
+    path: str
+    root: str | None = None
+    format: str | None = None
+    findings: list[Finding] = field(default_factory=list)
+    stats: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def errors(self) -> list[Finding]:
+        return [f for f in self.findings if f.severity == "error"]
+
+    @property
+    def warnings(self) -> list[Finding]:
+        return [f for f in self.findings if f.severity == "warning"]
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"path": self.path, "root": self.root, "format": self.format, "ok": self.ok,
+                "stats": self.stats, "findings": [f.to_dict() for f in self.findings]}
+
+
+def read_expected_keys(path: str | Path) -> list[str]:
+    """One key per line; blank lines and ``#`` comments ignored."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise InputError(f"cannot read the expected-keys file ({exc.strerror})",
+                         path=path) from None
+    return [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("#")]
+
+
+def validate(path: str | Path, *, trust: bool = False, deep: bool = False,
+             expect_tp: int | None = None, expect_pp: int | None = None,
+             expect_keys: Iterable[str] | None = None,
+             expect_iteration: int | None = None) -> ValidateResult:
+    """Check the checkpoint at ``path`` and return every finding (see the module docstring)."""
+    from ckpt_tool.formats._resolve import resolve_checkpoint_dir
+
+    p = Path(path)
+    if not p.exists():
+        raise InputError("no such file or directory", path=p, hint="check the path")
+    findings: list[Finding] = []
+    stats: dict[str, int] = {}
+
+    def done(root: Path | None = None, fmt: str | None = None) -> ValidateResult:
+        return ValidateResult(str(p), None if root is None else str(root), fmt, findings, stats)
+
+    root = _follow_tracker(p, findings)
+    if root is None:
+        return done()
+    if root == p:
+        root = resolve_checkpoint_dir(p)
+    if root.is_dir() and not _check_markers(root, findings):
+        return done(root)
+
+    from ckpt_tool.formats import detect
+
+    fmt = detect(root)
+    try:
+        reader = fmt.open(root, trust=trust)
+        try:
+            meta = reader.metadata()
+        except BaseException:
+            reader.close()
+            raise
+    except UnsafePickleError:
+        raise
+    except CorruptCheckpointError as exc:
+        findings.append(error(f"unreadable metadata: {exc.message}", file=_rel(exc.path, root)))
+        reader, meta = _sharded_only(fmt, root, trust)
+        if meta is None:
+            return done(root, fmt.name)
+    try:
+        base = Path(meta.root) if Path(meta.root).is_dir() else Path(meta.root).parent
+        stats.update(tensors=len(meta.tensors), objects=len(meta.objects),
+                     chunks=sum(len(t.chunks) for t in meta.tensors.values()))
+        sizes = _file_sizes(base, meta)
+        stats["files"] = sum(1 for s in sizes.values() if s is not None)
+        findings.extend(check_storage(meta, sizes))
+        for key in sorted(meta.tensors):
+            findings.extend(check_coverage(meta.tensors[key]))
+        findings.extend(_check_common_state(base, meta))
+        if meta.format in _DCP_FORMATS:
+            skip = set(getattr(reader, "_object_transforms", {}) or {})
+            findings.extend(check_zip_items(base, meta, sizes, stats, skip))
+            findings.extend(_stale_data_files(base, meta))
+        if base.is_dir() and Path(meta.root).is_dir():
+            findings.extend(check_integrity_json(base))
+            findings.extend(_leftovers(base))
+        findings.extend(check_expectations(
+            meta, expect_tp=expect_tp, expect_pp=expect_pp,
+            expect_keys=None if expect_keys is None else list(expect_keys),
+            expect_iteration=expect_iteration))
+        if deep:
+            findings.extend(_deep(reader, meta, findings, stats))
+    finally:
+        reader.close()
+    return done(Path(meta.root), meta.format)
+
+
+# -- 1. completeness ------------------------------------------------------------------------
+
+def _follow_tracker(p: Path, findings: list[Finding]) -> Path | None:
+    """The iteration dir a training save dir's tracker names (``p`` itself otherwise); None
+    (with an error finding) when the tracker is unreadable or names a missing iteration."""
+    from ckpt_tool.formats._resolve import LATEST_FILE, iteration_dir_name, read_latest
+
+    save = p.parent if p.is_file() and p.name == LATEST_FILE else p
+    if not save.is_dir() or not (save / LATEST_FILE).is_file():
+        return p
+    if any((save / m).exists() for m in ("metadata.json", ".metadata")):
+        return p
+    try:
+        latest = read_latest(save)
+    except InputError as exc:
+        findings.append(error(exc.message, file=LATEST_FILE))
+        return None
+    target = save / iteration_dir_name(latest)
+    if not target.is_dir():
+        iters = sorted(x.name for x in save.iterdir()
+                       if x.is_dir() and (x.name.startswith("iter_") or x.name == "release"))
+        findings.append(error(
+            f"{LATEST_FILE} names iteration {latest} but {target.name}/ is missing "
+            f"(present: {', '.join(iters[-5:]) or 'none'})", file=LATEST_FILE))
+        return None
+    return target
+
+
+def _check_markers(root: Path, findings: list[Finding]) -> bool:
+    """Commit markers of dist/DCP directories; False when validation cannot go further."""
+    from ckpt_tool.formats.dcp import metadata_files
+    from ckpt_tool.formats.mcore_dist import read_backend_config
+
+    has_json = (root / "metadata.json").is_file()
+    dcp_md = metadata_files(root)
+    distcp = any(root.glob("*.distcp"))
+    if has_json:
+        try:
+            cfg = read_backend_config(root)
+        except InputError as exc:
+            findings.append(error(f"not a complete checkpoint: {exc.message}",
+                                  file="metadata.json"))
+            return False
+        if cfg["sharded_backend"] == "torch_dist" and not (root / ".metadata").is_file():
+            findings.append(error(
+                "not a complete checkpoint: metadata.json says torch_dist but .metadata is "
+                "missing" + (" (.metadata.tmp present: the save was interrupted)"
+                             if (root / ".metadata.tmp").exists() else ""), file=".metadata"))
+            return False
+        return True
+    if not dcp_md:
+        if distcp or (root / ".metadata.tmp").exists():
+            findings.append(error(
+                "not a complete checkpoint: *.distcp data but no .metadata (an interrupted "
+                "save: .metadata is written last)", file=".metadata"))
+            return False
+        if (root / "common.pt").is_file():
+            findings.append(error(
+                "not a complete checkpoint: common.pt but no metadata.json (an interrupted "
+                "Megatron-Core save: metadata.json is written last)", file="metadata.json"))
+            return False
+        return True  # not a dist checkpoint: detection decides (safetensors, torch files, ...)
+    if (root / "common.pt").is_file():
+        findings.append(error(
+            "not a complete checkpoint: .metadata and common.pt but no metadata.json (an "
+            "interrupted Megatron-Core save: metadata.json is written last); data checked as "
+            "plain DCP", file="metadata.json"))
+    return True
+
+
+def _sharded_only(fmt: Any, root: Path, trust: bool) -> tuple[Any, CheckpointMeta | None]:
+    """A Megatron-Core dist checkpoint whose common state is unreadable still has its sharded
+    data checked: the metadata without the common summary (None for other formats)."""
+    try:
+        reader = fmt.open(root, trust=trust)
+    except InputError:
+        return None, None
+    sharded = getattr(reader, "_sharded", None)
+    if sharded is None:
+        reader.close()
+        return None, None
+    try:
+        tensors, objects, extras = sharded()
+    except Exception:  # noqa: BLE001 - anything else wrong was reported already
+        reader.close()
+        return None, None
+    return reader, CheckpointMeta(format=fmt.name, root=str(reader.root), tensors=tensors,
+                                  objects=tuple(objects), extras=extras)
+
+
+def _check_common_state(root: Path, meta: CheckpointMeta) -> list[Finding]:
+    """Megatron-Core dist checkpoints keep their common state in ``common.pt`` (or, newest
+    MCore, in the ``common_state`` object): without either, MCore cannot load them."""
+    if meta.format not in ("torch_dist", "zarr"):
+        return []
+    if (root / "common.pt").is_file() or any(o.key == "common_state" for o in meta.objects):
+        return []
+    return [error("common.pt is missing (and there is no common_state object): the "
+                  "non-sharded state (iteration, args, ...) is lost", file="common.pt")]
+
+
+# -- 2. files -------------------------------------------------------------------------------
+
+def _file_sizes(base: Path, meta: CheckpointMeta) -> dict[str, int | None]:
+    names = {c.file for t in meta.tensors.values() for c in t.chunks if c.file} \
+        | {o.file for o in meta.objects if o.file}
+    out: dict[str, int | None] = {}
+    for name in sorted(names):
+        try:
+            st = os.stat(base / name)
+            out[name] = st.st_size if not os.path.isdir(base / name) else None
+        except OSError:
+            out[name] = None
+    return out
+
+
+def _rel(path: str | None, root: Path) -> str | None:
+    if path is None:
+        return None
+    try:
+        rel = Path(path).relative_to(root).as_posix()
+        return None if rel in ("", ".") else rel
+    except ValueError:
+        return Path(path).name
+
+
+# -- 5. leftovers ---------------------------------------------------------------------------
+
+def _stale_data_files(root: Path, meta: CheckpointMeta) -> list[Finding]:
+    referenced = {c.file for t in meta.tensors.values() for c in t.chunks if c.file} \
+        | {o.file for o in meta.objects if o.file}
+    out = []
+    for f in sorted(root.glob("*.distcp")):
+        if f.name not in referenced:
+            out.append(warning("stale data file: not referenced by the metadata (left over "
+                               "from another save?)", file=f.name))
+    return out
+
+
+def _is_leftover(name: str) -> bool:
+    low = name.lower()
+    return ".tmp" in low or low.endswith(("~", ".partial")) or "staging" in low
+
+
+def _leftovers(root: Path) -> list[Finding]:
+    out = []
+    try:
+        for f in sorted(root.iterdir()):
+            if _is_leftover(f.name):
+                kind = "directory" if f.is_dir() else "file"
+                out.append(warning(f"leftover temporary {kind} from an unfinished write",
+                                   file=f.name))
+        for f in sorted(root.parent.iterdir()):
+            if f != root and f.name.lstrip(".").startswith(root.name) and _is_leftover(f.name):
+                out.append(warning("leftover staging/temporary entry next to the checkpoint",
+                                   file=f"../{f.name}"))
+    except OSError:
+        pass
+    return out
+
+
+# -- 7. deep --------------------------------------------------------------------------------
+
+_DEEP_SLAB_BYTES = 256 << 20
+
+
+def _slabs(meta: Any) -> list[tuple[slice, ...] | None]:
+    """Read big tensors in slabs along dim 0 (about ``_DEEP_SLAB_BYTES`` each)."""
+    if not meta.shape or meta.stored_shape is not None or meta.shape[0] <= 1 \
+            or meta.nbytes <= _DEEP_SLAB_BYTES:
+        return [None]
+    rows = max(1, _DEEP_SLAB_BYTES * meta.shape[0] // max(1, meta.nbytes))
+    return [(slice(i, min(i + rows, meta.shape[0])),) for i in range(0, meta.shape[0], rows)]
+
+
+def _nan_inf(t: Any) -> tuple[int, int]:
+    import torch
+
+    if not (t.is_floating_point() or t.is_complex()) or t.numel() == 0:
+        return 0, 0
+    x = t if t.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64) \
+        or t.is_complex() else t.float()
+    return int(torch.isnan(x).sum()), int(torch.isinf(x).sum())
+
+
+def _deep(reader: Any, meta: CheckpointMeta, so_far: list[Finding],
+          stats: dict[str, int]) -> list[Finding]:
+    """Read every tensor not already reported broken; NaN/Inf counts per tensor."""
+    errors = [f for f in so_far if f.severity == "error"]
+    broken_keys = {f.key for f in errors if f.key}
+    broken_files = {f.file for f in errors if f.file}
+    out: list[Finding] = []
+    read = 0
+    for key in sorted(meta.tensors):
+        tm = meta.tensors[key]
+        if key in broken_keys or any(c.file in broken_files for c in tm.chunks):
+            continue  # already reported; a read would only repeat it
+        nan = inf = 0
+        try:
+            for sl in _slabs(tm):
+                t = reader.read(key, sl)
+                try:
+                    n, i = _nan_inf(t)
+                except Exception as exc:  # noqa: BLE001
+                    out.append(warning(f"cannot count NaN/Inf ({type(exc).__name__}: {exc})",
+                                       key=key))
+                    break
+                nan, inf = nan + n, inf + i
+                del t
+        except Exception as exc:  # noqa: BLE001 - every failure is a finding
+            msg = getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}"
+            out.append(error(f"cannot read the tensor: {msg}", key=key))
+            continue
+        read += 1
+        if nan or inf:
+            out.append(warning(f"{nan} NaN and {inf} Inf of {tm.numel} elements", key=key))
+    stats["tensors_read"] = read
+    return out
