@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ckpt_tool.errors import NotACheckpointError, InputError
-from ckpt_tool.model import CheckpointMeta
+from ckpt_tool.model import CheckpointMeta, ObjectMeta, TensorMeta
 
 __all__ = ["Reader", "Format", "register", "formats", "detect", "open_checkpoint"]
 
@@ -39,6 +39,22 @@ class Reader(abc.ABC):
     @abc.abstractmethod
     def metadata(self) -> CheckpointMeta:
         """The checkpoint mapped into the metadata model, without reading tensor data."""
+
+    def _tensor_meta(self, key: str) -> TensorMeta:
+        """The metadata of tensor ``key``; InputError naming the checkpoint when absent."""
+        try:
+            return self.metadata().tensors[key]
+        except KeyError:
+            raise InputError(f"no tensor {key!r} in the checkpoint",
+                             path=getattr(self, "root", self.path)) from None
+
+    def _object_meta(self, unique_key: str) -> ObjectMeta:
+        """The metadata of stored object ``unique_key``; InputError when absent."""
+        for o in self.metadata().objects:
+            if o.unique_key == unique_key:
+                return o
+        raise InputError(f"no object {unique_key!r} in the checkpoint",
+                         path=getattr(self, "root", self.path))
 
     def read(self, key: str, slices: tuple[slice, ...] | None = None) -> Any:
         """The global tensor ``key`` (a torch.Tensor), or only ``slices`` of it."""

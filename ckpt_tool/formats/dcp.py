@@ -282,18 +282,6 @@ class DcpReader(Reader):
         return out
 
     # -- data -------------------------------------------------------------------------------
-    def _tensor_meta(self, key: str) -> TensorMeta:
-        try:
-            return self.metadata().tensors[key]
-        except KeyError:
-            raise InputError(f"no tensor {key!r} in the checkpoint", path=self.root) from None
-
-    def _object_meta(self, unique_key: str) -> ObjectMeta:
-        for o in self.metadata().objects:
-            if o.unique_key == unique_key:
-                return o
-        raise InputError(f"no bytes item {unique_key!r} in the checkpoint", path=self.root)
-
     def read(self, key: str, slices: tuple[slice, ...] | None = None) -> Any:
         """The global tensor ``key`` (DCP fqn), or ``slices`` of it, assembled from its chunks."""
         from ckpt_tool.formats._dcp_io import assemble, load_chunk

@@ -153,18 +153,6 @@ class McoreDistReader(Reader):
         objs = [o for o in self.metadata().objects if o.key == COMMON_STATE_OBJECT]
         return self.read_object(objs[0].unique_key) if objs else {}
 
-    def _tensor_meta(self, key: str) -> TensorMeta:
-        try:
-            return self.metadata().tensors[key]
-        except KeyError:
-            raise InputError(f"no tensor {key!r} in the checkpoint", path=self.root) from None
-
-    def _object_meta(self, unique_key: str) -> ObjectMeta:
-        for o in self.metadata().objects:
-            if o.unique_key == unique_key:
-                return o
-        raise InputError(f"no object {unique_key!r} in the checkpoint", path=self.root)
-
 
 class TorchDistReader(McoreDistReader):
     """``sharded_backend: torch_dist``: DCP ``.metadata`` + ``*.distcp`` files."""

@@ -141,7 +141,7 @@ def test_fixture_reads_bit_exact(fixture_truth):
         assert common["extra.lr_history"] == [1e-3] and common["step"] == 1
         with pytest.raises(InputError, match="no tensor"):
             r.read("nope")
-        with pytest.raises(InputError, match="no bytes item"):
+        with pytest.raises(InputError, match="no object"):
             r.read_object("nope")
 
 
