@@ -14,6 +14,7 @@ CheckpointPath = Annotated[
     typer.Argument(
         help="Checkpoint directory, an iter_* directory, a training save directory or a file.",
         show_default=False,
+        readable=False,  # checked by the command: one clear line, not click's usage box
     ),
 ]
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout.")]

@@ -2,26 +2,48 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any, Optional
+
+import typer
 
 from ckpt_tool.cli._errors import handle_errors
 from ckpt_tool.cli._options import CheckpointPath, JsonFlag, TrustFlag
 from ckpt_tool.cli._output import human_bytes, print_json, stdout
 
+# The default view lists objects one per row up to this many, then one row per key.
+_OBJECTS_IN_FULL = 24
+
 
 @handle_errors
-def inspect(path: CheckpointPath, json_: JsonFlag = False, trust: TrustFlag = False) -> None:
+def inspect(
+    path: CheckpointPath,
+    json_: JsonFlag = False,
+    trust: TrustFlag = False,
+    filter_: Annotated[Optional[str], typer.Option(
+        "--filter", metavar="REGEX", show_default=False,
+        help="Only tensors/objects whose key matches (Python re.search).")] = None,
+    tree: Annotated[bool, typer.Option(
+        "--tree", help="Group tensors by module prefix, with bytes and tensor counts.")] = False,
+    objects: Annotated[bool, typer.Option(
+        "--objects", help="List every stored object (unique key, file, size) in full.")] = False,
+    common: Annotated[bool, typer.Option(
+        "--common", help="Print the full common state (every field, args in full).")] = False,
+) -> None:
     """Show a checkpoint's tensors, objects and common state (metadata only).
 
     Example: ckpt inspect checkpoints/gpt/iter_0000010 --json
+
+    Example: ckpt inspect checkpoints/gpt --tree --filter 'decoder\\.layers\\.mlp'
     """
+    from ckpt_tool.ops.inspect import compile_filter
     from ckpt_tool.ops.inspect import inspect as run_inspect
 
-    result = run_inspect(path, trust=trust)
+    compile_filter(filter_)  # a bad regex is a usage error before any I/O
+    result = run_inspect(path, trust=trust, pattern=filter_, full_common=common)
     if json_:
-        print_json(result.to_dict())
+        print_json(result.to_dict(tree=tree))
     else:
-        render(result)
+        render(result, tree=tree, all_objects=objects, full_common=common)
 
 
 def _shape(shape: Any) -> str:
@@ -36,9 +58,9 @@ def _kv(value: Any) -> str:
     return str(value)
 
 
-def render(result: Any) -> None:
+def render(result: Any, *, tree: bool = False, all_objects: bool = False,
+           full_common: bool = False) -> None:
     """Rich rendering of an InspectResult for people (stdout)."""
-    from rich.table import Table
     from rich.text import Text
 
     meta, ex = result.meta, result.meta.extras
@@ -54,12 +76,27 @@ def render(result: Any) -> None:
              if ex.get(k) is not None]
     if files:
         stdout.print("files: " + ", ".join(files), highlight=False)
-    _render_common(meta.common)
+    if full_common and result.full_common is not None:
+        _render_full_common(result.full_common)
+    else:
+        _render_common(meta.common)
     if "optimizer_sharding" in ex:  # Megatron-Core formats only
         opt = ex["optimizer_sharding"]
         stdout.print("optimizer sharding: " + (f"{opt['type']} ({opt['source']})" if opt
                                                else "no optimizer state"), highlight=False)
 
+    if tree:
+        _render_tree(result)
+    else:
+        _render_table(result)
+    _render_objects(meta, all_objects)
+    _render_totals(result)
+
+
+def _render_table(result: Any) -> None:
+    from rich.table import Table
+
+    meta = result.meta
     table = Table(title=f"{len(meta.tensors)} tensors", title_justify="left", expand=False)
     for col, just in (("key", "left"), ("dtype", "left"), ("shape", "left"),
                       ("chunks", "right"), ("split", "left"), ("bytes", "right")):
@@ -73,15 +110,63 @@ def render(result: Any) -> None:
                       human_bytes(t.nbytes))
     stdout.print(table)
 
-    if meta.objects:
+
+def _render_tree(result: Any) -> None:
+    from rich.markup import escape
+    from rich.tree import Tree
+
+    from ckpt_tool.ops.inspect import tensor_tree
+
+    def label(node: dict[str, Any]) -> str:
+        name = escape(node["name"])
+        if "key" in node:
+            return (f"{name}  [dim]{node['dtype']} {_shape(node['shape'])}[/dim]  "
+                    f"{escape(node['split'])}  {human_bytes(node['nbytes'])}")
+        n = node["tensors"]
+        return (f"[bold]{name}[/bold]  ({n} tensor{'s' * (n != 1)}, "
+                f"{human_bytes(node['nbytes'])})")
+
+    def add(parent: Any, node: dict[str, Any]) -> None:
+        for child in node["children"]:
+            add(parent.add(label(child)), child)
+
+    root = tensor_tree(result.meta, result.splits)
+    top = Tree(label({**root, "name": root["name"] or "tensors"}))
+    add(top, root)
+    stdout.print(top, highlight=False)
+
+
+def _render_objects(meta: Any, all_objects: bool) -> None:
+    from rich.table import Table
+
+    from ckpt_tool.ops.inspect import object_groups
+
+    if not meta.objects:
+        if all_objects:
+            stdout.print("objects: none", highlight=False)
+        return
+    if all_objects or len(meta.objects) <= _OBJECTS_IN_FULL:
         objs = Table(title=f"{len(meta.objects)} sharded objects", title_justify="left")
         for col in ("unique key", "file", "bytes"):
             objs.add_column(col, overflow="fold")
         for o in meta.objects:
             size = "" if o.byte_length is None else human_bytes(o.byte_length)
             objs.add_row(o.unique_key, o.file or "", size)
-        stdout.print(objs)
+    else:
+        groups = object_groups(meta)
+        objs = Table(title=f"{len(meta.objects)} sharded objects in {len(groups)} keys "
+                           "(--objects lists each)", title_justify="left")
+        for col, just in (("key", "left"), ("objects", "right"), ("bytes", "right")):
+            objs.add_column(col, justify=just, overflow="fold")
+        for g in groups:
+            objs.add_row(g["key"], str(g["count"]), human_bytes(g["nbytes"]))
+    stdout.print(objs)
 
+
+def _render_totals(result: Any) -> None:
+    from rich.table import Table
+
+    meta = result.meta
     totals = Table(title="totals per dtype", title_justify="left")
     for col, just in (("dtype", "left"), ("tensors", "right"), ("elements", "right"),
                       ("bytes", "right")):
@@ -92,6 +177,15 @@ def render(result: Any) -> None:
                    f"{sum(r['numel'] for r in result.totals.values()):,}",
                    human_bytes(meta.total_bytes), style="bold")
     stdout.print(totals)
+
+
+def _render_full_common(common: dict[str, Any]) -> None:
+    import json
+
+    from rich.markup import escape
+
+    stdout.print("common state (full):", highlight=False)
+    stdout.print(escape(json.dumps(common, indent=2, default=str)), highlight=False)
 
 
 def _render_common(common: dict[str, Any]) -> None:

@@ -59,7 +59,8 @@ def validate(
 
 
 def verdict(result: Any) -> str:
-    """One line: ``valid``/``INVALID``, the format, what was checked, counts of findings."""
+    """One line: ``valid``/``INVALID``, the format, what was checked, counts of findings and,
+    when invalid, the first error."""
     n_err, n_warn = len(result.errors), len(result.warnings)
     what = result.root or result.path
     fmt = f" ({result.format})" if result.format else ""
@@ -69,7 +70,12 @@ def verdict(result: Any) -> str:
                         if k in s)
     counts = f"{n_err} error{'s' * (n_err != 1)}, {n_warn} warning{'s' * (n_warn != 1)}"
     head = "valid" if result.ok else "INVALID"
-    return f"{head}: {what}{fmt}: {counts}" + (f" [{checked}]" if checked else "")
+    line = f"{head}: {what}{fmt}: {counts}" + (f" [{checked}]" if checked else "")
+    if result.errors:  # the stderr line alone says what is wrong (the table has the rest)
+        first = result.errors[0]
+        where = ": ".join(x for x in (first.file, first.key) if x)
+        line += f"; first error: {where + ': ' if where else ''}{first.message}"
+    return " ".join(line.split())
 
 
 def render(result: Any) -> None:

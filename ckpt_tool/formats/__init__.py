@@ -11,4 +11,5 @@ __all__ = ["Format", "Reader", "detect", "formats", "open_checkpoint", "register
 from ckpt_tool.formats import mcore_dist as _mcore_dist  # noqa: E402,F401
 from ckpt_tool.formats import dcp as _dcp  # noqa: E402,F401
 from ckpt_tool.formats import safetensors as _safetensors  # noqa: E402,F401
+from ckpt_tool.formats import megatron_legacy as _megatron_legacy  # noqa: E402,F401
 from ckpt_tool.formats import torch_save as _torch_save  # noqa: E402,F401

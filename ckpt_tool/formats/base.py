@@ -17,6 +17,9 @@ readers only move bytes.
 from __future__ import annotations
 
 import abc
+import errno
+import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -24,7 +27,8 @@ from typing import Any, Callable
 from ckpt_tool.errors import NotACheckpointError, InputError
 from ckpt_tool.model import CheckpointMeta, ObjectMeta, TensorMeta
 
-__all__ = ["Reader", "Format", "register", "formats", "detect", "open_checkpoint"]
+__all__ = ["Reader", "Format", "register", "formats", "detect", "open_checkpoint",
+           "check_readable", "os_input_error"]
 
 
 class Reader(abc.ABC):
@@ -108,17 +112,71 @@ def formats() -> dict[str, Format]:
     return dict(_REGISTRY)
 
 
-def detect(path: str | Path) -> Format:
-    """The format of ``path``; raises NotACheckpointError listing every format tried and why."""
+def os_input_error(exc: OSError, path: str | Path) -> InputError:
+    """An OSError met while reading ``path`` as one clear InputError (loop, permission, ...)."""
+    p = Path(exc.filename) if getattr(exc, "filename", None) else Path(path)
+    if exc.errno == errno.ELOOP:
+        return InputError("symlink loop (the link points back at itself through other links)",
+                          path=p, hint="fix or remove the symlink")
+    if exc.errno == errno.ENOENT:
+        if os.path.islink(p):
+            return InputError(f"broken symlink (points at {os.readlink(p)}, which does not "
+                              "exist)", path=p, hint="fix or remove the symlink")
+        return InputError("no such file or directory", path=p, hint="check the path")
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return InputError("permission denied", path=p,
+                          hint="check the permissions: read, and execute on directories")
+    return InputError(f"cannot read ({exc.strerror or exc})", path=p)
+
+
+_MARKERS = ("metadata.json", ".metadata", "common.pt", "latest_checkpointed_iteration.txt")
+
+
+def check_readable(path: str | Path) -> None:
+    """InputError naming the problem when ``path`` cannot be read at all: missing, a symlink
+    loop or broken symlink (the path or a marker file in it), no permission."""
     p = Path(path)
-    if not p.exists() and not p.is_symlink():
-        raise InputError("no such file or directory", path=p, hint="check the path")
+    try:
+        st = os.stat(p)
+        if stat.S_ISDIR(st.st_mode):
+            with os.scandir(p) as it:
+                next(it, None)
+            for name in _MARKERS:
+                if os.path.islink(p / name):
+                    os.stat(p / name)
+        elif stat.S_ISREG(st.st_mode):
+            with open(p, "rb") as f:
+                f.read(1)
+        else:  # a FIFO, socket or device: opening it could block
+            raise InputError("not a regular file or directory", path=p,
+                             hint="pass a checkpoint directory or file")
+    except OSError as exc:
+        raise os_input_error(exc, p) from None
+
+
+def detect(path: str | Path) -> Format:
+    """The format of ``path``; raises NotACheckpointError listing every format tried and why,
+    or an InputError when the path cannot be read at all (missing, symlink loop, permission,
+    a tracker file with garbage content)."""
+    from ckpt_tool.formats._resolve import resolve_checkpoint_dir
+
+    p = Path(path)
+    check_readable(p)
     reasons = []
-    for fmt in formats().values():
-        why = fmt.sniff(p)
-        if why is None:
-            return fmt
-        reasons.append(f"{fmt.name}: {why}")
+    try:
+        try:
+            resolve_checkpoint_dir(p)  # a bad tracker file: one clear error, not one per format
+        except NotACheckpointError:
+            raise
+        except InputError as exc:
+            raise NotACheckpointError(exc.message, path=exc.path, hint=exc.hint) from None
+        for fmt in formats().values():
+            why = fmt.sniff(p)
+            if why is None:
+                return fmt
+            reasons.append(f"{fmt.name}: {why}")
+    except OSError as exc:
+        raise os_input_error(exc, p) from None
     raise NotACheckpointError(
         "not a checkpoint of any known format [" + "; ".join(reasons) + "]", path=p,
         hint="pass a checkpoint directory, an iter_* directory or a training save directory",

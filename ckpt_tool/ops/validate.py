@@ -12,6 +12,8 @@ Checks, in order (the pure ones live in ``ops/_checks.py``, CRC32/sha256 ones in
    them), streamed from a bounded view of the file; ``integrity.json`` sha256 digests;
 5. stale ``*.distcp`` files nobody references, leftover ``*.tmp``/staging files (warnings);
 6. the caller's expectations: ``expect_tp``/``expect_pp``/``expect_keys``/``expect_iteration``;
+   Megatron-LM legacy: every ``mp_rank_*`` file for TP x PP (x EP) present, replicated
+   tensors consistent across TP ranks;
 7. ``deep``: read every tensor, count NaN/Inf (warnings), report read failures (errors).
 
 A path that is not a checkpoint at all (missing, unknown format, unsafe pickle without
@@ -83,9 +85,10 @@ def validate(path: str | Path, *, trust: bool = False, deep: bool = False,
     """Check the checkpoint at ``path`` and return every finding (see the module docstring)."""
     from ckpt_tool.formats._resolve import resolve_checkpoint_dir
 
+    from ckpt_tool.formats.base import check_readable
+
     p = Path(path)
-    if not p.exists():
-        raise InputError("no such file or directory", path=p, hint="check the path")
+    check_readable(p)  # missing, symlink loop, permission denied: InputError (exit 2)
     findings: list[Finding] = []
     stats: dict[str, int] = {}
 
@@ -127,6 +130,8 @@ def validate(path: str | Path, *, trust: bool = False, deep: bool = False,
         for key in sorted(meta.tensors):
             findings.extend(check_coverage(meta.tensors[key]))
         findings.extend(_check_common_state(base, meta))
+        if meta.format == "legacy":
+            findings.extend(_legacy_rank_findings(reader))
         if meta.format in _DCP_FORMATS:
             skip = set(getattr(reader, "_object_transforms", {}) or {})
             findings.extend(check_zip_items(base, meta, sizes, stats, skip))
@@ -233,6 +238,14 @@ def _sharded_only(fmt: Any, root: Path, trust: bool) -> tuple[Any, CheckpointMet
         return None, None
     return reader, CheckpointMeta(format=fmt.name, root=str(reader.root), tensors=tensors,
                                   objects=tuple(objects), extras=extras)
+
+
+def _legacy_rank_findings(reader: Any) -> list[Finding]:
+    """Megatron-LM legacy checkpoints: every ``mp_rank_*`` file for TP x PP (x EP) from args is
+    present, replicated tensors agree in dtype/shape across TP ranks (the reader collects both
+    while building the metadata, in ``reader.problems``)."""
+    return [error(p["message"], key=p.get("key"), file=p.get("file"))
+            for p in getattr(reader, "problems", ())]
 
 
 def _check_common_state(root: Path, meta: CheckpointMeta) -> list[Finding]:

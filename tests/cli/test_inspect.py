@@ -43,9 +43,9 @@ def test_json(ckpt):
     doc = json.loads(result.stdout)
     assert doc["format"] == "torch_dist"
     assert doc["tensors"]["decoder.w"] == {"dtype": "float32", "shape": [4, 6], "chunks": 4,
-                                           "nbytes": 96, "split": "4 chunks: dim0 ×2, dim1 ×2"}
+                                           "nbytes": 96, "split": "4 chunks: dim0 ×2 × dim1 ×2"}
     qkv = doc["tensors"]["decoder.layers.self_attention.linear_qkv.weight"]
-    assert qkv["dtype"] == "bfloat16" and qkv["split"] == "8 chunks: layers ×4 × dim0 ×2"
+    assert qkv["dtype"] == "bfloat16" and qkv["split"] == "8 chunks: dim0 ×2 × 4 layers"
     assert doc["objects"][0]["unique_key"] == "rng_state/shard_0.0_1.1"
     assert doc["common"]["iteration"] == 10
     assert doc["dtype_totals"]["float32"] == {"tensors": 1, "numel": 24, "nbytes": 96}
@@ -57,7 +57,7 @@ def test_human_output(ckpt):
     assert result.exit_code == 0, result.output
     out = result.output
     for text in ("torch_dist", "sharded_backend=torch_dist", "iteration: 10", "decoder.w",
-                 "4 chunks: dim0 ×2, dim1 ×2", "rng_state/shard_0.0_1.1", "totals per dtype",
+                 "4 chunks: dim0 ×2 × dim1 ×2", "rng_state/shard_0.0_1.1", "totals per dtype",
                  "bfloat16", "optimizer sharding: no optimizer state"):
         assert text in out, text
 
@@ -125,4 +125,6 @@ def test_real_fixture_save_dir():
     assert doc["root"].endswith("iter_0000010") and doc["common"]["iteration"] == 10
     assert doc["common"]["parallel"]["tp"] == 2 and doc["common"]["parallel"]["pp"] == 2
     assert doc["tensors"]["decoder.layers.self_attention.linear_qkv.weight"]["split"] == \
-        "8 chunks: layers ×4 × dim0 ×2"
+        "8 chunks: tp 0-1 along dim 0 × 4 layers"
+    assert doc["tensors"]["decoder.layers.self_attention.linear_proj.weight"]["split"] == \
+        "8 chunks: tp 0-1 along dim 1 × 4 layers"

@@ -1,0 +1,106 @@
+"""Pure rules of the Megatron-LM legacy layout (no I/O, no torch): rank directory names, which
+pipeline stage holds which global layers, and how each parameter is split across TP ranks.
+
+See FORMATS.md sections 4 and 5. Keys are Megatron-Core module names (the model's own
+``state_dict`` names, e.g. ``decoder.layers.3.input_layernorm.weight``).
+"""
+
+from __future__ import annotations
+
+import re
+
+__all__ = ["RANK_DIR_RE", "LAYER_RE", "parse_rank_dir", "rank_dir_name", "stage_layer_offsets",
+           "virtual_layer_offset", "globalize_key", "split_rule", "COLUMN", "ROW", "VOCAB",
+           "GLU", "REPLICATED"]
+
+RANK_DIR_RE = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
+LAYER_RE = re.compile(r"^((?:.*\.)?(?:decoder|encoder)\.layers\.)(\d+)(\..*)$")
+_EXPERT_RE = re.compile(r"^(.*\.local_experts\.)(\d+)(\..*)$")
+
+COLUMN, ROW, VOCAB, GLU, REPLICATED = "column", "row", "vocab", "glu", "replicated"
+
+
+def parse_rank_dir(name: str, pp_size: int | None = None) -> tuple[int, int, int] | None:
+    """``mp_rank_01_002`` -> ``(tp=1, pp=2, ep=0)``; ``mp_rank_01`` -> ``(1, 0, 0)``.
+
+    Two 3-digit groups are ``pp`` then ``ep``; with one group it is ``pp`` when ``pp_size`` is
+    not 1, else ``ep`` (Megatron-LM appends ``_{pp:03d}`` only for PP > 1).
+    """
+    m = RANK_DIR_RE.match(name)
+    if m is None:
+        return None
+    tp = int(m.group(1))
+    a, b = m.group(2), m.group(3)
+    if a is None:
+        return tp, 0, 0
+    if b is not None:
+        return tp, int(a), int(b)
+    if pp_size == 1:
+        return tp, 0, int(a)
+    return tp, int(a), 0
+
+
+def rank_dir_name(tp: int, pp: int, ep: int, pp_size: int, ep_size: int) -> str:
+    """Megatron-LM's ``get_checkpoint_name`` directory for one model-parallel rank."""
+    name = f"mp_rank_{tp:02d}"
+    if pp_size > 1:
+        name += f"_{pp:03d}"
+    if ep_size > 1:
+        name += f"_{ep:03d}"
+    return name
+
+
+def stage_layer_offsets(num_layers: int, pp_size: int, first: int | None = None,
+                        last: int | None = None) -> list[int]:
+    """Global index of each stage's local layer 0 (``decoder_first/last_pipeline_num_layers``
+    honoured); raises ValueError when the layers do not split evenly."""
+    if pp_size <= 1:
+        return [0]
+    counts: list[int | None] = [None] * pp_size
+    rest, stages = num_layers, pp_size
+    if first is not None:
+        counts[0], rest, stages = first, rest - first, stages - 1
+    if last is not None:
+        counts[-1], rest, stages = last, rest - last, stages - 1
+    if stages:
+        if rest < 0 or rest % stages:
+            raise ValueError(f"{num_layers} layers do not split over {pp_size} pipeline stages")
+        counts = [rest // stages if c is None else c for c in counts]
+    elif rest != 0:
+        raise ValueError(f"first/last stage layer counts do not add up to {num_layers}")
+    offsets, acc = [], 0
+    for c in counts:
+        offsets.append(acc)
+        acc += int(c or 0)
+    return offsets
+
+
+def virtual_layer_offset(num_layers: int, pp_size: int, vpp_size: int, pp: int, vp: int) -> int:
+    """Megatron-Core's ``get_transformer_layer_offset`` with a virtual pipeline (even split)."""
+    per_virtual = num_layers // pp_size // vpp_size
+    return vp * (num_layers // vpp_size) + pp * per_virtual
+
+
+def globalize_key(key: str, layer_offset: int, expert_offset: int = 0) -> str:
+    """A stage-local key with global layer (and expert) numbers."""
+    m = LAYER_RE.match(key)
+    if m is not None:
+        key = f"{m.group(1)}{int(m.group(2)) + layer_offset}{m.group(3)}"
+    if expert_offset:
+        e = _EXPERT_RE.match(key)
+        if e is not None:
+            key = f"{e.group(1)}{int(e.group(2)) + expert_offset}{e.group(3)}"
+    return key
+
+
+def split_rule(key: str, *, swiglu: bool) -> tuple[str, int | None]:
+    """``(kind, dim)`` of a parameter across TP ranks (FORMATS.md section 5)."""
+    if key.endswith(("embedding.word_embeddings.weight", "output_layer.weight")):
+        return VOCAB, 0
+    if key.endswith(("linear_fc1.weight", "linear_fc1.bias")):
+        return (GLU, 0) if swiglu else (COLUMN, 0)
+    if key.endswith(("linear_qkv.weight", "linear_qkv.bias")):
+        return COLUMN, 0
+    if key.endswith(("linear_proj.weight", "linear_fc2.weight")):
+        return ROW, 1
+    return REPLICATED, None
