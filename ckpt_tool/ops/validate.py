@@ -147,7 +147,21 @@ def validate(path: str | Path, *, trust: bool = False, deep: bool = False,
             findings.extend(_deep(reader, meta, findings, stats))
     finally:
         reader.close()
+    findings.extend(_sub_checkpoint_findings(Path(meta.root), trust=trust, deep=deep))
     return done(Path(meta.root), meta.format)
+
+
+def _sub_checkpoint_findings(root: Path, *, trust: bool, deep: bool) -> list[Finding]:
+    """Findings of complete dist checkpoints nested in this one (``modelopt_state/``), with
+    their files named relative to the outer checkpoint."""
+    import dataclasses
+
+    sub = root / "modelopt_state"
+    if not root.is_dir() or not sub.is_dir():
+        return []
+    inner = validate(sub, trust=trust, deep=deep).findings
+    return [dataclasses.replace(f, file=f"{sub.name}/{f.file}" if f.file else sub.name)
+            for f in inner]
 
 
 # -- 1. completeness ------------------------------------------------------------------------

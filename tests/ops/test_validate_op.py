@@ -364,3 +364,14 @@ def test_deep_reads_big_tensors_in_slabs(tmp_path, monkeypatch):
     assert len(v._slabs(inspect(tmp_path / "ck").meta.tensors["w"])) == 4
     r = validate(tmp_path / "ck", deep=True)
     assert [f.message for f in r.findings] == ["1 NaN and 0 Inf of 40 elements"]
+
+
+def test_modelopt_state_sub_checkpoint_is_validated(mcore):
+    sub = Path(shutil.copytree(MCORE, mcore / "modelopt_state"))
+    assert validate(mcore).ok
+    victim = sorted(sub.glob("*.distcp"))[0]
+    victim.write_bytes(victim.read_bytes()[:100])
+    result = validate(mcore)
+    assert not result.ok
+    assert any(f.file == f"modelopt_state/{victim.name}" and "truncated" in f.message
+               for f in result.errors)
