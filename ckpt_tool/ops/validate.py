@@ -354,6 +354,8 @@ def _nan_inf(t: Any) -> tuple[int, int]:
         return 0, 0
     x = t if t.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64) \
         or t.is_complex() else t.float()
+    if bool(torch.isfinite(x).all()):  # the common case: one pass, no counting
+        return 0, 0
     return int(torch.isnan(x).sum()), int(torch.isinf(x).sum())
 
 
