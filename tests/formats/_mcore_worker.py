@@ -80,5 +80,9 @@ if __name__ == "__main__":
             except Exception as exc:  # reported to the test, which decides
                 results[ckpt] = {"error": f"{type(exc).__name__}: {exc}"}
         torch.save(results, result_path)
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    from ckpt_tool._torchrun import exit_cleanly
+
+    exit_cleanly(0)

@@ -112,8 +112,6 @@ def main() -> int:
         sd = layouts.build_sharded_state_dict(mapping, layout, with_objects)
         sd.update(layouts.common_state())
         lib.save(sd, args.dir)
-        dist.barrier()
-        dist.destroy_process_group()
         return 0
 
     target = layouts.build_sharded_state_dict(mapping, layout, with_objects, empty=True)
@@ -124,7 +122,6 @@ def main() -> int:
     loaded = lib.load(target, args.dir)
     errors = compare(loaded, truth)
     errors += compare(loaded, layouts.common_state())
-    dist.destroy_process_group()
     if errors:
         print(f"rank {rank}: " + "; ".join(errors), file=sys.stderr)
         return 1
@@ -133,4 +130,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from ckpt_tool._torchrun import exit_cleanly
+
+    exit_cleanly(main())

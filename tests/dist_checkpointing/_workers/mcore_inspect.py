@@ -44,4 +44,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from ckpt_tool._torchrun import exit_cleanly
+
+    exit_cleanly(main())

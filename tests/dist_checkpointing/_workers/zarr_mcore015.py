@@ -11,6 +11,7 @@ value bit-exactly. It must not import ckpt_tool (only torch and megatron-core ar
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -64,3 +65,5 @@ def main(mode: str, ckpt_dir: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
+    sys.stdout.flush()
+    os._exit(0)  # skip gloo teardown at interpreter exit (see ckpt_tool._torchrun)

@@ -143,3 +143,6 @@ def main(mode: str, ckpt_dir: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
+    from ckpt_tool._torchrun import exit_cleanly
+
+    exit_cleanly(0)
