@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -21,9 +22,17 @@ def torchrun(script: str, nproc: int, *args: str, timeout: float = 300) -> str:
                PYTHONWARNINGS="ignore")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={nproc}", str(WORKERS / script), *map(str, args)]
-    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout)
-    out = proc.stdout + proc.stderr
+    # Own session: on timeout the whole tree dies, including helpers holding our pipes.
+    proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        raise AssertionError(f"{' '.join(cmd)} timed out after {timeout}s:\n"
+                             f"{(stdout + stderr)[-6000:]}") from None
+    out = stdout + stderr
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{out[-6000:]}")
     return out
