@@ -1,0 +1,115 @@
+"""The contract every checkpoint writer implements, and the registry of writers.
+
+The planner decides *what* goes where (a target ``CheckpointMeta`` whose tensors carry the
+target chunk grid); a writer only moves bytes. Writers *pull* tensor data from a
+``TensorSource`` one chunk (or one slab of a chunk) at a time, so peak memory stays near the
+largest piece they ask for, never the checkpoint.
+
+Call order (done by ``ckpt_tool.ops.convert`` and the reshard executor, never by users)::
+
+    with staged_output(dst, overwrite=...) as staging:   # ops/_staging.py: atomic rename at end
+        writer = writer_for("safetensors")(staging, WriterOptions(...))
+        notes = writer.write(request)                     # WriteRequest below; returns notes
+    # only now does ``dst`` exist
+
+A writer is given an existing, empty directory (``staging``) and writes the whole checkpoint
+into it (for single-file formats, one file inside it named ``WriterOptions.file_name``); it
+never renames, fsyncs or removes anything outside that directory. It must call
+``request.progress(nbytes)`` after each piece of tensor data it has written. What the target
+format cannot hold is not an error: the writer returns one note per dropped thing (e.g.
+``"dropped 4 ShardedObjects (rng_state/...): safetensors holds tensors only"``).
+"""
+
+from __future__ import annotations
+
+import abc
+import importlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+from ckpt_tool.model import CheckpointMeta
+
+__all__ = ["TensorSource", "WriteRequest", "WriterOptions", "Writer", "WRITERS", "writer_for"]
+
+
+class TensorSource(Protocol):
+    """Where a writer pulls tensor bytes from (the executor wraps a Reader, applying renames,
+    dtype casts and resharding)."""
+
+    def read(self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Any:
+        """The hyper-rectangle ``offsets``/``sizes`` of target tensor ``key`` as a contiguous
+        CPU ``torch.Tensor`` of the target dtype. Any rectangle inside the global shape may be
+        asked for; asking for a chunk of the target grid is the cheap case."""
+
+
+@dataclass
+class WriteRequest:
+    """Everything a writer needs.
+
+    ``meta.tensors``: target keys, dtypes, global shapes and chunk grid (``ChunkRef.offsets`` /
+    ``sizes``; ``file``/``byte_*`` are ignored and decided by the writer). ``meta.objects``: the
+    ShardedObjects to store (``unique_key`` as Megatron-Core spells it); their payloads come from
+    ``objects(unique_key)``. ``common``: the full common state (``{}`` when none), e.g.
+    Megatron-LM's ``args``, ``iteration``, ``checkpoint_version``. ``meta.common`` is its
+    JSON-safe summary. ``source`` describes where the data came from, for formats that have a
+    place to record it (e.g. safetensors ``__metadata__``).
+    """
+
+    meta: CheckpointMeta
+    source: TensorSource
+    common: dict[str, Any] = field(default_factory=dict)
+    objects: Callable[[str], Any] = lambda unique_key: None
+    progress: Callable[[int], None] = lambda nbytes: None
+    source_description: str | None = None
+
+
+@dataclass(frozen=True)
+class WriterOptions:
+    """Per-format knobs. ``max_shard_size``: bytes per safetensors shard (HF default 5 GB).
+    ``file_name``: the file single-file writers create inside the directory.
+    ``max_memory``: bytes a writer may hold at once (it then pulls slabs of big chunks)."""
+
+    max_shard_size: int = 5 * 10**9
+    file_name: str | None = None
+    max_memory: int | None = None
+    tp: int | None = None
+    pp: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Writer(abc.ABC):
+    """Writes one checkpoint into an empty directory. See the module docstring."""
+
+    format_name: str = ""
+
+    def __init__(self, directory: Path, options: WriterOptions | None = None):
+        self.directory = Path(directory)
+        self.options = options or WriterOptions()
+
+    @abc.abstractmethod
+    def write(self, request: WriteRequest) -> list[str]:
+        """Write everything in ``request``; return notes on what the format could not hold."""
+
+
+# Target format name -> "module:Class"; imported lazily so `ckpt inspect` never pays for them.
+WRITERS: dict[str, str] = {
+    "torch_dist": "ckpt_tool.formats._write_dcp:TorchDistWriter",
+    "dcp": "ckpt_tool.formats._write_dcp:DcpWriter",
+    "zarr": "ckpt_tool.formats._write_zarr:ZarrWriter",
+    "legacy": "ckpt_tool.formats._write_legacy:LegacyWriter",
+    "torch": "ckpt_tool.formats._write_torch:TorchSaveWriter",
+    "safetensors": "ckpt_tool.formats._write_safetensors:SafetensorsWriter",
+}
+
+
+def writer_for(name: str) -> type[Writer]:
+    """The writer class for target format ``name`` (one of ``WRITERS``)."""
+    try:
+        module, _, cls = WRITERS[name].partition(":")
+    except KeyError:
+        from ckpt_tool.errors import UsageError
+
+        raise UsageError(f"unknown target format {name!r}",
+                         hint="use one of: " + ", ".join(WRITERS)) from None
+    return getattr(importlib.import_module(module), cls)

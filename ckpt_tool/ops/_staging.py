@@ -1,0 +1,97 @@
+"""Atomic output directories: write into a staging directory beside the target, fsync, rename.
+
+A killed run leaves only ``.<name>.ckpt-staging-*`` beside the target (which ``ckpt validate``
+reports as a leftover), never a directory at the target path that looks complete.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+from ckpt_tool.errors import UsageError
+
+__all__ = ["check_output_target", "staged_output", "fsync_tree", "STAGING_MARK"]
+
+STAGING_MARK = ".ckpt-staging-"
+
+
+def check_output_target(dst: str | Path, *, sources: tuple[str | Path, ...] = (),
+                        overwrite: bool = False) -> Path:
+    """Refuse an existing ``dst`` (unless ``overwrite``) and a ``dst`` inside (or equal to, or
+    containing) any source. Returns ``dst`` as an absolute path."""
+    out = Path(os.path.abspath(dst))
+    for src in sources:
+        s = Path(os.path.realpath(src))
+        real_out = Path(os.path.realpath(out))
+        if real_out == s or s in real_out.parents:
+            raise UsageError("the output is inside the input checkpoint", path=out,
+                             hint="write the output somewhere outside the source")
+        if real_out in s.parents:
+            raise UsageError("the output directory contains the input checkpoint", path=out,
+                             hint="choose another output path")
+    if os.path.lexists(out) and not overwrite:
+        raise UsageError("the output already exists", path=out,
+                         hint="pass --overwrite to replace it, or choose another path")
+    if not out.parent.is_dir():
+        raise UsageError("the output's parent directory does not exist", path=out.parent,
+                         hint="create it first")
+    return out
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every file and directory under ``root`` (and ``root`` itself)."""
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(dirpath))
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError:  # some filesystems refuse fsync on directories
+        pass
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def staged_output(dst: str | Path, *, overwrite: bool = False,
+                  file_name: str | None = None) -> Iterator[Path]:
+    """Yield an empty staging directory beside ``dst``; on success fsync it and rename it to
+    ``dst`` (replacing an existing ``dst`` only when ``overwrite``); on failure remove it.
+
+    With ``file_name`` the output is a single file: the writer creates ``staging/file_name``,
+    which becomes ``dst``."""
+    out = Path(os.path.abspath(dst))
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}{STAGING_MARK}", dir=out.parent))
+    try:
+        yield staging
+        fsync_tree(staging)
+        produced = staging / file_name if file_name else staging
+        if os.path.lexists(out):
+            if not overwrite:
+                raise UsageError("the output appeared while writing", path=out,
+                                 hint="pass --overwrite to replace it")
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.ckpt-old-", dir=out.parent))
+            os.rename(out, old / "old")
+            os.rename(produced, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(produced, out)
+        if file_name:
+            shutil.rmtree(staging, ignore_errors=True)
+        _fsync_dir(out.parent)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
