@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 
-__all__ = ["CheckpointPath", "JsonFlag", "TrustFlag"]
+__all__ = ["CheckpointPath", "JsonFlag", "TrustFlag", "OverwriteFlag", "NoVerifyFlag",
+           "MaxMemoryOption", "parse_size"]
 
 CheckpointPath = Annotated[
     Path,
@@ -25,3 +26,28 @@ TrustFlag = Annotated[
         help="Unpickle without the allowlist (runs code from the checkpoint: only for files you trust).",
     ),
 ]
+
+OverwriteFlag = Annotated[bool, typer.Option("--overwrite", help="Replace DST if it exists.")]
+NoVerifyFlag = Annotated[bool, typer.Option(
+    "--no-verify", help="Skip validating the output before it is moved into place.")]
+MaxMemoryOption = Annotated[Optional[str], typer.Option(
+    "--max-memory", help="Memory budget for tensor data, e.g. 2GiB (default: the largest "
+    "tensor).", show_default=False)]
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
+          "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12,
+          "tib": 2**40}
+
+
+def parse_size(text: str | None, option: str) -> int | None:
+    """``"5GB"`` -> 5_000_000_000, ``"2GiB"`` -> 2 * 2**30; UsageError on anything else."""
+    if text is None:
+        return None
+    import re
+
+    from ckpt_tool.errors import UsageError
+
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS or float(m.group(1)) <= 0:
+        raise UsageError(f"bad {option} value {text!r}", hint="use a size like 500MB or 2GiB")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])

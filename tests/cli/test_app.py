@@ -23,7 +23,7 @@ def test_version():
     assert __version__ in result.output
 
 
-BUILT = ["inspect", "validate", "diff"]
+BUILT = ["inspect", "validate", "diff", "convert"]
 PENDING = [c for c in COMMANDS if c not in BUILT]
 
 

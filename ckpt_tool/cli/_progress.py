@@ -1,0 +1,55 @@
+"""Rich progress bars on stderr (only when stderr is a terminal): bytes, tensors, throughput."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from typing import Iterator
+
+from ckpt_tool.cli._output import stderr
+
+__all__ = ["progress_bar", "NullProgress"]
+
+
+class NullProgress:
+    """A progress sink that draws nothing (not a terminal, or ``--json``)."""
+
+    def start(self, total_bytes: int, total_tensors: int) -> None:
+        pass
+
+    def update(self, nbytes: int, tensors_done: int) -> None:
+        pass
+
+
+class _RichProgress:
+    def __init__(self, bar, description: str):
+        self._bar = bar
+        self._description = description
+        self._task = None
+        self._tensors = 0
+
+    def start(self, total_bytes: int, total_tensors: int) -> None:
+        self._tensors = total_tensors
+        self._task = self._bar.add_task(self._description, total=total_bytes,
+                                        tensors=f"0/{total_tensors} tensors")
+
+    def update(self, nbytes: int, tensors_done: int) -> None:
+        if self._task is not None:
+            self._bar.update(self._task, advance=nbytes,
+                             tensors=f"{tensors_done}/{self._tensors} tensors")
+
+
+@contextlib.contextmanager
+def progress_bar(description: str, *, enabled: bool = True) -> Iterator[object]:
+    """A progress sink for ``ops`` functions; draws on stderr only when it is a terminal."""
+    if not (enabled and sys.stderr.isatty()):
+        yield NullProgress()
+        return
+    from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn,
+                               TimeRemainingColumn, TransferSpeedColumn)
+
+    with Progress(TextColumn("{task.description}"), BarColumn(),
+                  DownloadColumn(binary_units=True), TransferSpeedColumn(),
+                  TextColumn("{task.fields[tensors]}"), TimeRemainingColumn(),
+                  console=stderr, transient=True) as bar:
+        yield _RichProgress(bar, description)

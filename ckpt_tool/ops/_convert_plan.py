@@ -1,0 +1,199 @@
+"""What ``convert`` writes: the target ``CheckpointMeta`` planned from the source's (pure, no I/O).
+
+``plan_convert`` applies ``--filter``/``--exclude`` (regexes searched in the source key),
+``--rename OLD=NEW`` (prefix mapping, first match wins), ``--model-only`` (drops optimizer
+state) and ``--dtype`` (floating tensors only) and picks the target chunk grid:
+
+* dist targets (``torch_dist``, ``dcp``, ``zarr``) keep the source's chunk grid when it is a
+  plain tiling of the tensor (replicas counted once), so each output chunk is one source chunk
+  read once; otherwise (flattened optimizer state, unchunked sources) one chunk per tensor;
+* any chunk larger than ``max_memory`` is split along its first axis;
+* single-file targets get one chunk per tensor (their writers stream slabs themselves).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field, replace
+
+from ckpt_tool.errors import UsageError
+from ckpt_tool.model import CheckpointMeta, ChunkRef, ObjectMeta, TensorMeta, dtype_itemsize
+
+__all__ = ["ConvertOptions", "ConvertPlan", "plan_convert", "parse_rename", "DTYPE_ALIASES",
+           "TARGETS", "is_optimizer_key"]
+
+TARGETS = ("torch_dist", "zarr", "dcp", "legacy", "torch", "safetensors")
+DTYPE_ALIASES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16",
+                 "float16": "float16", "half": "float16", "fp32": "float32",
+                 "float32": "float32", "float": "float32"}
+_FLOATS = {"float64", "float32", "float16", "bfloat16"}
+_CHUNKED_TARGETS = {"torch_dist", "dcp", "zarr"}
+_OPTIMIZER_PREFIXES = ("optimizer.", "optim.", "optimizer/", "opt_param_scheduler")
+_OPTIMIZER_COMMON = ("optimizer", "opt_param_scheduler", "optim")
+
+
+def is_optimizer_key(key: str) -> bool:
+    """True for optimizer state (Megatron-Core ``optimizer.*``, DCP ``optim.*``, schedulers)."""
+    return key.startswith(_OPTIMIZER_PREFIXES)
+
+
+@dataclass(frozen=True)
+class ConvertOptions:
+    """The knobs of ``ckpt convert`` that shape the target (see the module docstring)."""
+
+    to: str
+    dtype: str | None = None
+    filter: str | None = None
+    exclude: str | None = None
+    rename: tuple[tuple[str, str], ...] = ()
+    model_only: bool = False
+    max_memory: int | None = None
+
+
+@dataclass(frozen=True)
+class ConvertPlan:
+    """The target metadata, where each target key/object comes from, and what was left out."""
+
+    target: CheckpointMeta
+    key_map: dict[str, str]
+    dtypes: dict[str, str]
+    object_map: dict[str, str]
+    dropped_common: tuple[str, ...] = ()
+    notes: list[str] = field(default_factory=list)
+
+
+def parse_rename(specs: list[str] | tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+    """``["decoder.=model.decoder."]`` -> ``(("decoder.", "model.decoder."),)``."""
+    out = []
+    for spec in specs:
+        old, sep, new = spec.partition("=")
+        if not sep or not old:
+            raise UsageError(f"bad --rename {spec!r}", hint="use --rename OLD_PREFIX=NEW_PREFIX")
+        out.append((old, new))
+    return tuple(out)
+
+
+def _rename(key: str, rename: tuple[tuple[str, str], ...]) -> str:
+    for old, new in rename:
+        if key.startswith(old):
+            return new + key[len(old):]
+    return key
+
+
+def _compile(pattern: str | None, option: str) -> re.Pattern[str] | None:
+    if pattern is None:
+        return None
+    try:
+        return re.compile(pattern)
+    except re.error as exc:
+        raise UsageError(f"bad {option} regex {pattern!r}: {exc}") from None
+
+
+def plan_convert(meta: CheckpointMeta, options: ConvertOptions) -> ConvertPlan:
+    """The target ``CheckpointMeta`` and key maps for converting ``meta`` (pure)."""
+    if options.to not in TARGETS:
+        raise UsageError(f"unknown target format {options.to!r}",
+                         hint="use one of: " + ", ".join(TARGETS))
+    dtype = None
+    if options.dtype is not None:
+        dtype = DTYPE_ALIASES.get(options.dtype.lower())
+        if dtype is None:
+            raise UsageError(f"unknown --dtype {options.dtype!r}", hint="use bf16, fp16 or fp32")
+    keep = _compile(options.filter, "--filter")
+    drop = _compile(options.exclude, "--exclude")
+
+    def selected(key: str) -> bool:
+        if options.model_only and is_optimizer_key(key):
+            return False
+        if keep is not None and not keep.search(key):
+            return False
+        return drop is None or not drop.search(key)
+
+    tensors: dict[str, TensorMeta] = {}
+    key_map: dict[str, str] = {}
+    dtypes: dict[str, str] = {}
+    for key, t in meta.tensors.items():
+        if not selected(key):
+            continue
+        new_key = _rename(key, options.rename)
+        if new_key in key_map:
+            raise UsageError(f"--rename maps both {key_map[new_key]!r} and {key!r} to "
+                             f"{new_key!r}", hint="use prefixes that do not collide")
+        new_dtype = dtype if dtype is not None and t.dtype in _FLOATS else t.dtype
+        if new_dtype != t.dtype:
+            dtypes[new_key] = new_dtype
+        chunks = _target_chunks(t, options.to, new_dtype, options.max_memory)
+        tensors[new_key] = TensorMeta(key=new_key, dtype=new_dtype, shape=t.shape,
+                                      chunks=chunks, origin=key)
+        key_map[new_key] = key
+
+    objects: list[ObjectMeta] = []
+    object_map: dict[str, str] = {}
+    for o in meta.objects:
+        if not selected(o.key):
+            continue
+        new = replace(o, key=_rename(o.key, options.rename),
+                      unique_key=_rename(o.unique_key, options.rename),
+                      file=None, byte_offset=None, byte_length=None)
+        objects.append(new)
+        object_map[new.unique_key] = o.unique_key
+
+    common = dict(meta.common)
+    dropped_common: tuple[str, ...] = ()
+    if options.model_only:
+        dropped_common = tuple(k for k in _OPTIMIZER_COMMON if k in common)
+        for k in dropped_common:
+            common.pop(k)
+    notes = []
+    n_out = len(meta.tensors) - len(tensors)
+    if n_out:
+        notes.append(f"left out {n_out} of {len(meta.tensors)} tensors (--filter/--exclude/"
+                     "--model-only)")
+    target = CheckpointMeta(format=options.to, root="", tensors=tensors,
+                            objects=tuple(objects), common=common,
+                            extras={"source_format": meta.format, "source_root": meta.root})
+    return ConvertPlan(target=target, key_map=key_map, dtypes=dtypes, object_map=object_map,
+                       dropped_common=dropped_common, notes=notes)
+
+
+def _target_chunks(t: TensorMeta, to: str, dtype: str, max_memory: int | None
+                   ) -> tuple[ChunkRef, ...]:
+    whole = (ChunkRef(offsets=(0,) * len(t.shape), sizes=tuple(t.shape)),)
+    grid = whole
+    if to in _CHUNKED_TARGETS and _is_plain_tiling(t):
+        seen = set()
+        grid = tuple(ChunkRef(offsets=c.offsets, sizes=c.sizes) for c in t.chunks
+                     if not (c.offsets in seen or seen.add(c.offsets)))
+    if max_memory is None or to not in _CHUNKED_TARGETS:
+        return grid
+    return tuple(piece for c in grid for piece in _split_rows(c, dtype, max_memory))
+
+
+def _is_plain_tiling(t: TensorMeta) -> bool:
+    """The chunks are rectangles in the logical shape that cover it exactly (replicas equal)."""
+    if t.stored_shape is not None or not t.chunks or not t.shape:
+        return False
+    if any(c.layout == "flat" or len(c.offsets) != len(t.shape) for c in t.chunks):
+        return False
+    unique = {}
+    for c in t.chunks:
+        if unique.setdefault(c.offsets, c.sizes) != c.sizes:
+            return False
+    covered = sum(math.prod(s) for s in unique.values())
+    in_bounds = all(o + s <= n for off, sz in unique.items() for o, s, n in zip(off, sz, t.shape))
+    return in_bounds and covered == t.numel
+
+
+def _split_rows(c: ChunkRef, dtype: str, max_memory: int) -> list[ChunkRef]:
+    nbytes = c.numel * dtype_itemsize(dtype)
+    if not c.sizes or nbytes <= max_memory or c.sizes[0] <= 1:
+        return [c]
+    row = nbytes // c.sizes[0]
+    step = max(1, max_memory // max(row, 1))
+    out = []
+    for start in range(0, c.sizes[0], step):
+        n = min(step, c.sizes[0] - start)
+        out.append(ChunkRef(offsets=(c.offsets[0] + start, *c.offsets[1:]),
+                            sizes=(n, *c.sizes[1:])))
+    return out

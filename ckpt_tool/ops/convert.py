@@ -1,0 +1,135 @@
+"""``convert``: rewrite a checkpoint in another format, streaming, into an atomic output.
+
+Call order: open the source -> ``plan_convert`` (pure: target keys, dtypes, chunk grid) ->
+``staged_output`` (a staging directory beside the target) -> the target format's ``Writer``
+pulls chunk after chunk from a ``ReaderSource`` -> ``validate`` of what was written (unless
+``verify=False``) -> fsync and rename into place. The source is only read.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from ckpt_tool.errors import FindingsError, UsageError
+from ckpt_tool.formats.base import open_checkpoint
+from ckpt_tool.formats.writer import WriteRequest, WriterOptions, writer_for
+from ckpt_tool.ops._convert_plan import ConvertOptions, ConvertPlan, plan_convert
+from ckpt_tool.ops._source import ReaderSource
+from ckpt_tool.ops._staging import check_output_target, staged_output
+
+__all__ = ["ConvertResult", "convert", "SINGLE_FILE_TARGETS", "Progress"]
+
+# Targets written as one file when DST looks like a file name.
+SINGLE_FILE_TARGETS = {"torch": (".pt", ".pth", ".bin", ".ckpt")}
+
+
+
+class Progress(Protocol):
+    """Progress sink of long operations (the CLI draws a bar on stderr with it)."""
+
+    def start(self, total_bytes: int, total_tensors: int) -> None:
+        """Called once, when the totals are known."""
+
+    def update(self, nbytes: int, tensors_done: int) -> None:
+        """``nbytes`` more bytes written; ``tensors_done`` tensors finished so far."""
+
+
+@dataclass(frozen=True)
+class ConvertResult:
+    """What ``convert`` did (``--json`` is ``to_dict()``)."""
+
+    source: str
+    source_format: str
+    target: str
+    format: str
+    tensors: int
+    objects: int
+    nbytes: int
+    seconds: float
+    verified: bool
+    largest_piece: int
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"source": self.source, "source_format": self.source_format,
+                "target": self.target, "format": self.format, "tensors": self.tensors,
+                "objects": self.objects, "nbytes": self.nbytes,
+                "seconds": round(self.seconds, 3), "verified": self.verified,
+                "largest_piece": self.largest_piece, "notes": self.notes}
+
+
+def convert(src: str | Path, dst: str | Path, options: ConvertOptions, *, trust: bool = False,
+            overwrite: bool = False, verify: bool = True, tp: int | None = None,
+            pp: int | None = None, max_shard_size: int | None = None,
+            progress: Progress | None = None) -> ConvertResult:
+    """Convert checkpoint ``src`` into ``dst`` in format ``options.to``; see the module doc."""
+    start = time.perf_counter()
+    if (tp is not None or pp is not None) and options.to != "legacy":
+        raise UsageError("--tp/--pp only apply with --to legacy",
+                         hint="use 'ckpt reshard' to change the parallel layout")
+    out = check_output_target(dst, sources=(src,), overwrite=overwrite)
+    reader = open_checkpoint(src, trust=trust)
+    with reader:
+        meta = reader.metadata()
+        plan = plan_convert(meta, options)
+        file_name = _single_file_name(out, options.to)
+        source = ReaderSource(reader, plan.key_map, plan.dtypes,
+                              sizes={k: t.nbytes for k, t in plan.target.tensors.items()})
+        notes = list(plan.notes)
+        if progress is not None:
+            progress.start(plan.target.total_bytes, len(plan.target.tensors))
+        written = [0, 0]
+
+        def on_bytes(nbytes: int) -> None:
+            written[0] += nbytes
+            if progress is not None:
+                progress.update(nbytes, source.tensors_done)
+
+        common = _full_common(reader, plan)
+        request = WriteRequest(
+            meta=plan.target, source=source, common=common,
+            objects=lambda unique_key: reader.read_object(plan.object_map[unique_key]),
+            progress=on_bytes,
+            source_description=f"ckpt convert from {meta.format} checkpoint {meta.root}")
+        wopts = WriterOptions(
+            max_shard_size=max_shard_size or WriterOptions.max_shard_size,
+            file_name=file_name, max_memory=options.max_memory, tp=tp, pp=pp,
+            extra={"source_common_summary": meta.common, "source_extras": meta.extras})
+        with staged_output(out, overwrite=overwrite, file_name=file_name) as staging:
+            notes += writer_for(options.to)(staging, wopts).write(request)
+            if verify:
+                _verify(staging / file_name if file_name else staging, trust=trust)
+    return ConvertResult(
+        source=str(meta.root), source_format=meta.format, target=str(out), format=options.to,
+        tensors=len(plan.target.tensors), objects=len(plan.target.objects), nbytes=written[0],
+        seconds=time.perf_counter() - start, verified=verify,
+        largest_piece=source.largest_piece, notes=notes)
+
+
+def _single_file_name(out: Path, to: str) -> str | None:
+    if out.suffix.lower() in SINGLE_FILE_TARGETS.get(to, ()):
+        return out.name
+    return None
+
+
+def _full_common(reader: Any, plan: ConvertPlan) -> dict[str, Any]:
+    common = dict(reader.common())
+    for key in plan.dropped_common:
+        common.pop(key, None)
+    return common
+
+
+def _verify(path: Path, *, trust: bool) -> None:
+    """Validate what was written; a FindingsError (nothing is renamed into place) on errors."""
+    from ckpt_tool.ops.validate import validate
+
+    result = validate(path, trust=trust)
+    if not result.ok:
+        first = result.errors[0]
+        raise FindingsError(
+            f"the converted checkpoint does not validate ({len(result.errors)} errors; first: "
+            f"{first.key or first.file or ''}: {first.message})",
+            hint="this is a bug in ckpt: please report it; --no-verify skips the check")

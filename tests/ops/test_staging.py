@@ -1,0 +1,55 @@
+"""Atomic outputs: staging beside the target, rename at the end, nothing left on failure."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from ckpt_tool.errors import UsageError
+from ckpt_tool.ops._staging import STAGING_MARK, check_output_target, staged_output
+
+
+def test_output_appears_only_at_the_end(tmp_path):
+    dst = tmp_path / "out"
+    with staged_output(dst) as staging:
+        (staging / "a.bin").write_bytes(b"x")
+        assert not dst.exists()
+        assert STAGING_MARK in staging.name and staging.parent == tmp_path
+    assert (dst / "a.bin").read_bytes() == b"x"
+    assert os.listdir(tmp_path) == ["out"]
+
+
+def test_failure_leaves_nothing(tmp_path):
+    dst = tmp_path / "out"
+    with pytest.raises(RuntimeError):
+        with staged_output(dst) as staging:
+            (staging / "a.bin").write_bytes(b"x")
+            raise RuntimeError("killed")
+    assert os.listdir(tmp_path) == []
+
+
+def test_overwrite_replaces_and_single_file(tmp_path):
+    dst = tmp_path / "model.pt"
+    dst.write_bytes(b"old")
+    with staged_output(dst, overwrite=True, file_name="model.pt") as staging:
+        (staging / "model.pt").write_bytes(b"new")
+    assert dst.read_bytes() == b"new"
+    assert os.listdir(tmp_path) == ["model.pt"]
+
+
+def test_check_output_target_refusals(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (tmp_path / "exists").mkdir()
+    with pytest.raises(UsageError, match="already exists"):
+        check_output_target(tmp_path / "exists", sources=(src,))
+    check_output_target(tmp_path / "exists", sources=(src,), overwrite=True)
+    with pytest.raises(UsageError, match="inside the input"):
+        check_output_target(src / "out", sources=(src,))
+    with pytest.raises(UsageError, match="inside the input"):
+        check_output_target(src, sources=(src,), overwrite=True)
+    with pytest.raises(UsageError, match="contains the input"):
+        check_output_target(tmp_path, sources=(src,), overwrite=True)
+    with pytest.raises(UsageError, match="parent directory"):
+        check_output_target(tmp_path / "no" / "out", sources=(src,))
