@@ -1,0 +1,94 @@
+"""``ckpt convert`` through the CLI: exit codes, JSON summary, refusals, a killed run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from ckpt_tool.cli.app import app
+
+runner = CliRunner()
+FIX = Path(__file__).resolve().parents[2] / "fixtures"
+LEGACY = FIX / "megatron_legacy_tp2pp2"
+
+
+def test_json_summary_and_notes(tmp_path):
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["convert", str(LEGACY), str(out), "--to", "legacy", "--json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert doc["format"] == "legacy" and doc["source_format"] == "legacy"
+    assert doc["tensors"] == 53 and doc["verified"] is True and doc["nbytes"] > 0
+    assert (out / "latest_checkpointed_iteration.txt").exists()
+
+
+def test_refuses_existing_output_and_output_inside_source(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    result = runner.invoke(app, ["convert", str(LEGACY), str(out), "--to", "legacy"])
+    assert result.exit_code == 2 and "already exists" in result.stderr
+    assert "--overwrite" in result.stderr and "Traceback" not in result.output
+    result = runner.invoke(app, ["convert", str(LEGACY), str(LEGACY / "x"), "--to", "legacy"])
+    assert result.exit_code == 2 and "inside the input" in result.stderr
+    assert not (LEGACY / "x").exists()
+
+
+def test_overwrite_replaces(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "junk").write_text("x")
+    result = runner.invoke(app, ["convert", str(LEGACY), str(out), "--to", "legacy",
+                                 "--overwrite"])
+    assert result.exit_code == 0, result.output
+    assert not (out / "junk").exists() and (out / "latest_checkpointed_iteration.txt").exists()
+
+
+def test_usage_errors_exit_2(tmp_path):
+    for extra in (["--to", "onnx"], ["--to", "legacy", "--dtype", "int3"],
+                  ["--to", "legacy", "--max-memory", "lots"],
+                  ["--to", "legacy", "--rename", "nope"],
+                  ["--to", "legacy", "--tp", "4"]):
+        result = runner.invoke(app, ["convert", str(LEGACY), str(tmp_path / "o"), *extra])
+        assert result.exit_code == 2, (extra, result.output)
+        assert result.stderr.startswith("ckpt: error:") and "Traceback" not in result.output
+    assert os.listdir(tmp_path) == []
+
+
+def test_unreadable_source_exit_2(tmp_path):
+    result = runner.invoke(app, ["convert", str(tmp_path / "missing"), str(tmp_path / "o"),
+                                 "--to", "legacy"])
+    assert result.exit_code == 2 and "no such file" in result.stderr
+
+
+KILLER = """
+import os, signal, sys
+from ckpt_tool.ops import _source
+real = _source.ReaderSource.read
+def read(self, *a, **k):
+    if self.pieces == 3:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(self, *a, **k)
+_source.ReaderSource.read = read
+from ckpt_tool.cli.app import app
+sys.argv = ["ckpt", "convert", sys.argv[1], sys.argv[2], "--to", "legacy"]
+app()
+"""
+
+
+def test_killed_conversion_leaves_nothing_that_looks_complete(tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-c", KILLER, str(LEGACY), str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL
+    assert not out.exists()
+    leftovers = os.listdir(tmp_path)
+    assert len(leftovers) == 1 and ".ckpt-staging-" in leftovers[0]
+    # the source is untouched and still valid
+    result = runner.invoke(app, ["validate", str(LEGACY)])
+    assert result.exit_code == 0
