@@ -68,7 +68,11 @@ def handle_errors(fn: F) -> F:
             if state.debug:
                 traceback.print_exc(file=sys.stderr)
             line, code = _exit_for(exc)
-            print(f"ckpt: error: {line}", file=sys.stderr)
+            import os
+
+            rank = os.environ.get("RANK", "0") if "WORLD_SIZE" in os.environ else "0"
+            prog = "ckpt" if rank == "0" else f"ckpt[rank {rank}]"
+            print(f"{prog}: error: {line}", file=sys.stderr)
             raise typer.Exit(code) from None
 
     return wrapper  # type: ignore[return-value]

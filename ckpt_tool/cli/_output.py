@@ -8,7 +8,7 @@ from typing import Any
 
 from rich.console import Console
 
-__all__ = ["stdout", "stderr", "print_json", "message", "human_bytes"]
+__all__ = ["stdout", "stderr", "print_json", "message", "human_bytes", "quiet_unless_main_rank"]
 
 # Piped output is read by people too (``| less``): don't squeeze tables to 80 columns there.
 _PIPE_WIDTH = 200
@@ -25,6 +25,20 @@ def print_json(data: Any) -> None:
 def message(text: str) -> None:
     """A message for people, on stderr."""
     stderr.print(text, highlight=False)
+
+
+def quiet_unless_main_rank() -> None:
+    """Under torchrun only rank 0 prints: other ranks' stdout goes to /dev/null and their
+    messages are dropped (their errors still reach stderr, tagged with the rank)."""
+    import os
+
+    from ckpt_tool.parallel import under_torchrun
+
+    if not under_torchrun() or os.environ.get("RANK", "0") == "0":
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    stderr.quiet = True
 
 
 def human_bytes(n: int | float) -> str:

@@ -8,6 +8,7 @@ import typer
 
 from ckpt_tool import __version__
 from ckpt_tool.cli._errors import state
+from ckpt_tool.cli._output import quiet_unless_main_rank
 from ckpt_tool.cli._pending import register_pending
 
 app = typer.Typer(
@@ -35,6 +36,7 @@ def root(
 ) -> None:
     """Inspect, validate, reshard, convert and diff large-model training checkpoints."""
     state.debug = debug
+    quiet_unless_main_rank()
 
 
 def _register() -> None:

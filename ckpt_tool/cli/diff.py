@@ -1,13 +1,133 @@
-"""``ckpt diff A B``: compare two checkpoints of any formats (being built)."""
+"""``ckpt diff A B``: compare two checkpoints of any formats.
+
+Exit codes: 0 identical (within ``--atol``/``--rtol``), 1 different, 2 an input cannot be read.
+"""
 
 from __future__ import annotations
 
+from typing import Annotated, Any, List, Optional
+
+import typer
+
 from ckpt_tool.cli._errors import handle_errors
-from ckpt_tool.cli._options import CheckpointPath
-from ckpt_tool.errors import UnsupportedError
+from ckpt_tool.cli._options import CheckpointPath, JsonFlag, TrustFlag
+from ckpt_tool.cli._output import message, print_json, stdout
+
+# Rows per section of the table (the JSON document always has every difference).
+_ROWS = 200
 
 
 @handle_errors
-def diff(a: CheckpointPath, b: CheckpointPath) -> None:
-    """Compare two checkpoints of any formats."""
-    raise UnsupportedError("'ckpt diff' is not built yet in this version")
+def diff(
+    a: CheckpointPath,
+    b: CheckpointPath,
+    json_: JsonFlag = False,
+    trust: TrustFlag = False,
+    rename: Annotated[Optional[List[str]], typer.Option(
+        "--rename", metavar="OLD=NEW", show_default=False,
+        help="Key prefix OLD of A is called NEW in B (repeatable; first match wins).")] = None,
+    filter_: Annotated[Optional[str], typer.Option(
+        "--filter", metavar="REGEX", show_default=False,
+        help="Only keys (B's names) matching this Python regex; skips the common state.")] = None,
+    keys_only: Annotated[bool, typer.Option(
+        "--keys-only", help="Compare metadata only (keys, dtypes, shapes, common-state "
+        "summary): no tensor data is read.")] = False,
+    atol: Annotated[float, typer.Option(
+        "--atol", min=0.0, help="Absolute tolerance: equal when |a-b| <= atol + rtol*|b|.")] = 0.0,
+    rtol: Annotated[float, typer.Option(
+        "--rtol", min=0.0, help="Relative tolerance (see --atol). With a tolerance, a dtype "
+        "change alone is not a difference: the values decide.")] = 0.0,
+) -> None:
+    """Compare two checkpoints of any formats: keys on one side only, dtype/shape changes, every
+    differing tensor (count, max abs/rel diff, first differing index) and common-state fields.
+    Values are exact by default; NaN equals NaN at the same position. Exit 0 identical, 1
+    different, 2 unreadable input.
+
+    Example: ckpt diff run1/iter_0000100 export/model.safetensors --json
+
+    Example: ckpt diff old new --rename module.=  --filter 'decoder\\.' --rtol 1e-2
+    """
+    from ckpt_tool.cli._progress import progress_bar
+    from ckpt_tool.ops.diff import diff as run_diff
+    from ckpt_tool.ops.diff import parse_rename
+
+    pairs = parse_rename(rename or [])
+    with progress_bar("diff", enabled=not keys_only) as bar:
+        result = run_diff(a, b, rename=pairs, filter=filter_, keys_only=keys_only, atol=atol,
+                          rtol=rtol, trust=trust, progress=bar)
+    if json_:
+        print_json(result.to_dict())
+    else:
+        render(result)
+    message(verdict(result))
+    if not result.identical:
+        raise typer.Exit(1)
+
+
+def verdict(result: Any) -> str:
+    """One line: ``identical``/``DIFFERENT``, both inputs and formats, the counts."""
+    s = result.stats
+    counts = {
+        "only in A": len(result.only_in_a), "only in B": len(result.only_in_b),
+        "dtype changes": len(result.dtype_changes), "shape changes": len(result.shape_changes),
+        "tensors with different values": len(result.values),
+        "common-state differences": len(result.common_differences),
+        "objects only in A": len(result.objects_only_in_a),
+        "objects only in B": len(result.objects_only_in_b),
+    }
+    what = ", ".join(f"{n} {k}" for k, n in counts.items() if n) or "no differences"
+    tol = f", atol={result.atol:g} rtol={result.rtol:g}" if result.atol or result.rtol else ""
+    checked = ("keys only" if result.keys_only else
+               f"{s.get('tensors_compared', 0)} of {s.get('tensors_common', 0)} common tensors "
+               "compared")
+    head = "identical" if result.identical else "DIFFERENT"
+    return (f"{head}: {result.a} ({result.format_a}) vs {result.b} ({result.format_b}): {what} "
+            f"[{checked}{tol}]")
+
+
+def _esc(v: Any) -> str:
+    from rich.markup import escape
+
+    return escape(str(v))
+
+
+def _table(title: str, columns: tuple[str, ...], rows: list[tuple[Any, ...]]) -> None:
+    if not rows:
+        return
+    from rich.table import Table
+
+    more = len(rows) - _ROWS
+    table = Table(title=f"{title} ({len(rows)})", title_justify="left")
+    for c in columns:
+        table.add_column(c, overflow="fold")
+    for r in rows[:_ROWS]:
+        table.add_row(*(_esc(x) for x in r))
+    stdout.print(table)
+    if more > 0:
+        stdout.print(f"... {more} more (--json lists all)")
+
+
+def _num(x: Any) -> str:
+    return f"{x:.6g}" if isinstance(x, float) else str(x)
+
+
+def render(result: Any) -> None:
+    """Rich tables of the differences on stdout; notes last."""
+    d = result.to_dict()
+    _table("only in A", ("key",), [(k,) for k in d["only_in_a"]])
+    _table("only in B", ("key",), [(k,) for k in d["only_in_b"]])
+    _table("dtype changes", ("key", "A", "B"), [(c["key"], c["a"], c["b"])
+                                                for c in d["dtype_changes"]])
+    _table("shape changes", ("key", "A", "B"), [(c["key"], c["a"], c["b"])
+                                                for c in d["shape_changes"]])
+    _table("different values",
+           ("key", "differing", "max abs diff", "max rel diff", "first index", "A", "B"),
+           [(v["key"], f"{v['differing']} of {v['numel']}", _num(v["max_abs_diff"]),
+             _num(v["max_rel_diff"]), v["first_index"], _num(v["first_a"]), _num(v["first_b"]))
+            for v in d["values"]])
+    _table("common state", ("field", "kind", "A", "B"),
+           [(c["path"], c["kind"], c["a"], c["b"]) for c in d["common"]])
+    _table("objects only in A", ("unique key",), [(k,) for k in d["objects_only_in_a"]])
+    _table("objects only in B", ("unique key",), [(k,) for k in d["objects_only_in_b"]])
+    for note in d["notes"]:
+        message(f"note: {note}")
