@@ -62,6 +62,7 @@ class WriteRequest:
     objects: Callable[[str], Any] = lambda unique_key: None
     progress: Callable[[int], None] = lambda nbytes: None
     source_description: str | None = None
+    ranks: Any = None  # ckpt_tool.parallel.Ranks under torchrun; None in a single process
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,9 @@ class Writer(abc.ABC):
     """Writes one checkpoint into an empty directory. See the module docstring."""
 
     format_name: str = ""
+    #: True when ``write`` runs on every rank of a torchrun job and each rank writes only its
+    #: share (``request.ranks``); otherwise only rank 0 calls ``write``.
+    supports_ranks: bool = False
 
     def __init__(self, directory: Path, options: WriterOptions | None = None):
         self.directory = Path(directory)

@@ -11,7 +11,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 from ckpt_tool.errors import UsageError
 
@@ -95,3 +95,42 @@ def staged_output(dst: str | Path, *, overwrite: bool = False,
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+@contextlib.contextmanager
+def staged_output_ranks(dst: str | Path, ranks: Any, *, overwrite: bool = False,
+                        file_name: str | None = None) -> Iterator[Path]:
+    """``staged_output`` for every rank of a torchrun job: rank 0 creates the staging directory
+    and every rank writes into it; at the end the ranks agree (a failure on any rank fails all)
+    and rank 0 alone fsyncs and renames. Single-rank jobs are plain ``staged_output``."""
+    if ranks.world == 1:
+        with staged_output(dst, overwrite=overwrite, file_name=file_name) as staging:
+            yield staging
+        return
+    if ranks.is_main:
+        ctx = staged_output(dst, overwrite=overwrite, file_name=file_name)
+        try:
+            staging = ctx.__enter__()
+        except BaseException as exc:
+            ranks.broadcast(None)
+            raise exc
+        ranks.broadcast(str(staging))
+    else:
+        got = ranks.broadcast(None)
+        if got is None:
+            raise UsageError("rank 0 could not create the output's staging directory")
+        staging, ctx = Path(got), None
+    ok = False
+    try:
+        yield staging
+        ok = True
+    finally:
+        all_ok = ranks.all_ok(ok)
+        if ctx is not None:
+            if all_ok:
+                ctx.__exit__(None, None, None)
+            else:
+                ctx.__exit__(RuntimeError, RuntimeError("a rank failed"), None)
+        if ok and not all_ok:
+            raise UsageError("another rank failed while writing the output",
+                             hint="see that rank's error above")

@@ -18,7 +18,8 @@ from ckpt_tool.formats.base import open_checkpoint
 from ckpt_tool.formats.writer import WriteRequest, WriterOptions, writer_for
 from ckpt_tool.ops._convert_plan import ConvertOptions, ConvertPlan, plan_convert
 from ckpt_tool.ops._source import ReaderSource
-from ckpt_tool.ops._staging import check_output_target, staged_output
+from ckpt_tool.ops._staging import check_output_target, staged_output_ranks
+from ckpt_tool.parallel import ranks as current_ranks
 
 __all__ = ["ConvertResult", "convert", "SINGLE_FILE_TARGETS", "Progress"]
 
@@ -70,6 +71,7 @@ def convert(src: str | Path, dst: str | Path, options: ConvertOptions, *, trust:
     if (tp is not None or pp is not None) and options.to != "legacy":
         raise UsageError("--tp/--pp only apply with --to legacy",
                          hint="use 'ckpt reshard' to change the parallel layout")
+    r = current_ranks()
     out = check_output_target(dst, sources=(src,), overwrite=overwrite)
     reader = open_checkpoint(src, trust=trust)
     with reader:
@@ -92,19 +94,23 @@ def convert(src: str | Path, dst: str | Path, options: ConvertOptions, *, trust:
         request = WriteRequest(
             meta=plan.target, source=source, common=common,
             objects=lambda unique_key: reader.read_object(plan.object_map[unique_key]),
-            progress=on_bytes,
+            progress=on_bytes, ranks=r if r.world > 1 else None,
             source_description=f"ckpt convert from {meta.format} checkpoint {meta.root}")
         wopts = WriterOptions(
             max_shard_size=max_shard_size or WriterOptions.max_shard_size,
             file_name=file_name, max_memory=options.max_memory, tp=tp, pp=pp,
             extra={"source_common_summary": meta.common, "source_extras": meta.extras})
-        with staged_output(out, overwrite=overwrite, file_name=file_name) as staging:
-            notes += writer_for(options.to)(staging, wopts).write(request)
-            if verify:
+        writer_cls = writer_for(options.to)
+        with staged_output_ranks(out, r, overwrite=overwrite, file_name=file_name) as staging:
+            if r.is_main or writer_cls.supports_ranks:
+                notes += writer_cls(staging, wopts).write(request)
+            r.barrier()
+            if verify and r.is_main:
                 _verify(staging / file_name if file_name else staging, trust=trust)
+    total = sum(r.gather(written[0]) or [0]) if r.world > 1 else written[0]
     return ConvertResult(
         source=str(meta.root), source_format=meta.format, target=str(out), format=options.to,
-        tensors=len(plan.target.tensors), objects=len(plan.target.objects), nbytes=written[0],
+        tensors=len(plan.target.tensors), objects=len(plan.target.objects), nbytes=total,
         seconds=time.perf_counter() - start, verified=verify,
         largest_piece=source.largest_piece, notes=notes)
 
