@@ -1,0 +1,198 @@
+"""DCP machinery for the streaming ``torch_dist``/``dcp`` writers: a planner whose items come
+from a target ``CheckpointMeta`` and whose data is pulled just in time, and a file writer that
+holds one item at a time.
+
+``torch.distributed.checkpoint.save`` runs the protocol (local plan, global plan with DCP's
+validation, ``.metadata`` written last through ``.metadata.tmp`` + rename); these classes only
+say what the items are and where their bytes come from. Each item is serialized by DCP's own
+``_write_item`` (a ``torch.save`` archive per item, the standard ``.distcp`` layout).
+
+Why not DCP's stock ``_write_files_from_queue``: it keeps every tensor it wrote to a file in a
+dict until the file is closed (for its safetensors mode), so a file's whole content would be
+in memory at once. :class:`StreamingFileSystemWriter` writes the same bytes and drops each
+tensor as soon as it is on disk: peak ≈ ``threads`` × the largest chunk.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch.futures import Future
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import _write_item
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+)
+from torch.distributed.checkpoint.planner import (
+    SavePlan,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+
+from ckpt_tool.dist_checkpointing.strategies._dcp_planner import McoreFileSystemWriter
+from ckpt_tool.errors import CorruptCheckpointError, UsageError
+from ckpt_tool.model import TensorMeta
+
+__all__ = ["chunk_write_items", "bytes_write_item", "StreamingSavePlanner",
+           "StreamingFileSystemWriter"]
+
+
+def _check_grid(t: TensorMeta) -> None:
+    """Every chunk inside the global shape and the chunk volumes adding up to the tensor's
+    (DCP itself rejects overlaps; this catches holes, which it would only log)."""
+    volume = 0
+    for c in t.chunks:
+        if len(c.offsets) != len(t.shape) or len(c.sizes) != len(t.shape) or any(
+                o < 0 or s < 0 or o + s > n for o, s, n in zip(c.offsets, c.sizes, t.shape)):
+            raise UsageError(f"tensor {t.key}: chunk at {list(c.offsets)} size {list(c.sizes)} "
+                             f"is outside its global shape {list(t.shape)}")
+        volume += math.prod(c.sizes)
+    if volume != math.prod(t.shape):
+        raise UsageError(f"tensor {t.key}: target chunks hold {volume} elements, the tensor "
+                         f"{math.prod(t.shape)} (the chunk grid must tile the tensor)")
+
+
+def chunk_write_items(t: TensorMeta) -> List[WriteItem]:
+    """One DCP SHARD item per target chunk of ``t`` (the whole tensor when it has none)."""
+    from ckpt_tool.formats._dcp_io import torch_dtype
+
+    chunks = [(c.offsets, c.sizes) for c in t.chunks] or [((0,) * len(t.shape), t.shape)]
+    if t.chunks:
+        _check_grid(t)
+    props = TensorProperties(dtype=torch_dtype(t.dtype))
+    size = torch.Size(t.shape)
+    return [WriteItem(
+        index=MetadataIndex(t.key, torch.Size(offsets)),
+        type=WriteItemType.SHARD,
+        tensor_data=TensorWriteData(
+            chunk=ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)),
+            properties=props, size=size),
+    ) for offsets, sizes in chunks]
+
+
+def bytes_write_item(fqn: str) -> WriteItem:
+    """A DCP bytes item (``BytesStorageMetadata``) under ``fqn``."""
+    return WriteItem(index=MetadataIndex(fqn), type=WriteItemType.BYTE_IO)
+
+
+class StreamingSavePlanner(DefaultSavePlanner):
+    """Saves a fixed list of items whose data is resolved one item at a time.
+
+    Args:
+        items: the write items (see :func:`chunk_write_items`, :func:`bytes_write_item`).
+        tensor: ``tensor(fqn, offsets, sizes)`` -> the chunk (contiguous CPU tensor).
+        payload: ``payload(fqn)`` -> the serialized bytes item (``io.BytesIO``).
+        planner_data: stored as ``Metadata.planner_data`` (None: as Megatron-Core writes).
+        keep_local_plans: store ``Metadata.all_local_plans`` (Megatron-Core >= 0.11 does).
+    """
+
+    def __init__(self, items: List[WriteItem],
+                 tensor: Callable[[str, Tuple[int, ...], Tuple[int, ...]], torch.Tensor],
+                 payload: Callable[[str], io.BytesIO],
+                 planner_data: Optional[Dict[str, Any]] = None, keep_local_plans: bool = False):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.items = items
+        self._tensor = tensor
+        self._payload = payload
+        self._planner_data = planner_data
+        self._keep_local_plans = keep_local_plans
+
+    def create_local_plan(self) -> SavePlan:
+        self.plan = SavePlan(items=list(self.items), planner_data={})
+        return self.plan
+
+    def create_global_plan(self, all_plans: List[SavePlan]) -> Tuple[List[SavePlan], Metadata]:
+        global_plans, metadata = super().create_global_plan(all_plans)
+        if self._planner_data is not None:
+            metadata.planner_data = dict(self._planner_data)
+        if self._keep_local_plans:
+            metadata.all_local_plans = list(all_plans)
+        self.metadata = metadata
+        return global_plans, metadata
+
+    def resolve_data(self, write_item: WriteItem) -> Any:
+        fqn = write_item.index.fqn
+        if write_item.type == WriteItemType.BYTE_IO:
+            return self._payload(fqn)
+        chunk = write_item.tensor_data.chunk
+        sizes = tuple(chunk.sizes)
+        data = self._tensor(fqn, tuple(chunk.offsets), sizes)
+        want = write_item.tensor_data.properties.dtype
+        if not isinstance(data, torch.Tensor) or tuple(data.shape) != sizes \
+                or data.dtype != want:
+            got = (f"{data.dtype} {list(data.shape)}" if isinstance(data, torch.Tensor)
+                   else type(data).__name__)
+            raise CorruptCheckpointError(
+                f"tensor {fqn}: the source gave {got} for the chunk at {list(chunk.offsets)}, "
+                f"expected {want} {list(sizes)}")
+        data = data.detach().cpu()
+        if not data.is_contiguous() or data.untyped_storage().nbytes() != data.nbytes:
+            data = data.contiguous().clone()  # torch.save writes whole storages, not views
+        return data
+
+
+class StreamingFileSystemWriter(McoreFileSystemWriter):
+    """DCP's ``FileSystemWriter`` that holds one item per thread at a time.
+
+    Items are spread over ``files`` data files ``__0_{i}.distcp`` (bytes items round-robin,
+    tensors largest first onto the least-filled file, as :class:`McoreFileSystemWriter`
+    does); ``threads`` files are written at once. ``on_written(item, nbytes)`` is called after
+    each tensor item is on disk.
+    """
+
+    def __init__(self, path: str, *, files: int = 2, threads: int = 1,
+                 on_written: Callable[[WriteItem, int], None] = lambda item, nbytes: None,
+                 sync_files: bool = True):
+        super().__init__(path, thread_count=max(1, files), overwrite=False,
+                         sync_files=sync_files)
+        self.io_threads = max(1, threads)
+        self.on_written = on_written
+        self._lock = threading.Lock()
+
+    def storage_meta(self) -> StorageMeta:
+        # a str like Megatron-Core records (DCP's own writer records a PosixPath)
+        return StorageMeta(checkpoint_id=str(self.path), save_id=self.save_id)
+
+    def _write_one_file(self, planner, path: str, storage_key: str,
+                        items: Sequence[WriteItem]) -> list:
+        results = []
+        ordered = ([i for i in items if i.type == WriteItemType.BYTE_IO]
+                   + [i for i in items if i.type != WriteItemType.BYTE_IO])
+        with self.fs.create_stream(path, "wb") as stream:
+            for item in ordered:
+                data = planner.resolve_data(item)
+                results.append(_write_item(self.transforms, stream, data, item, storage_key,
+                                           self.serialization_format))
+                nbytes = data.nbytes if isinstance(data, torch.Tensor) else 0
+                del data  # the chunk is on disk: let it go before resolving the next one
+                if item.type != WriteItemType.BYTE_IO:
+                    with self._lock:
+                        self.on_written(item, nbytes)
+            if self.sync_files:
+                import os
+
+                os.fsync(stream.fileno())
+        return results
+
+    def _write_data(self, planner, file_queue) -> Future:
+        jobs = []
+        while not file_queue.empty():
+            jobs.append(file_queue.get_nowait())
+        if self.io_threads == 1 or len(jobs) <= 1:
+            parts = [self._write_one_file(planner, *job) for job in jobs]
+        else:
+            with ThreadPoolExecutor(self.io_threads, thread_name_prefix="ckpt-dcp-write") as ex:
+                parts = list(ex.map(lambda job: self._write_one_file(planner, *job), jobs))
+        fut: Future = Future()
+        fut.set_result([r for part in parts for r in part])
+        return fut
