@@ -32,7 +32,9 @@ PARALLEL_ARGS = {
 MODEL_ARGS = (
     "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
     "kv_channels", "padded_vocab_size", "seq_length", "max_position_embeddings",
-    "num_experts", "swiglu", "params_dtype",
+    "num_experts", "swiglu", "params_dtype", "make_vocab_size_divisible_by", "vocab_size",
+    "moe_ffn_hidden_size", "decoder_first_pipeline_num_layers",
+    "decoder_last_pipeline_num_layers",
 )
 
 

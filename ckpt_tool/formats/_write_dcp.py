@@ -72,6 +72,12 @@ def _run_dcp_save(writer: Writer, request: WriteRequest, items: list, planner_da
 
     from ckpt_tool.formats._write_dcp_io import StreamingFileSystemWriter, StreamingSavePlanner
 
+    ranks = request.ranks
+    distributed = ranks is not None and ranks.world > 1
+    if distributed:  # each rank writes its share, balanced by bytes; rank 0 writes .metadata
+        from ckpt_tool.parallel import split_by_bytes
+
+        items = split_by_bytes([(i, _item_nbytes(i)) for i in items], ranks.world)[ranks.rank]
     planner = StreamingSavePlanner(items, tensor, payload, planner_data=planner_data,
                                    keep_local_plans=keep_local_plans)
     storage = StreamingFileSystemWriter(
@@ -81,11 +87,23 @@ def _run_dcp_save(writer: Writer, request: WriteRequest, items: list, planner_da
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.save({}, storage_writer=storage, planner=planner, no_dist=True)
+            dcp.save({}, storage_writer=storage, planner=planner, no_dist=not distributed)
     except CheckpointException as exc:  # DCP wraps every failure (a BaseException)
         for original, _trace in exc.failures.values():
             raise original from None
         raise RuntimeError(str(exc)) from None
+
+
+def _item_nbytes(item: Any) -> int:
+    """Bytes of a tensor write item (bytes items count as small)."""
+    td = getattr(item, "tensor_data", None)
+    if td is None:
+        return 1
+    return max(1, math.prod(td.chunk.sizes) * td.properties.dtype.itemsize)
+
+
+def _is_main(request: WriteRequest) -> bool:
+    return request.ranks is None or request.ranks.is_main
 
 
 def _tensor_items(request: WriteRequest) -> list:
@@ -109,6 +127,7 @@ class TorchDistWriter(Writer):
     """Megatron-Core dist checkpoint, ``torch_dist`` backend (see the module docstring)."""
 
     format_name = "torch_dist"
+    supports_ranks = True
 
     def write(self, request: WriteRequest) -> list[str]:
         """``common.pt``, the DCP items and ``.metadata``, then ``metadata.json``; keeps
@@ -132,12 +151,16 @@ class TorchDistWriter(Writer):
             notes.append(f"stored {len(moved)} objects that are not Megatron-Core "
                          f"ShardedObjects (key not '<key>/shard_<offset>_<shape>') in "
                          f"{COMMON_FILE}: {', '.join(moved[:3])}{more}")
-        torch.save(common, self.directory / COMMON_FILE)
+        if _is_main(request):
+            torch.save(common, self.directory / COMMON_FILE)
         items = _tensor_items(request) + [bytes_write_item(k) for k in object_keys]
         _run_dcp_save(self, request, items, planner_data=None, keep_local_plans=True,
                       tensor=request.source.read,
                       payload=lambda key: _serialized([request.objects(key)]))
-        save_config(CheckpointingConfig("torch_dist", 1), str(self.directory))
+        if request.ranks is not None:
+            request.ranks.barrier()  # every rank's files and .metadata are in place
+        if _is_main(request):  # the completeness marker, last
+            save_config(CheckpointingConfig("torch_dist", 1), str(self.directory))
         return notes
 
 
@@ -145,6 +168,7 @@ class DcpWriter(Writer):
     """Plain PyTorch DCP checkpoint (see the module docstring)."""
 
     format_name = "dcp"
+    supports_ranks = True
 
     def write(self, request: WriteRequest) -> list[str]:
         """The DCP items and ``.metadata``; objects and common values as bytes items."""

@@ -1,0 +1,362 @@
+"""Can a checkpoint be resharded to a target layout? Every reason it cannot, each with its fix.
+
+The model rules are the ones Megatron-Core's ``TransformerConfig.__post_init__`` (0.16) and its
+parallel layers enforce: tp divides ``num_attention_heads``; ``num_query_groups`` is a multiple
+or a divisor of tp; the fused QKV, ``ffn_hidden_size`` (``ColumnParallelLinear`` /
+``RowParallelLinear`` ``divide``) and the re-padded vocab split evenly; the pipeline stages
+(with ``decoder_first/last_pipeline_num_layers`` and virtual stages) split the layers; ep
+divides the number of experts. Plus what the checkpoint itself allows: the optimizer sharding
+type and the ShardedObjects keyed by the old layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
+
+from ckpt_tool.model import CheckpointMeta, ObjectMeta
+from ckpt_tool.ops._checks import Finding
+from ckpt_tool.planning.sizes import Layout, ModelSizes, padded_vocab_size, stage_layer_counts
+
+__all__ = ["Problem", "OptimizerInfo", "model_sizes_from", "source_layout_from",
+           "optimizer_info_from", "target_vocab_size", "check_layout", "valid_tps", "ERROR",
+           "WARNING", "NOTE", "RESHARDABLE_OPTIMIZERS", "DP_ONLY_OPTIMIZERS"]
+
+ERROR, WARNING, NOTE = "error", "warning", "note"
+RESHARDABLE_OPTIMIZERS = ("fully_reshardable", "fully_sharded_model_space")
+DP_ONLY_OPTIMIZERS = ("dp_reshardable", "dp_zero_gather_scatter", "legacy_distrib_optim",
+                      "legacy_optimizer")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One reason (``error``), risk (``warning``) or change the reshard makes (``note``), with
+    what to do about it."""
+
+    severity: str
+    reason: str
+    fix: str | None = None
+    key: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"severity": self.severity, "reason": self.reason, "fix": self.fix,
+                "key": self.key}
+
+    def to_finding(self) -> Finding:
+        msg = self.reason if not self.fix else f"{self.reason} — fix: {self.fix}"
+        return Finding("warning" if self.severity == NOTE else self.severity, self.key, None,
+                       msg)
+
+
+@dataclass(frozen=True)
+class OptimizerInfo:
+    """Which optimizer state the checkpoint holds: ``sharding`` is a Megatron-Core
+    ``distrib_optim_sharding_type``, ``legacy_distrib_optim`` (``distrib_optim.pt`` files),
+    ``legacy_optimizer`` (per-rank ``optimizer`` entries) or None (no optimizer state)."""
+
+    sharding: str | None = None
+    keys: tuple[str, ...] = ()
+
+
+def _args_of(meta: CheckpointMeta, common: Mapping[str, Any] | None) -> dict[str, Any]:
+    args: Any = None
+    if common is not None:
+        args = common.get("args")
+    if args is None:
+        args = meta.extras.get("args")
+    if args is None:
+        return {}
+    if isinstance(args, Mapping):
+        return dict(args)
+    return dict(vars(args)) if hasattr(args, "__dict__") else {}
+
+
+def _find_shape(meta: CheckpointMeta, suffix: str) -> tuple[int, ...] | None:
+    for k, t in meta.tensors.items():
+        if not k.startswith("optimizer.") and k.endswith(suffix):
+            return t.shape
+    return None
+
+
+def model_sizes_from(meta: CheckpointMeta, common: Mapping[str, Any] | None = None
+                     ) -> ModelSizes:
+    """Model sizes from ``args`` (the full common state's, the legacy reader's
+    ``extras["args"]`` or the ``common["model"]`` summary), completed from tensor shapes."""
+    args = _args_of(meta, common)
+    summary = meta.common.get("model", {}) if isinstance(meta.common, Mapping) else {}
+
+    def get(name: str) -> Any:
+        v = args.get(name)
+        return summary.get(name) if v is None else v
+
+    emb = _find_shape(meta, "word_embeddings.weight") or _find_shape(meta, "output_layer.weight")
+    fc2 = _find_shape(meta, "mlp.linear_fc2.weight")
+    fc1 = _find_shape(meta, "mlp.linear_fc1.weight")
+    num_layers = get("num_layers")
+    if num_layers is None:
+        num_layers = _layers_from_keys(meta)
+    hidden = get("hidden_size") or (emb[-1] if emb else None)
+    ffn = get("ffn_hidden_size") or (fc2[-1] if fc2 else None)
+    gated = get("swiglu")
+    if gated is None:
+        gated = bool(fc1 and ffn and fc1[-2] == 2 * ffn)
+    heads = get("num_attention_heads")
+    groups = get("num_query_groups") if get("group_query_attention") is not False else None
+    groups = groups or heads
+    kv = get("kv_channels") or (hidden // heads if hidden and heads else None)
+    experts = get("num_experts") or get("num_moe_experts")
+    return ModelSizes(
+        num_layers=num_layers, hidden_size=hidden, ffn_hidden_size=ffn,
+        num_attention_heads=heads, num_query_groups=groups, kv_channels=kv,
+        padded_vocab_size=get("padded_vocab_size") or (emb[0] if emb else None),
+        vocab_size=args.get("vocab_size"),
+        make_vocab_size_divisible_by=int(get("make_vocab_size_divisible_by") or 128),
+        gated_linear_unit=bool(gated), num_experts=experts,
+        moe_ffn_hidden_size=get("moe_ffn_hidden_size"),
+        attention_output_gate=bool(get("attention_output_gate")))
+
+
+def _layers_from_keys(meta: CheckpointMeta) -> int | None:
+    import re
+    best = None
+    for k, t in meta.tensors.items():
+        m = re.search(r"(?:^|\.)layers\.(\d+)\.", k)
+        if m:
+            best = max(best or 0, int(m.group(1)) + 1)
+        elif re.search(r"(?:^|\.)decoder\.layers\.[a-z]", k) and t.shape:
+            best = max(best or 0, t.shape[0])
+    return best
+
+
+def source_layout_from(meta: CheckpointMeta, common: Mapping[str, Any] | None = None) -> Layout:
+    """The layout the checkpoint was saved with (``args`` / ``common["parallel"]``)."""
+    args = _args_of(meta, common)
+    par = meta.common.get("parallel", {}) if isinstance(meta.common, Mapping) else {}
+
+    def get(long: str, short: str) -> Any:
+        v = args.get(long)
+        if v is None:
+            v = par.get(short)
+        if v is None:
+            v = meta.extras.get(short)
+        return v
+
+    tp = int(get("tensor_model_parallel_size", "tp") or 1)
+    return Layout(tp=tp, pp=int(get("pipeline_model_parallel_size", "pp") or 1),
+                  ep=int(get("expert_model_parallel_size", "ep") or 1),
+                  etp=get("expert_tensor_parallel_size", "etp"),
+                  vpp=get("virtual_pipeline_model_parallel_size", "vpp"),
+                  first_stage_layers=args.get("decoder_first_pipeline_num_layers"),
+                  last_stage_layers=args.get("decoder_last_pipeline_num_layers"))
+
+
+def optimizer_info_from(meta: CheckpointMeta) -> OptimizerInfo:
+    """The optimizer state kind of ``meta`` (see :class:`OptimizerInfo`)."""
+    keys = tuple(k for k in meta.tensors if k.startswith("optimizer."))
+    sharding = (meta.extras.get("optimizer_sharding") or {}).get("type")
+    if sharding is None:
+        cm = meta.common.get("content_metadata") or {}
+        sharding = cm.get("distrib_optim_sharding_type") if keys or any(
+            o.key.startswith("optimizer.") for o in meta.objects) else None
+    if sharding is None and any(o.key == "distrib_optim" for o in meta.objects):
+        sharding = "legacy_distrib_optim"
+    if sharding is None and any(o.key == "optimizer" for o in meta.objects):
+        sharding = "legacy_optimizer"
+    if sharding is None and any(o.key.startswith("optimizer.distributed.") for o in meta.objects):
+        sharding = "dp_zero_gather_scatter"
+    if sharding is None and any(k.startswith("optimizer.distributed.") for k in keys):
+        sharding = "dp_reshardable"
+    if sharding is None and keys:
+        sharding = "fully_reshardable"
+    return OptimizerInfo(sharding, keys)
+
+
+def target_vocab_size(model: ModelSizes, tp: int, divisible_by: int | None = None) -> int | None:
+    """The padded vocab at ``tp``: from the true vocab when known, else from the stored
+    padded vocab (never smaller than it)."""
+    base = model.vocab_size or model.padded_vocab_size
+    if base is None:
+        return None
+    return padded_vocab_size(int(base), tp, divisible_by or model.make_vocab_size_divisible_by)
+
+
+def _tp_ok(model: ModelSizes, tp: int) -> bool:
+    heads, groups = model.num_attention_heads, model.num_query_groups
+    return not ((heads and heads % tp) or (groups and groups % tp and tp % groups)
+                or (model.qkv_rows and model.qkv_rows % tp)
+                or (model.ffn_hidden_size and model.ffn_hidden_size % tp))
+
+
+def valid_tps(model: ModelSizes, limit: int = 1024) -> list[int]:
+    """Every tensor-parallel size (up to the head count) the model's sizes allow."""
+    top = min(model.num_attention_heads or limit, limit)
+    return [t for t in range(1, top + 1) if _tp_ok(model, t)]
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def check_layout(model: ModelSizes, target: Layout, optimizer: OptimizerInfo | None = None,
+                 objects: Iterable[ObjectMeta] = (), *, source: Layout | None = None,
+                 drop_optimizer: bool = False, divisible_by: int | None = None,
+                 vocab_fill: str = "copy") -> list[Problem]:
+    """Every reason ``target`` cannot hold ``model`` (errors, each with its fix), then the
+    warnings and the notes on what the reshard changes (re-padding, objects)."""
+    out: list[Problem] = []
+    tp, pp, ep = target.tp, target.pp, target.ep
+    heads, groups = model.num_attention_heads, model.num_query_groups
+    if min(tp, pp, ep, target.expert_tp) < 1:
+        out.append(Problem(ERROR, f"parallel sizes must be >= 1 (tp={tp} pp={pp} ep={ep})",
+                           "pass positive sizes"))
+        return out
+    fix = f"choose tp among {', '.join(map(str, valid_tps(model)))}"
+    if heads and heads % tp:
+        out.append(Problem(ERROR, f"num_attention_heads ({heads}) is not a multiple of tp "
+                           f"({tp})", fix))
+    if groups and groups % tp and tp % groups:
+        out.append(Problem(ERROR, f"num_query_groups ({groups}) is neither a multiple nor a "
+                           f"divisor of tp ({tp})", fix))
+    elif groups and tp > groups:
+        out.append(Problem(NOTE, f"tp ({tp}) > num_query_groups ({groups}): each rank holds an "
+                           f"even 1/{tp} slice of the fused QKV rows (Megatron-Core all-gathers "
+                           "QKV and picks its heads at run time)", None, key="linear_qkv"))
+    rows = model.qkv_rows
+    if rows and rows % tp:
+        out.append(Problem(ERROR, f"the fused QKV has {rows} rows, not divisible by tp ({tp})",
+                           fix, key="linear_qkv"))
+    ffn = model.ffn_hidden_size
+    if ffn and ffn % tp:
+        out.append(Problem(ERROR, f"ffn_hidden_size ({ffn}) is not divisible by tp ({tp})",
+                           fix, key="linear_fc1"))
+    _check_vocab(out, model, target, source, divisible_by, vocab_fill)
+    _check_pipeline(out, model, target)
+    _check_experts(out, model, target)
+    _check_optimizer(out, optimizer or OptimizerInfo(), target, source, drop_optimizer)
+    _check_objects(out, list(objects), target, source)
+    return out
+
+
+def _check_vocab(out: list[Problem], model: ModelSizes, target: Layout, source: Layout | None,
+                 divisible_by: int | None, fill: str) -> None:
+    src = model.padded_vocab_size
+    new = target_vocab_size(model, target.tp, divisible_by)
+    if src is None or new is None:
+        out.append(Problem(WARNING, "vocab size unknown (no args, no embedding)",
+                           "pass --vocab-size"))
+        return
+    if new % target.tp:
+        out.append(Problem(ERROR, f"padded vocab {new} is not divisible by tp ({target.tp})",
+                           "pass --make-vocab-size-divisible-by with a value that tp divides"))
+    mult = (divisible_by or model.make_vocab_size_divisible_by) * target.tp
+    if model.vocab_size is None and src > mult:
+        out.append(Problem(WARNING, f"the tokenizer's vocab size is unknown: keeping {new} rows "
+                           f"(the stored {src} padded for tp={target.tp}); Megatron-LM pads the "
+                           f"tokenizer's vocab to a multiple of {mult}, which may give fewer "
+                           "rows and a shape mismatch at load",
+                           "pass --vocab-size (the tokenizer's)", key="vocab"))
+    if new == src:
+        return
+    how = ("new rows are copies of the last stored row, as Megatron-LM's checkpoint converter "
+           "pads" if fill == "copy" else "new rows are zeros")
+    if new > src:
+        out.append(Problem(NOTE, f"padded vocab {src} -> {new} at tp={target.tp}: embedding and "
+                           f"output layer re-padded; {how}", None, key="vocab"))
+    else:
+        out.append(Problem(NOTE, f"padded vocab {src} -> {new} at tp={target.tp}: padding rows "
+                           f"{new}..{src - 1} dropped", None, key="vocab"))
+
+
+def _check_pipeline(out: list[Problem], model: ModelSizes, target: Layout) -> None:
+    n = model.num_layers
+    if n is None:
+        out.append(Problem(ERROR, "cannot place layers on pipeline stages: the number of "
+                           "layers is unknown (no args, no layer keys)",
+                           "reshard a checkpoint whose common state holds args.num_layers"))
+        return
+    for name, v in (("--decoder-first-pipeline-num-layers", target.first_stage_layers),
+                    ("--decoder-last-pipeline-num-layers", target.last_stage_layers)):
+        if v is not None and v <= 0:
+            out.append(Problem(ERROR, f"{name} must be > 0 (got {v})", f"drop {name}"))
+            return
+    try:
+        counts = stage_layer_counts(n, target.pp, target.first_stage_layers,
+                                    target.last_stage_layers)
+    except ValueError as exc:
+        fix = (f"choose pp among {_divisors(n)}, or set --decoder-first-pipeline-num-layers / "
+               "--decoder-last-pipeline-num-layers so the middle stages split evenly")
+        out.append(Problem(ERROR, f"pp={target.pp} cannot hold {n} layers: {exc}", fix))
+        return
+    vpp = target.vpp or 1
+    bad = [c for c in counts if c % vpp]
+    if bad:
+        out.append(Problem(ERROR, f"stage layer counts {counts} do not split over {vpp} "
+                           "virtual pipeline stages", "choose a vpp dividing every stage's "
+                           "layer count"))
+    if any(c == 0 for c in counts):
+        out.append(Problem(WARNING, f"stage layer counts {counts}: a stage without layers",
+                           "use fewer pipeline stages"))
+
+
+def _check_experts(out: list[Problem], model: ModelSizes, target: Layout) -> None:
+    e = model.num_experts
+    if target.ep > 1 and not e:
+        out.append(Problem(ERROR, f"ep={target.ep} but the model has no experts", "use ep=1"))
+    elif e and e % target.ep:
+        out.append(Problem(ERROR, f"ep ({target.ep}) does not divide the {e} experts",
+                           f"choose ep among {_divisors(e)}"))
+    ffn = model.moe_ffn_hidden_size
+    if e and ffn and ffn % target.expert_tp:
+        out.append(Problem(ERROR, f"moe_ffn_hidden_size ({ffn}) is not divisible by the expert "
+                           f"tensor parallel size ({target.expert_tp})",
+                           f"choose etp among {_divisors(ffn)}"))
+
+
+def _check_optimizer(out: list[Problem], opt: OptimizerInfo, target: Layout,
+                     source: Layout | None, drop: bool) -> None:
+    kind = opt.sharding
+    if kind is None:
+        return
+    if drop:
+        out.append(Problem(NOTE, f"optimizer state ({kind}) dropped (--drop-optimizer)"))
+        return
+    if kind == "fully_sharded_model_space":
+        out.append(Problem(NOTE, "optimizer state fully_sharded_model_space (flattened) is "
+                           "converted to model space (fully_reshardable)"))
+        return
+    if kind in RESHARDABLE_OPTIMIZERS:
+        return
+    changed = source is None or (source.tp, source.pp, source.expert_tp, source.ep) != (
+        target.tp, target.pp, target.expert_tp, target.ep)
+    if not changed:
+        out.append(Problem(NOTE, f"optimizer state ({kind}) copied unchanged (same tp/pp/ep)"))
+        return
+    why = {"dp_reshardable": "its per-bucket flat buffers follow the old tp/pp gradient "
+                             "buckets",
+           "dp_zero_gather_scatter": "its param_state object follows the old tp/pp gradient "
+                                     "buckets",
+           "legacy_distrib_optim": "distrib_optim.pt holds flat DP shards of the old tp/pp "
+                                   "gradient buffers",
+           "legacy_optimizer": "the per-rank optimizer state is keyed by the old ranks' "
+                               "parameter order"}.get(kind, "it is not model-space sharded")
+    out.append(Problem(ERROR, f"optimizer state '{kind}' cannot change tp/pp/ep from the "
+                       f"checkpoint alone: {why}, which needs the model's parameter-to-bucket "
+                       "mapping of both layouts",
+                       "pass --drop-optimizer (training restarts the optimizer), or re-save "
+                       "with --dist-ckpt-optim-fully-reshardable and reshard that"))
+
+
+def _check_objects(out: list[Problem], objects: list[ObjectMeta], target: Layout,
+                   source: Layout | None) -> None:
+    rng = [o for o in objects if o.key == "rng_state"]
+    same = source is not None and (source.tp, source.pp) == (target.tp, target.pp)
+    if rng and not same:
+        out.append(Problem(NOTE, f"{len(rng)} rng_state object(s) keyed by the old (pp, tp) "
+                           "dropped: train with --no-load-rng (as Megatron-LM does on a TP/PP "
+                           "change)", None, key="rng_state"))
+    extra = sorted({o.key for o in objects if o.key.endswith("_extra_state")})
+    if extra:
+        out.append(Problem(NOTE, f"{len(extra)} per-layer _extra_state key(s) kept: keyed by "
+                           "global layer, which a new tp/pp does not change (legacy targets "
+                           "store them under stage-local layer numbers)", None,
+                           key="_extra_state"))

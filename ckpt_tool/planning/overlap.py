@@ -1,0 +1,136 @@
+"""Which stored bytes a requested rectangle of a global tensor needs.
+
+:func:`reads_for` intersects a rectangle with a tensor's stored chunks and returns one
+:class:`SourceRead` per chunk it touches, with the byte range to read:
+
+- ``raw`` chunks (C-order elements): the span from the first to the last needed element (the
+  exact bytes when the needed part is contiguous, a covering span otherwise);
+- ``torch_save`` items (DCP), chunks with stream transforms, ``flat`` chunks (N-D
+  reformulated flattened optimizer state, whose offsets are in ``stored_shape`` coordinates):
+  the whole stored item.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Sequence
+
+from ckpt_tool.model import ChunkRef, TensorMeta, dtype_itemsize
+
+__all__ = ["Box", "intersect", "SourceRead", "ChunkIndex", "reads_for", "flat_block"]
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
+
+
+def intersect(a_off: Sequence[int], a_sizes: Sequence[int], b_off: Sequence[int],
+              b_sizes: Sequence[int]) -> Box | None:
+    """The common rectangle of two rectangles, or None when they do not overlap."""
+    off, sizes = [], []
+    for ao, asz, bo, bsz in zip(a_off, a_sizes, b_off, b_sizes):
+        lo, hi = max(ao, bo), min(ao + asz, bo + bsz)
+        if hi <= lo:
+            return None
+        off.append(lo)
+        sizes.append(hi - lo)
+    return tuple(off), tuple(sizes)
+
+
+@dataclass(frozen=True)
+class SourceRead:
+    """Read ``[byte_offset, byte_offset + byte_length)`` of ``file`` (source-root relative):
+    it holds ``region`` (global offsets, sizes; for ``flat`` chunks the part of the logical
+    block ``flat_range`` of the stored item covers that is needed) of tensor ``key``, stored
+    as ``chunk``."""
+
+    key: str
+    file: str | None
+    byte_offset: int | None
+    byte_length: int | None
+    region: Box
+    chunk: ChunkRef
+    flat_range: tuple[int, int] | None = None
+
+    def to_dict(self) -> dict[str, object]:
+        d: dict[str, object] = {
+            "key": self.key, "file": self.file, "byte_offset": self.byte_offset,
+            "byte_length": self.byte_length, "region_offsets": list(self.region[0]),
+            "region_sizes": list(self.region[1]), "chunk_offsets": list(self.chunk.offsets),
+            "chunk_sizes": list(self.chunk.sizes), "layout": self.chunk.layout}
+        if self.flat_range is not None:
+            d["flat_range"] = list(self.flat_range)
+        return d
+
+
+def _c_span(chunk: ChunkRef, region: Box) -> tuple[int, int]:
+    """First and one-past-last C-order element index of ``region`` inside ``chunk``."""
+    rel = [o - c for o, c in zip(region[0], chunk.offsets)]
+    strides, acc = [], 1
+    for s in reversed(chunk.sizes):
+        strides.append(acc)
+        acc *= s
+    strides.reverse()
+    first = sum(r * st for r, st in zip(rel, strides))
+    last = sum((r + n - 1) * st for r, n, st in zip(rel, region[1], strides))
+    return first, last + 1
+
+
+def flat_block(meta: TensorMeta, chunk: ChunkRef) -> Box:
+    """The logical block (offsets, sizes) a ``flat`` chunk's leading stored coordinates name."""
+    stored = meta.stored_shape or ()
+    block = tuple(s // n for s, n in zip(meta.shape, stored[:-1]))
+    return tuple(i * b for i, b in zip(chunk.offsets[:-1], block)), block
+
+
+class ChunkIndex:
+    """A tensor's chunks sorted along axis 0 for quick candidate lookup (chunks of one
+    checkpoint do not overlap, so a window of the longest chunk suffices)."""
+
+    def __init__(self, meta: TensorMeta):
+        self.meta = meta
+        self.flat = meta.stored_shape is not None and any(c.layout == "flat"
+                                                          for c in meta.chunks)
+        boxes = [flat_block(meta, c) if self.flat else (c.offsets, c.sizes) for c in meta.chunks]
+        order = sorted(range(len(boxes)), key=lambda i: boxes[i][0][:1])
+        self.boxes = [boxes[i] for i in order]
+        self.chunks = [meta.chunks[i] for i in order]
+        self.starts = [b[0][0] if b[0] else 0 for b in self.boxes]
+        self.longest = max((b[1][0] for b in self.boxes if b[1]), default=1)
+
+    def candidates(self, offsets: Sequence[int], sizes: Sequence[int]) -> range:
+        if not offsets:
+            return range(len(self.chunks))
+        lo = bisect.bisect_left(self.starts, offsets[0] - self.longest + 1)
+        hi = bisect.bisect_left(self.starts, offsets[0] + sizes[0])
+        return range(lo, hi)
+
+
+def reads_for(index: ChunkIndex, offsets: Sequence[int], sizes: Sequence[int]
+              ) -> list[SourceRead]:
+    """The stored reads covering the rectangle ``offsets``/``sizes`` of ``index.meta``."""
+    meta = index.meta
+    item = dtype_itemsize(meta.dtype)
+    out: list[SourceRead] = []
+    for i in index.candidates(offsets, sizes):
+        box, chunk = index.boxes[i], index.chunks[i]
+        region = intersect(offsets, sizes, box[0], box[1])
+        if region is None:
+            continue
+        if index.flat:
+            first, stop = _c_span(ChunkRef(box[0], box[1]), region)
+            f0 = chunk.offsets[-1]
+            f1 = f0 + chunk.sizes[-1]
+            if stop <= f0 or first >= f1:
+                continue
+            out.append(SourceRead(meta.key, chunk.file, chunk.byte_offset, chunk.byte_length,
+                                  region, chunk, (f0, f1)))
+            continue
+        if chunk.layout == "raw" and not chunk.transforms and chunk.byte_offset is not None:
+            first, stop = _c_span(chunk, region)
+            out.append(SourceRead(meta.key, chunk.file, chunk.byte_offset + first * item,
+                                  (stop - first) * item, region, chunk))
+        else:
+            out.append(SourceRead(meta.key, chunk.file, chunk.byte_offset, chunk.byte_length,
+                                  region, chunk))
+    return out
+
