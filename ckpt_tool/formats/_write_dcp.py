@@ -72,18 +72,33 @@ def _run_dcp_save(writer: Writer, request: WriteRequest, items: list, planner_da
 
     from ckpt_tool.formats._write_dcp_io import StreamingFileSystemWriter, StreamingSavePlanner
 
+    chunk_files = {(k, tuple(c.offsets)): c.file for k, t in request.meta.tensors.items()
+                   for c in t.chunks if c.file}
+
+    def file_of(item: Any) -> str | None:
+        if item.index.offset is None:
+            return None
+        return chunk_files.get((item.index.fqn, tuple(item.index.offset)))
+
     ranks = request.ranks
     distributed = ranks is not None and ranks.world > 1
     if distributed:  # each rank writes its share, balanced by bytes; rank 0 writes .metadata
         from ckpt_tool.parallel import split_by_bytes
 
-        items = split_by_bytes([(i, _item_nbytes(i)) for i in items], ranks.world)[ranks.rank]
+        # items bound for one named file stay on one rank (two ranks never write one file)
+        groups: dict[Any, list] = {}
+        for n, i in enumerate(items):
+            groups.setdefault(file_of(i) or n, []).append(i)
+        share = split_by_bytes([(g, sum(_item_nbytes(i) for i in groups[g])) for g in groups],
+                               ranks.world)[ranks.rank]
+        items = [i for g in share for i in groups[g]]
     planner = StreamingSavePlanner(items, tensor, payload, planner_data=planner_data,
                                    keep_local_plans=keep_local_plans)
     storage = StreamingFileSystemWriter(
         str(writer.directory), files=_file_count(request, writer, len(items)),
         threads=int(writer.options.extra.get("threads", 1)),
-        on_written=lambda item, nbytes: request.progress(nbytes))
+        on_written=lambda item, nbytes: request.progress(nbytes),
+        file_of=file_of if chunk_files else None)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")

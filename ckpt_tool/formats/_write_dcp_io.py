@@ -152,12 +152,36 @@ class StreamingFileSystemWriter(McoreFileSystemWriter):
 
     def __init__(self, path: str, *, files: int = 2, threads: int = 1,
                  on_written: Callable[[WriteItem, int], None] = lambda item, nbytes: None,
-                 sync_files: bool = True):
+                 sync_files: bool = True,
+                 file_of: Callable[[WriteItem], str | None] | None = None):
         super().__init__(path, thread_count=max(1, files), overwrite=False,
                          sync_files=sync_files)
         self.io_threads = max(1, threads)
         self.on_written = on_written
+        self.file_of = file_of
         self._lock = threading.Lock()
+
+    def write_data(self, plan: SavePlan, planner):
+        """With ``file_of``: every tensor item goes to the file it names (a reshard target
+        rank's ``__{rank}_0.distcp``); bytes items join the first file. Else the default."""
+        names = [self.file_of(i) if self.file_of else None for i in plan.items]
+        tensor_names = [n for n, i in zip(names, plan.items) if i.type != WriteItemType.BYTE_IO]
+        if not tensor_names or any(n is None for n in tensor_names):
+            return super().write_data(plan, planner)
+        import queue
+
+        buckets: dict[str, list[WriteItem]] = {}
+        for name, item in zip(names, plan.items):
+            if item.type != WriteItemType.BYTE_IO:
+                buckets.setdefault(name, []).append(item)
+        first = sorted(buckets)[0]
+        for name, item in zip(names, plan.items):
+            if item.type == WriteItemType.BYTE_IO:
+                buckets[name if name in buckets else first].append(item)
+        file_queue: queue.Queue = queue.Queue()
+        for name in sorted(buckets):
+            file_queue.put((self.fs.concat_path(self.path, name), name, buckets[name]))
+        return self._write_data(planner, file_queue)
 
     def storage_meta(self) -> StorageMeta:
         # a str like Megatron-Core records (DCP's own writer records a PosixPath)
