@@ -11,7 +11,7 @@ import re
 
 __all__ = ["RANK_DIR_RE", "LAYER_RE", "parse_rank_dir", "rank_dir_name", "stage_layer_offsets",
            "virtual_layer_offset", "globalize_key", "split_rule", "COLUMN", "ROW", "VOCAB",
-           "GLU", "REPLICATED"]
+           "GLU", "REPLICATED", "is_model_key", "model_keys"]
 
 RANK_DIR_RE = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 LAYER_RE = re.compile(r"^((?:.*\.)?(?:decoder|encoder)\.layers\.)(\d+)(\..*)$")
@@ -104,3 +104,18 @@ def split_rule(key: str, *, swiglu: bool) -> tuple[str, int | None]:
     if key.endswith(("linear_proj.weight", "linear_fc2.weight")):
         return ROW, 1
     return REPLICATED, None
+
+
+def is_model_key(key: object) -> bool:
+    """``model`` or a virtual-pipeline chunk ``model0``, ``model1``, ..."""
+    return isinstance(key, str) and (key == "model" or (key.startswith("model")
+                                                         and key[5:].isdigit()))
+
+
+def model_keys(state: object) -> list[str]:
+    """The model state dict keys of one rank file, in model-chunk order."""
+    if not isinstance(state, dict):
+        return []
+    if "model" in state:
+        return ["model"]
+    return sorted((k for k in state if is_model_key(k)), key=lambda k: int(k[5:]))

@@ -109,6 +109,12 @@ def _rebuild_parameter(data: Any, *rest: Any) -> Any:
     return data
 
 
+def _rebuild_from_type_v2(func: Any, new_type: Any, args: Any, state: Any) -> Any:
+    """A tensor pickled with Python attributes (e.g. Megatron's fp32 main params): the plain
+    tensor placeholder; the attributes are dropped."""
+    return func(*args)
+
+
 class TensorPropertiesStub(StandIn):
     """DCP ``TensorProperties``: pickled as a tuple state ``(dtype, layout, requires_grad, ...)``."""
 
@@ -165,6 +171,8 @@ def _special(qual: str) -> Any:
             "torch.storage.UntypedStorage": DtypeName("uint8"),
             "torch._utils._rebuild_parameter": _rebuild_parameter,
             "torch._utils._rebuild_parameter_with_state": _rebuild_parameter,
+            "torch._tensor._rebuild_from_type_v2": _rebuild_from_type_v2,
+            "torch.Tensor": "torch.Tensor",
             "torch.distributed.checkpoint.metadata.TensorProperties": TensorPropertiesStub,
             "torch.distributed._shard.sharded_tensor.metadata.TensorProperties":
                 TensorPropertiesStub,

@@ -18,7 +18,6 @@ Changing TP/PP is ``ckpt reshard``'s job: ``--tp/--pp`` here must match the sour
 
 from __future__ import annotations
 
-import argparse
 import re
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -62,8 +61,10 @@ class LegacyWriter(Writer):
         summary = self.options.extra.get("source_common_summary") or {}
         tp, pp = self._layout(summary)
         num_layers = self._num_layers(request, summary)
+        from ckpt_tool.ops._reshard_io import as_namespace
+
         swiglu = bool((summary.get("model") or {}).get("swiglu", False)
-                      or getattr(request.common.get("args"), "swiglu", False))
+                      or getattr(as_namespace(request.common.get("args")), "swiglu", False))
         entries = self._entries(request, num_layers)
         offsets = stage_layer_offsets(num_layers, pp) if num_layers else [0]
         per_rank = _per_rank_objects(request)
@@ -112,7 +113,9 @@ class LegacyWriter(Writer):
     def _num_layers(request: WriteRequest, summary: dict[str, Any]) -> int:
         n = (summary.get("model") or {}).get("num_layers")
         if n is None:
-            n = getattr(request.common.get("args"), "num_layers", None)
+            from ckpt_tool.ops._reshard_io import as_namespace
+
+            n = getattr(as_namespace(request.common.get("args")), "num_layers", None)
         if n is None:
             layers = [int(m.group(2)) for k in request.meta.tensors
                       if (m := LAYER_RE.match(k))]
@@ -176,8 +179,9 @@ class LegacyWriter(Writer):
     @staticmethod
     def _rank_state(common: dict[str, Any], model: dict[str, Any], tp: int, pp: int,
                     num_layers: int) -> dict[str, Any]:
-        args = common.get("args")
-        args = argparse.Namespace(**vars(args)) if args is not None else argparse.Namespace()
+        from ckpt_tool.ops._reshard_io import as_namespace
+
+        args = as_namespace(common.get("args"))
         args.tensor_model_parallel_size = tp
         args.pipeline_model_parallel_size = pp
         if num_layers:

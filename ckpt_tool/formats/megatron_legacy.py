@@ -8,27 +8,44 @@ as ``input_layernorm``/``pre_mlp_layernorm`` are kept). The split rules live in
 ``[W_0; …; W_{tp-1}; V_0; …; V_{tp-1}]``, 2 chunks per rank. ``_extra_state`` entries that are
 None are skipped.
 
+Virtual pipeline files hold ``model0..N`` (chunk ``v`` of stage ``p`` holds global layers from
+``_legacy_layout.virtual_layer_offset``); expert-parallel files (``mp_rank_TT_PPP_EEE``) hold
+local experts ``mlp.experts.local_experts.{k}``, global expert ``ep * num_experts / EP + k``.
+
+Optimizer state becomes tensors named like Megatron-Core's sharded optimizer state,
+``optimizer.state.{exp_avg,exp_avg_sq,fp32_param}.<global param key>`` (TP-merged like the
+parameter), when its mapping to the parameters can be rebuilt from the checkpoint alone
+(``_legacy_optim``): the non-distributed optimizer ``state_dict`` in ``model_optim_rng.pt``
+(param groups matched to the rank's parameters), or ``distrib_optim.pt`` from
+``save_parameter_state`` (grad-buffer layout rebuilt from the model and ``args``, checked
+against the stored ``numel_unpadded``). Otherwise the reason is in
+``extras["optimizer_state_not_mapped"]`` and the state stays an object. ``optimizer``,
+``distrib_optim``, ``rng_state`` and ``opt_param_scheduler`` are always listed as objects too.
+
 Metadata is torch-free: each rank file's ``data.pkl`` is unpickled with tensor placeholders
 (``_common.load_torch_save_light``) and every chunk points at its storage's byte range inside
-the zip (layout ``raw``). Optimizer state (the ``optimizer`` key, ``distrib_optim.pt``),
-``rng_state`` and ``opt_param_scheduler`` are listed as objects, not tensors (for now).
+the zip (layout ``raw``; a slice of a ``distrib_optim.pt`` flat buffer included). Reads load
+(mmap) only the files holding the requested region.
 A missing rank file does not stop ``metadata()``: it is listed in ``extras["missing_rank_files"]``
-(the affected tensors then lack chunks) and in :attr:`LegacyReader.problems` for ``validate``.
+(the affected tensors then lack chunks), in :meth:`LegacyReader.rank_files` and in
+:attr:`LegacyReader.problems` (with dtype/shape disagreements between rank copies) for
+``validate``.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import math
 from collections import OrderedDict
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any
+from typing import Any, Callable
 
 from ckpt_tool.errors import CorruptCheckpointError, InputError
 from ckpt_tool.formats import _legacy_layout as L
+from ckpt_tool.formats import _legacy_optim as _O
+from ckpt_tool.formats import _legacy_pieces as P
 from ckpt_tool.formats._resolve import resolve_checkpoint_dir
 from ckpt_tool.formats.base import Format, Reader, register
-from ckpt_tool.model import CheckpointMeta, ChunkRef, ObjectMeta, TensorMeta, dtype_itemsize
+from ckpt_tool.model import CheckpointMeta, ChunkRef, ObjectMeta, TensorMeta
 
 __all__ = ["LegacyReader", "LEGACY", "rank_dirs"]
 
@@ -36,6 +53,7 @@ MODEL_FILE = "model_optim_rng.pt"
 DISTRIB_OPTIM_FILE = "distrib_optim.pt"
 _OBJECT_KEYS = ("optimizer", "opt_param_scheduler", "rng_state")
 _LRU_FILES = 4
+OPTIM_PREFIX = "optimizer.state."
 
 
 def rank_dirs(root: Path) -> list[str]:
@@ -83,20 +101,30 @@ class LegacyReader(Reader):
         if why is not None:
             raise InputError(f"not a Megatron-LM legacy checkpoint: {why}", path=self.root)
         self._meta: CheckpointMeta | None = None
-        # global key -> {chunk: (file, local model key, (row start, row stop) or None)}
-        self._sources: dict[str, dict[ChunkRef, tuple[str, str, tuple[int, int] | None]]] = {}
-        self._files: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self._sources: dict[str, P.Sources] = {}  # global key -> chunk sources
+        self._files: OrderedDict[str, Any] = OrderedDict()
+        self._light: dict[str, Any] = {}  # rank dir -> light-loaded model_optim_rng.pt
         self.problems: list[dict[str, Any]] = []
 
     # -- metadata ---------------------------------------------------------------------------
 
+    def rank_files(self) -> dict[str, list[str]]:
+        """``{"expected": [...], "present": [...], "missing": [...], "unreadable": [...],
+        "distrib_optim": [...]}``: the per-rank files (relative paths) the TP×PP×EP layout
+        from ``args`` calls for, and what was found (for ``validate``)."""
+        e = self.metadata().extras
+        present = list(e["rank_files"])
+        return {"expected": sorted(present + e["missing_rank_files"] + e["unreadable_rank_files"]),
+                "present": present, "missing": list(e["missing_rank_files"]),
+                "unreadable": list(e["unreadable_rank_files"]),
+                "distrib_optim": list(e["distrib_optim_files"])}
+
     def metadata(self) -> CheckpointMeta:
-        """Every merged global tensor, the rank files' objects and the args summary."""
+        """Every merged global tensor (model, and optimizer state where its mapping to the
+        parameters is exact), the rank files' objects and the args summary."""
         if self._meta is not None:
             return self._meta
         from ckpt_tool.formats._common import jsonable, load_torch_save_light, summarize_common
-        from ckpt_tool.formats._torch_stubs import TensorPlaceholder
-        from ckpt_tool.formats.torch_save import TorchSaveReader, _zip_info
 
         present: dict[str, Any] = {}
         unreadable: list[str] = []
@@ -112,6 +140,7 @@ class LegacyReader(Reader):
         if not present:
             raise CorruptCheckpointError(f"no {MODEL_FILE} in any mp_rank_* directory",
                                          path=self.root)
+        self._light = present
         first = present[sorted(present)[0]]
         args = first.get("args") if isinstance(first, dict) else None
         tp_size = _get(args, "tensor_model_parallel_size")
@@ -134,23 +163,25 @@ class LegacyReader(Reader):
                                   f"PP={pp_size} EP={ep_size} from args)", "file": f})
 
         swiglu = bool(_get(args, "swiglu"))
-        vpp = _get(args, "virtual_pipeline_model_parallel_size")
         num_layers = _get(args, "num_layers")
-        model_keys = sorted((k for k in first if isinstance(k, str) and k.startswith("model")
-                             and k[5:].isdigit()), key=lambda k: int(k[5:])) \
-            if "model" not in first else ["model"]
+        model_keys = L.model_keys(first)
         offsets = self._stage_offsets(present, ranks, args, num_layers, pp_size)
+        n_experts = _get(args, "num_experts")
 
-        # global key -> list of (tp, file, local key, placeholder)
-        pieces: dict[str, list[tuple[int, str, str, Any]]] = {}
+        pieces: dict[str, list[P.Piece]] = {}
         objects: list[ObjectMeta] = []
-        zips: dict[str, Any] = {}
+        optim_status: dict[str, str] = {}
         for name in sorted(present):
             tp, pp, ep = ranks.get(name, (0, 0, 0))
             state, rel = present[name], f"{name}/{MODEL_FILE}"
-            zips[rel] = _zip_info(self.root / rel)
-            for mk in model_keys:
-                sd = state.get(mk)
+            storages = self._zip(rel)
+            expert_off = ep * (n_experts // ep_size) if n_experts else 0
+            chunk_params: list[list[_O.Param]] = []
+            to_global: dict[str, str] = {}
+            for ci, mk in enumerate(model_keys):
+                sd = state.get(mk) if isinstance(state, dict) else None
+                params: list[_O.Param] = []
+                chunk_params.append(params)
                 if not isinstance(sd, dict):
                     continue
                 if mk == "model":
@@ -160,19 +191,26 @@ class LegacyReader(Reader):
                         "virtual pipeline (model0..N keys) but no args.num_layers to place the "
                         "layers", path=self.root / rel)
                 else:
-                    layer_off = L.virtual_layer_offset(num_layers, pp_size, vpp or len(model_keys),
-                                                       pp, int(mk[5:]))
-                n_local_experts = _get(args, "num_experts")
-                expert_off = ep * (n_local_experts // ep_size) if n_local_experts else 0
+                    layer_off = L.virtual_layer_offset(
+                        num_layers, pp_size, _get(args, "virtual_pipeline_model_parallel_size")
+                        or len(model_keys), pp, ci)
                 for k, v in sd.items():
-                    if v is None:
-                        continue
-                    if not isinstance(v, TensorPlaceholder):
+                    d = P.describe(v)
+                    if d is None or str(k).endswith("_extra_state"):
                         continue
                     gk = L.globalize_key(str(k), layer_off, expert_off)
-                    pieces.setdefault(gk, []).append((tp, rel, f"{mk}\0{k}", v))
+                    # chunk-qualified local key: VPP chunks repeat local names
+                    lk = f"{mk}\0{k}"
+                    params.append((lk, d[1], d[0]))
+                    to_global[lk] = gk
+                    pieces.setdefault(gk, []).append(
+                        P.make_piece(self.root, tp, rel, v, (mk, k), storages))
+            status = self._optimizer_pieces(name, state, chunk_params, to_global, args, tp, pp,
+                                            storages, pieces)
+            if status:
+                optim_status[name] = status
             for ok in _OBJECT_KEYS:
-                if ok in state:
+                if isinstance(state, dict) and ok in state:
                     objects.append(ObjectMeta(key=ok, unique_key=f"{ok}/{name}", file=rel))
             if (self.root / name / DISTRIB_OPTIM_FILE).is_file():
                 objects.append(ObjectMeta(key="distrib_optim",
@@ -181,14 +219,18 @@ class LegacyReader(Reader):
 
         tensors: dict[str, TensorMeta] = {}
         unknown: list[str] = []
+        etp = _get(args, "expert_tensor_parallel_size")
         for gk in sorted(pieces):
-            tm = self._merge(gk, pieces[gk], tp_size, swiglu, zips, TorchSaveReader)
+            tm, self._sources[gk], problems = P.merge_pieces(gk, pieces[gk], tp_size, swiglu,
+                                                             etp)
+            self.problems.extend(problems)
             if tm is None:
                 unknown.append(gk)
             else:
                 tensors[gk] = tm
 
         common = summarize_common(first) if isinstance(first, dict) else {}
+        n_opt = sum(1 for k in tensors if k.startswith(OPTIM_PREFIX))
         extras = {
             "tp": tp_size, "pp": pp_size, "ep": ep_size,
             "rank_files": sorted(f"{n}/{MODEL_FILE}" for n in present),
@@ -197,7 +239,9 @@ class LegacyReader(Reader):
             "distrib_optim_files": sorted(o.file for o in objects if o.key == "distrib_optim"),
             "virtual_pipeline": model_keys if model_keys != ["model"] else None,
             "unmerged": unknown,
-            "optimizer_state": "listed as objects (not tensors) for now",
+            "optimizer_state": (f"{n_opt} tensors ({OPTIM_PREFIX}<state>.<param key>)"
+                                if n_opt else "none as tensors"),
+            "optimizer_state_not_mapped": optim_status,
         }
         if isinstance(first, dict) and "args" in first:
             extras["args"] = jsonable(first["args"])
@@ -207,6 +251,45 @@ class LegacyReader(Reader):
                                     extras=extras,
                                     version=None if version is None else str(version))
         return self._meta
+
+    def _zip(self, rel: str) -> Any:
+        from ckpt_tool.formats.torch_save import _zip_info
+
+        return _zip_info(self.root / rel)
+
+    def _optimizer_pieces(self, name: str, state: Any, chunk_params: list[list[_O.Param]],
+                          to_global: dict[str, str], args: Any, tp: int, pp: int,
+                          storages: Any, pieces: dict[str, list[P.Piece]]) -> str | None:
+        """Add the optimizer state tensors of one rank; returns why they stay objects."""
+        from ckpt_tool.formats._common import load_torch_save_light
+
+        dist = self.root / name / DISTRIB_OPTIM_FILE
+        optim = state.get("optimizer") if isinstance(state, dict) else None
+        if dist.is_file():
+            rel = f"{name}/{DISTRIB_OPTIM_FILE}"
+            try:
+                obj = load_torch_save_light(dist, trust=self.trust)
+            except CorruptCheckpointError as exc:
+                self.problems.append({"message": f"unreadable: {exc.message}", "file": rel})
+                return f"{DISTRIB_OPTIM_FILE} unreadable"
+            locs, why = _O.distrib_locations(obj, chunk_params, args, pp)
+            src, dstor = obj, self._zip(rel)
+        elif optim is not None:
+            rel, dstor, src = f"{name}/{MODEL_FILE}", storages, state
+            locs, why = _O.nondist_locations(optim, chunk_params, args)
+        else:
+            return None
+        if why:
+            return why
+        shapes = {p[0]: p[1] for ps in chunk_params for p in ps}
+        for sname, lk, path, flat in locs:
+            t = P.walk(src, path)
+            shape = shapes[lk]
+            gk = f"{OPTIM_PREFIX}{sname}.{to_global[lk]}"
+            pieces.setdefault(gk, []).append(
+                P.make_piece(self.root, tp, rel, t, path, dstor, flat,
+                             shape if flat is not None else None))
+        return None
 
     def _stage_offsets(self, present: dict[str, Any], ranks: dict[str, tuple[int, int, int]],
                        args: Any, num_layers: int | None, pp_size: int) -> list[int]:
@@ -232,73 +315,9 @@ class LegacyReader(Reader):
             acc += c
         return out
 
-    def _merge(self, gk: str, parts: list[tuple[int, str, str, Any]], tp_size: int,
-               swiglu: bool, zips: dict[str, Any], tsr: Any) -> TensorMeta | None:
-        """One global TensorMeta from the TP pieces of ``gk``; None when unknown and
-        inconsistent across ranks."""
-        kind, dim = L.split_rule(gk, swiglu=swiglu)
-        by_tp: dict[int, tuple[str, str, Any]] = {}
-        for tp, rel, lk, t in parts:
-            by_tp.setdefault(tp, (rel, lk, t))
-        p0 = by_tp[min(by_tp)][2]
-        dtype, lshape = p0.dtype, tuple(int(s) for s in p0.shape)
-        for tp, (rel, lk, t) in sorted(by_tp.items()):
-            if t.dtype != dtype or tuple(t.shape) != lshape:
-                self.problems.append({
-                    "message": f"TP rank {tp} holds {t.dtype}{list(t.shape)}, TP rank "
-                    f"{min(by_tp)} {dtype}{list(lshape)}", "key": gk, "file": rel})
-        sources: dict[ChunkRef, tuple[str, str, tuple[int, int] | None]] = {}
-
-        def raw(rel: str, lk: str, t: Any) -> ChunkRef:
-            prefix, storages, byteorder = zips[rel]
-            # torch_save's byte-range rule for one placeholder (its ``self`` needs only .path)
-            c = tsr._chunk(SimpleNamespace(path=self.root / rel), lk.replace("\0", "."), t,
-                           tuple(int(s) for s in t.shape), storages, byteorder)
-            if c is None:
-                shape = tuple(int(s) for s in t.shape)
-                c = ChunkRef(offsets=(0,) * len(shape), sizes=shape, layout="torch_save")
-            return dataclasses.replace(c, file=rel)
-
-        if kind == L.REPLICATED or tp_size == 1 or not lshape:
-            if kind != L.REPLICATED and tp_size > 1 and not lshape:
-                return None
-            rel, lk, t = by_tp[min(by_tp)]
-            c = raw(rel, lk, t)
-            sources[c] = (rel, lk, None)
-            self._sources[gk] = sources
-            return TensorMeta(key=gk, dtype=dtype, shape=lshape, chunks=(c,), origin=kind)
-        gshape = list(lshape)
-        gshape[dim] *= tp_size
-        chunks = []
-        for tp, (rel, lk, t) in sorted(by_tp.items()):
-            if tuple(t.shape) != lshape:
-                continue
-            c = raw(rel, lk, t)
-            if kind == L.GLU:
-                half = lshape[0] // 2
-                row_bytes = dtype_itemsize(dtype) * (c.numel // max(lshape[0], 1))
-                for i, start in enumerate((tp * half, tp_size * half + tp * half)):
-                    sizes = (half, *lshape[1:])
-                    cc = dataclasses.replace(
-                        c, offsets=(start,) + (0,) * (len(lshape) - 1), sizes=sizes,
-                        byte_offset=None if c.byte_offset is None
-                        else c.byte_offset + i * half * row_bytes,
-                        byte_length=None if c.byte_length is None else half * row_bytes)
-                    sources[cc] = (rel, lk, (i * half, (i + 1) * half))
-                    chunks.append(cc)
-            else:
-                off = [0] * len(lshape)
-                off[dim] = tp * lshape[dim]
-                cc = dataclasses.replace(c, offsets=tuple(off))
-                sources[cc] = (rel, lk, None)
-                chunks.append(cc)
-        self._sources[gk] = sources
-        return TensorMeta(key=gk, dtype=dtype, shape=tuple(gshape), chunks=tuple(chunks),
-                          origin=kind)
-
     # -- reads ------------------------------------------------------------------------------
 
-    def _load_file(self, rel: str) -> dict[str, Any]:
+    def _load_file(self, rel: str) -> Any:
         if rel in self._files:
             self._files.move_to_end(rel)
             return self._files[rel]
@@ -324,17 +343,18 @@ class LegacyReader(Reader):
         return state
 
     def read(self, key: str, slices: tuple[slice, ...] | None = None) -> Any:
-        """The merged global tensor ``key`` (or ``slices`` of it); loads only the rank files
-        holding the requested region."""
+        """The merged global tensor ``key`` (or ``slices`` of it); loads (mmap) only the rank
+        files holding the requested region."""
         from ckpt_tool.formats._dcp_io import assemble
 
         meta = self._tensor_meta(key)
         sources = self._sources[key]
 
         def load(chunk: ChunkRef) -> Any:
-            rel, lk, rows = sources[chunk]
-            mk, k = lk.split("\0", 1)
-            t = self._load_file(rel)[mk][k]
+            p, rows = sources[chunk]
+            t = P.walk(self._load_file(p.rel), p.path)
+            if p.flat is not None:
+                t = t[p.flat:p.flat + math.prod(p.shape)].view(p.shape)
             return t if rows is None else t[rows[0]:rows[1]]
 
         return assemble(meta, slices, load)
@@ -344,17 +364,38 @@ class LegacyReader(Reader):
         ``distrib_optim/<rank dir>`` file."""
         o = self._object_meta(unique_key)
         if o.key == "distrib_optim":
-            from ckpt_tool.formats._pickle import load_torch_file
-
-            return load_torch_file(self.root / str(o.file), trust=self.trust)
+            return self._load_file(str(o.file))
         return self._load_file(str(o.file))[o.key]
 
+    def _common_state(self, load: Callable[[str], Any]) -> dict[str, Any]:
+        """The common state: the first rank file's top level without the model (``args`` as a
+        dict), the optimizer without its tensors, and the per-rank values (``rng_state``)
+        keyed by rank directory."""
+        meta = self.metadata()
+        files = meta.extras["rank_files"]
+        first = load(files[0])
+        out: dict[str, Any] = {}
+        for k, v in first.items():
+            if L.is_model_key(k):
+                continue
+            if k == "args" and hasattr(v, "__dict__"):
+                v = dict(vars(v))
+            elif k == "optimizer":
+                v = _O.optimizer_skeleton(v)
+            out[str(k)] = v
+        if "rng_state" in first:
+            out["rng_state"] = {f.split("/")[0]: load(f).get("rng_state") for f in files}
+        return out
+
     def common(self) -> dict[str, Any]:
-        """The first rank file's state without the model and optimizer (loaded with torch)."""
-        rel = self.metadata().extras["rank_files"][0]
-        state = self._load_file(rel)
-        return {k: v for k, v in state.items()
-                if not (str(k).startswith("model") or k == "optimizer")}
+        """The full common state (see ``_common_state``), loaded with torch (mmap)."""
+        return self._common_state(self._load_file)
+
+    def _common_light(self, objects: list[ObjectMeta]) -> dict[str, Any]:
+        """The same as :meth:`common`, torch-free (tensors as placeholders): for
+        ``ckpt inspect --common``."""
+        self.metadata()
+        return self._common_state(lambda rel: self._light[rel.split("/")[0]])
 
     def close(self) -> None:
         """Drop the cached rank files."""

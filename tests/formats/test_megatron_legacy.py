@@ -3,7 +3,6 @@ dist fixture's tensors, bit-exact reads against the dist fixture, torch-free met
 validate hooks and ``ckpt inspect``."""
 
 import json
-import re
 import shutil
 import subprocess
 import sys

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import glob
 from pathlib import Path
 
@@ -52,8 +53,9 @@ def test_flat_full_model_split_like_megatron_lm(tmp_path):
     with open_checkpoint(LEGACY) as r:
         for k in r.metadata().tensors:
             full[k] = r.read(k).clone()
-        args = r.common()["args"]
-    del args.tensor_model_parallel_size, args.pipeline_model_parallel_size  # no layout recorded
+        args = dict(r.common()["args"])
+    del args["tensor_model_parallel_size"], args["pipeline_model_parallel_size"]  # no layout
+    args = argparse.Namespace(**args)
     torch.save({"model": full, "args": args, "iteration": 10}, tmp_path / "full.pt")
     result = convert(tmp_path / "full.pt", tmp_path / "out",
                      ConvertOptions(to="legacy", rename=(("model.", ""),)), tp=2, pp=2)
