@@ -43,11 +43,13 @@ def _register() -> None:
     from ckpt_tool.cli import convert as convert_cmd
     from ckpt_tool.cli import diff as diff_cmd
     from ckpt_tool.cli import inspect as inspect_cmd
+    from ckpt_tool.cli import reshard as reshard_cmd
     from ckpt_tool.cli import validate as validate_cmd
 
-    built = {"inspect", "validate", "diff", "convert"}
+    built = {"inspect", "validate", "diff", "convert", "reshard"}
     app.command("inspect")(inspect_cmd.inspect)
     app.command("validate")(validate_cmd.validate)
+    app.command("reshard")(reshard_cmd.reshard)
     app.command("convert")(convert_cmd.convert)
     app.command("diff")(diff_cmd.diff)
     register_pending(app, built)

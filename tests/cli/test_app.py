@@ -23,7 +23,7 @@ def test_version():
     assert __version__ in result.output
 
 
-BUILT = ["inspect", "validate", "diff", "convert"]
+BUILT = ["inspect", "validate", "diff", "convert", "reshard"]
 PENDING = [c for c in COMMANDS if c not in BUILT]
 
 

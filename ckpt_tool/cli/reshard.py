@@ -1,0 +1,131 @@
+"""``ckpt reshard SRC DST --tp N --pp M [--ep E]``: a checkpoint ready to resume at another layout."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, List, Optional
+
+import typer
+
+from ckpt_tool.cli._errors import handle_errors
+from ckpt_tool.cli._options import (CheckpointPath, JsonFlag, NoVerifyFlag, OverwriteFlag,
+                                    TrustFlag)
+from ckpt_tool.cli._output import human_bytes, message, print_json, stdout
+from ckpt_tool.cli._progress import progress_bar
+
+_Int = Optional[int]
+
+
+@handle_errors
+def reshard(
+    src: CheckpointPath,
+    dst: Annotated[Optional[Path], typer.Argument(
+        help="Output directory (not needed with --check/--dry-run).", show_default=False)] = None,
+    tp: Annotated[int, typer.Option("--tp", min=1, help="Target tensor-parallel size.")] = 1,
+    pp: Annotated[int, typer.Option("--pp", min=1, help="Target pipeline-parallel size.")] = 1,
+    ep: Annotated[int, typer.Option("--ep", min=1, help="Target expert-parallel size.")] = 1,
+    etp: Annotated[_Int, typer.Option("--etp", min=1, help="Target expert tensor-parallel "
+                                      "size (default: --tp).", show_default=False)] = None,
+    vpp: Annotated[_Int, typer.Option("--vpp", min=1, help="Virtual pipeline stages per rank "
+                                      "(legacy targets).", show_default=False)] = None,
+    first_layers: Annotated[_Int, typer.Option(
+        "--decoder-first-pipeline-num-layers", min=0, show_default=False,
+        help="Layers on the first pipeline stage.")] = None,
+    last_layers: Annotated[_Int, typer.Option(
+        "--decoder-last-pipeline-num-layers", min=0, show_default=False,
+        help="Layers on the last pipeline stage.")] = None,
+    to: Annotated[Optional[str], typer.Option(
+        "--to", help="torch_dist (default for dist input) or legacy (default for legacy "
+        "input).", show_default=False)] = None,
+    rules: Annotated[Optional[List[Path]], typer.Option(
+        "--rules", help="TOML file of layout rules that add to / override the built-in ones "
+        "(repeatable).", show_default=False)] = None,
+    drop_optimizer: Annotated[bool, typer.Option(
+        "--drop-optimizer", help="Leave optimizer state out (needed for dp-sharded "
+        "optimizer layouts when tp/pp change).")] = False,
+    divisible_by: Annotated[_Int, typer.Option(
+        "--make-vocab-size-divisible-by", min=1, show_default=False,
+        help="Vocab padding multiple (default: from the checkpoint's args).")] = None,
+    vocab_size: Annotated[_Int, typer.Option(
+        "--vocab-size", min=1, show_default=False,
+        help="The tokenizer's (unpadded) vocab size, when the args lack it.")] = None,
+    vocab_fill: Annotated[str, typer.Option(
+        "--vocab-fill", help="New padded vocab rows: copy (the last row, as Megatron-LM's "
+        "converter) or zero.")] = "copy",
+    check: Annotated[bool, typer.Option(
+        "--check", help="Only report whether the target layout can work (and why not).")] = False,
+    dry_run: Annotated[bool, typer.Option(
+        "--dry-run", help="Also print the plan: per target rank, which source bytes it reads; "
+        "write nothing.")] = False,
+    overwrite: OverwriteFlag = False,
+    no_verify: NoVerifyFlag = False,
+    json_: JsonFlag = False,
+    trust: TrustFlag = False,
+) -> None:
+    """Rewrite a checkpoint for another TP/PP/EP layout (feasibility is checked first: every
+    reason the target cannot work is reported with its fix; exit 1 then).
+
+    Example: ckpt reshard checkpoints/gpt/iter_0001000 gpt-tp4 --tp 4 --pp 1
+    """
+    from ckpt_tool.errors import UsageError
+    from ckpt_tool.ops.reshard import ReshardRequest
+    from ckpt_tool.ops.reshard import reshard as run_reshard
+
+    if vocab_fill not in ("copy", "zero"):
+        raise UsageError(f"bad --vocab-fill {vocab_fill!r}", hint="use copy or zero")
+    req = ReshardRequest(tp=tp, pp=pp, ep=ep, etp=etp, vpp=vpp, first_stage_layers=first_layers,
+                         last_stage_layers=last_layers, to=to,
+                         rules=tuple(str(r) for r in rules or ()),
+                         drop_optimizer=drop_optimizer,
+                         make_vocab_size_divisible_by=divisible_by, vocab_size=vocab_size,
+                         vocab_fill=vocab_fill)
+    with progress_bar(f"reshard -> tp{tp} pp{pp}", enabled=not (check or dry_run)) as bar:
+        result = run_reshard(src, dst, req, check=check, dry_run=dry_run, trust=trust,
+                             overwrite=overwrite, verify=not no_verify, progress=bar)
+    if json_:
+        print_json(result.to_dict())
+    else:
+        _render(result.plan, show_ranks=dry_run)
+    message(_verdict(result, check or dry_run))
+    if not result.ok:
+        raise typer.Exit(1)
+
+
+def _render(plan: dict[str, Any], *, show_ranks: bool) -> None:
+    from rich.markup import escape
+    from rich.table import Table
+
+    if plan.get("problems"):
+        table = Table(title="feasibility", title_justify="left")
+        for col in ("severity", "key", "reason", "fix"):
+            table.add_column(col, overflow="fold")
+        for p in plan["problems"]:
+            style = {"error": "red", "warning": "yellow"}.get(p["severity"], "cyan")
+            table.add_row(f"[{style}]{p['severity']}[/{style}]", escape(p.get("key") or ""),
+                          escape(p["reason"]), escape(p.get("fix") or ""))
+        stdout.print(table)
+    if show_ranks and plan.get("ranks"):
+        table = Table(title="plan: what each target rank reads", title_justify="left")
+        for col in ("rank", "tp", "pp", "ep", "writes", "tensors", "reads", "source files"):
+            table.add_column(col, overflow="fold")
+        for r in plan["ranks"]:
+            files = sorted({x["file"] or "" for x in r["reads"]})
+            table.add_row(str(r["rank"]), str(r["tp"]), str(r["pp"]), str(r["ep"]),
+                          escape(r["file"]), str(r["tensors"]), human_bytes(r["read_bytes"]),
+                          escape(", ".join(files)))
+        stdout.print(table)
+
+
+def _verdict(result: Any, planning_only: bool) -> str:
+    src = result.plan.get("source", {})
+    tgt = result.plan.get("target", {})
+    layout = (f"tp{src.get('tp')} pp{src.get('pp')} ep{src.get('ep')} -> "
+              f"tp{tgt.get('tp')} pp{tgt.get('pp')} ep{tgt.get('ep')}")
+    errors = [p for p in result.plan.get("problems", []) if p["severity"] == "error"]
+    if errors:
+        return (f"cannot reshard {result.source} ({layout}): {len(errors)} problem"
+                f"{'s' * (len(errors) != 1)}; first: {errors[0]['reason']}")
+    if planning_only:
+        return f"feasible: {result.source} ({result.source_format}, {layout})"
+    return (f"resharded {result.source} ({layout}) -> {result.target} ({result.format}): "
+            f"{human_bytes(result.nbytes)} in {result.seconds:.1f} s")

@@ -1,0 +1,238 @@
+"""Byte moving for ``reshard``: a stacked view of legacy checkpoints, a source that re-pads the
+vocabulary, and the per-rank legacy files written from a ``ReshardPlan``.
+
+Megatron-Core dist checkpoints store transformer layers stacked (``decoder.layers.<rest>`` with
+the layer axis first); legacy files hold one key per layer (``decoder.layers.<n>.<rest>``).
+``StackedView`` presents a legacy checkpoint the dist way (so its output loads into a
+Megatron-Core model); ``write_legacy_ranks`` unstacks dist keys into per-layer legacy keys.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from collections import OrderedDict
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from ckpt_tool.formats.base import Reader
+from ckpt_tool.model import CheckpointMeta, TensorMeta
+
+__all__ = ["StackedView", "PaddedSource", "write_legacy_ranks", "updated_args",
+           "stacked_view_if_legacy"]
+
+_PER_LAYER = re.compile(r"^((?:.*\.)?(?:decoder|encoder)\.layers\.)(\d+)\.(.*)$")
+_STACKED = re.compile(r"^((?:.*\.)?(?:decoder|encoder)\.layers\.)([^0-9].*)$")
+
+
+class StackedView(Reader):
+    """A legacy reader's per-layer keys as stacked keys with a leading layer axis."""
+
+    format_name = "legacy"
+
+    def __init__(self, reader: Reader):
+        super().__init__(reader.path, trust=reader.trust)
+        self.inner = reader
+        self._meta: CheckpointMeta | None = None
+        self._layers: dict[str, list[str]] = {}
+
+    def metadata(self) -> CheckpointMeta:
+        if self._meta is not None:
+            return self._meta
+        meta = self.inner.metadata()
+        groups: dict[str, dict[int, TensorMeta]] = {}
+        tensors: dict[str, TensorMeta] = {}
+        moe_layers = {m.group(2) for k in meta.tensors if (m := _PER_LAYER.match(k))
+                      and (".mlp.router." in k or ".mlp.experts." in k)}
+        for key, t in meta.tensors.items():
+            m = _PER_LAYER.match(key)
+            if m is None:
+                tensors[key] = t
+            else:
+                rest = _dist_name(m.group(3), moe=m.group(2) in moe_layers)
+                groups.setdefault(m.group(1) + rest, {})[int(m.group(2))] = t
+        for key, by_layer in groups.items():
+            layers = sorted(by_layer)
+            first = by_layer[layers[0]]
+            if layers != list(range(len(layers))) or any(
+                    (t.shape, t.dtype) != (first.shape, first.dtype) for t in by_layer.values()):
+                for t in by_layer.values():  # not a regular stack: keep per-layer keys
+                    tensors[t.key] = t
+                continue
+            chunks = tuple(replace(c, offsets=(n, *c.offsets), sizes=(1, *c.sizes))
+                           for n in layers for c in by_layer[n].chunks)
+            tensors[key] = TensorMeta(key=key, dtype=first.dtype,
+                                      shape=(len(layers), *first.shape), chunks=chunks)
+            self._layers[key] = [k.key for _, k in sorted(by_layer.items())]
+        self._meta = replace(meta, tensors=tensors)
+        return self._meta
+
+    def read(self, key: str, slices: tuple[slice, ...] | None = None) -> Any:
+        import torch
+
+        self.metadata()
+        if key not in self._layers:
+            return self.inner.read(key, slices)
+        layers = self._layers[key]
+        first = slices[0] if slices else slice(None)
+        rest = tuple(slices[1:]) if slices else None
+        parts = [self.inner.read(layers[n], rest or None)
+                 for n in range(*first.indices(len(layers)))]
+        return torch.stack(parts)
+
+    def read_object(self, unique_key: str) -> Any:
+        return self.inner.read_object(unique_key)
+
+    def common(self) -> dict[str, Any]:
+        return self.inner.common()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+# Megatron-Core's local-spec TransformerLayer saves its norms under the fused TE names
+# (``sharded_state_dict_keys_map``), so dist checkpoints of local and TE models agree.
+_LOCAL_TO_DIST = (("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
+                  ("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_"))
+
+
+def _dist_name(rest: str, *, moe: bool) -> str:
+    for old, new in _LOCAL_TO_DIST:
+        if rest.startswith(old) and not (moe and old.startswith("pre_mlp")):
+            return new + rest[len(old):]
+    return rest
+
+
+class PaddedSource:
+    """Reads target keys from ``reader``; rows of re-padded vocab tensors beyond the source's
+    rows are zeros (``fill="zero"``) or copies of the last stored row (``"copy"``)."""
+
+    def __init__(self, reader: Reader, target: CheckpointMeta, fill: str = "copy",
+                 progress: Any = None):
+        self.reader = reader
+        self.fill = fill
+        src = reader.metadata().tensors
+        self.rows = {k: src[k].shape[0] for k, t in target.tensors.items()
+                     if k in src and t.shape and src[k].shape and t.shape[0] != src[k].shape[0]}
+        self.largest_piece = 0
+
+    def read(self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Any:
+        import torch
+
+        rows = self.rows.get(key)
+        if rows is None or offsets[0] + sizes[0] <= rows:
+            out = self._read(key, offsets, sizes)
+        else:
+            have = max(0, rows - offsets[0])
+            parts = []
+            if have:
+                parts.append(self._read(key, offsets, (have, *sizes[1:])))
+            extra = sizes[0] - have
+            if self.fill == "zero":
+                parts.append(self._read(key, (rows - 1, *offsets[1:]), (1, *sizes[1:]))
+                             .mul(0).expand(extra, *sizes[1:]))
+            else:
+                parts.append(self._read(key, (rows - 1, *offsets[1:]), (1, *sizes[1:]))
+                             .expand(extra, *sizes[1:]))
+            out = torch.cat(parts)
+        out = out.contiguous()
+        self.largest_piece = max(self.largest_piece, out.numel() * out.element_size())
+        return out
+
+    def _read(self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Any:
+        slices = tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
+        return self.reader.read(key, slices or None)
+
+
+def as_namespace(args: Any) -> argparse.Namespace:
+    """A fresh ``argparse.Namespace`` from a Namespace, a dict of its fields, or None."""
+    if args is None:
+        return argparse.Namespace()
+    if isinstance(args, dict):
+        return argparse.Namespace(**args)
+    return argparse.Namespace(**vars(args))
+
+
+def updated_args(args: Any, updates: dict[str, Any]) -> Any:
+    """A copy of Megatron-LM's ``args`` Namespace with the new parallel sizes."""
+    out = as_namespace(args)
+    for k, v in updates.items():
+        if v is not None or hasattr(out, k):
+            setattr(out, k, v)
+    return out
+
+
+def write_legacy_ranks(directory: Path, plan: Any, source: PaddedSource,
+                       common: dict[str, Any], progress: Any = None) -> None:
+    """One ``model_optim_rng.pt`` per target rank, as Megatron-LM writes them, from ``plan``."""
+    import torch
+
+    from ckpt_tool.formats._dcp_io import torch_dtype
+    from ckpt_tool.planning.sizes import LayerMap
+
+    meta = plan.target_meta
+    lm = LayerMap(plan.sizes.num_layers, plan.target)
+    iteration = common.get("iteration")
+    iter_dir = directory / ("release" if iteration is None else f"iter_{int(iteration):07d}")
+    iter_dir.mkdir(parents=True)
+    args = updated_args(common.get("args"), plan.args_updates)
+    same_layout = all(getattr(plan.source, f) == getattr(plan.target, f)
+                      for f in ("tp", "pp", "ep", "expert_tp", "vpp"))
+    for rp in plan.ranks:
+        chunks: dict[int | None, OrderedDict] = {}
+        for tp in rp.tensors:
+            dtype = torch_dtype(meta.tensors[tp.key].dtype)
+            local = torch.empty(tp.local_shape, dtype=dtype)
+            for pp_ in tp.pieces:
+                pc = pp_.piece
+                box = tuple(slice(o, o + s) for o, s in zip(pc.local_offsets, pc.sizes))
+                if pc.fill:
+                    row = (source.read(tp.key, (pc.fill_row, *pc.global_offsets[1:]),
+                                       (1, *pc.sizes[1:])) if pc.fill != "zero" else None)
+                    local[box] = 0 if row is None else row.expand(*pc.sizes)
+                else:
+                    data = source.read(tp.key, pc.global_offsets, pc.sizes)
+                    local[box] = data
+                    if progress is not None:
+                        progress(data.numel() * data.element_size())
+            for name, value in _legacy_entries(tp, local, lm):
+                chunks.setdefault(tp.model_chunk, OrderedDict())[name] = value
+        state: dict[str, Any] = {"args": args,
+                                 "checkpoint_version": common.get("checkpoint_version", 3.0)}
+        for k in ("iteration", "num_floating_point_operations_so_far", "opt_param_scheduler"):
+            if k in common:
+                state[k] = common[k]
+        rng = common.get("rng_state")
+        rank_dir = rp.file.split("/")[0]
+        if same_layout and isinstance(rng, dict) and rank_dir in rng:
+            state["rng_state"] = rng[rank_dir]  # the layout is kept: each rank its own state
+        if set(chunks) <= {None}:
+            state["model"] = chunks.get(None, OrderedDict())
+        else:
+            for vp, sd in sorted(chunks.items(), key=lambda kv: kv[0] or 0):
+                state[f"model{vp or 0}"] = sd
+        path = iter_dir / rp.file
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(state, path)
+    tracker = "release" if iteration is None else str(int(iteration))
+    (directory / "latest_checkpointed_iteration.txt").write_text(tracker)
+
+
+def _legacy_entries(tp: Any, local: Any, lm: Any) -> list[tuple[str, Any]]:
+    """``(name, tensor)`` for the legacy file: a stacked dist key's layer slab becomes the
+    per-layer key with its stage-local layer number."""
+    m = _STACKED.match(tp.local_key)
+    if m is None:
+        return [(tp.local_key, local)]
+    layer = tp.pieces[0].piece.global_offsets[0]
+    local_layer = lm.locate(layer)[2]
+    return [(f"{m.group(1)}{local_layer}.{m.group(2)}", local.reshape(local.shape[1:]).clone())]
+
+
+def stacked_view_if_legacy(reader: Reader, target_format: str) -> Reader:
+    """Legacy sources become stacked for dist targets (Megatron-Core's key layout)."""
+    if reader.metadata().format == "legacy" and target_format != "legacy":
+        return StackedView(reader)
+    return reader
+

@@ -1,0 +1,180 @@
+"""``reshard``: a checkpoint ready to resume at another TP/PP/EP layout.
+
+Call order: open the source (a legacy source is viewed with stacked layers for dist targets)
+-> ``plan_reshard`` (pure: feasibility problems, target metadata, per-rank pieces) -> stop
+here for ``check``/``dry_run`` or when a problem is an error -> write into a staging directory
+(``torch_dist``: one chunk per target rank's shard, in that rank's ``__{rank}_0.distcp``;
+``legacy``: per-rank ``model_optim_rng.pt``) -> validate -> rename into place.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Sequence
+
+from ckpt_tool.errors import FindingsError, UsageError
+from ckpt_tool.formats.base import open_checkpoint
+from ckpt_tool.formats.writer import WriteRequest, WriterOptions, writer_for
+from ckpt_tool.ops._reshard_io import (PaddedSource, stacked_view_if_legacy, updated_args,
+                                       write_legacy_ranks)
+from ckpt_tool.ops._staging import check_output_target, staged_output_ranks
+from ckpt_tool.parallel import ranks as current_ranks
+
+__all__ = ["ReshardRequest", "ReshardResult", "reshard"]
+
+
+@dataclass(frozen=True)
+class ReshardRequest:
+    """The target layout and how to get there (the CLI options of ``ckpt reshard``)."""
+
+    tp: int
+    pp: int = 1
+    ep: int = 1
+    etp: int | None = None
+    vpp: int | None = None
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
+    to: str | None = None
+    rules: tuple[str, ...] = ()
+    drop_optimizer: bool = False
+    make_vocab_size_divisible_by: int | None = None
+    vocab_size: int | None = None
+    vocab_fill: str = "copy"
+
+
+@dataclass
+class ReshardResult:
+    """The plan's verdict and, when written, what was written (``--json`` is ``to_dict``)."""
+
+    source: str
+    source_format: str
+    target: str | None
+    format: str
+    plan: dict[str, Any]
+    written: bool = False
+    nbytes: int = 0
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.plan.get("ok"))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"source": self.source, "source_format": self.source_format,
+                "target": self.target, "format": self.format, "written": self.written,
+                "nbytes": self.nbytes, "seconds": round(self.seconds, 3),
+                "notes": self.notes, **self.plan}
+
+
+def reshard(src: str | Path, dst: str | Path | None, req: ReshardRequest, *,
+            check: bool = False, dry_run: bool = False, trust: bool = False,
+            overwrite: bool = False, verify: bool = True, progress: Any = None
+            ) -> ReshardResult:
+    """Plan (always) and, unless ``check``/``dry_run``, write the resharded checkpoint."""
+    from ckpt_tool.planning.layout import load_rules
+    from ckpt_tool.planning.reshard import ReshardOptions, plan_reshard
+    from ckpt_tool.planning.sizes import Layout
+
+    start = time.perf_counter()
+    r = current_ranks()
+    out = None
+    if not (check or dry_run):
+        if dst is None:
+            raise UsageError("reshard needs an output path", hint="ckpt reshard SRC DST --tp N")
+        out = check_output_target(dst, sources=(src,), overwrite=overwrite)
+    base = open_checkpoint(src, trust=trust)
+    src_format = base.metadata().format
+    to = req.to or ("legacy" if src_format == "legacy" else "torch_dist")
+    if to not in ("torch_dist", "legacy"):
+        raise UsageError(f"reshard writes torch_dist or legacy, not {to!r}",
+                         hint="reshard, then 'ckpt convert' the result")
+    reader = stacked_view_if_legacy(base, to)
+    with reader:
+        meta = reader.metadata()
+        common = reader.common()
+        layout = Layout(tp=req.tp, pp=req.pp, ep=req.ep, etp=req.etp, vpp=req.vpp,
+                        first_stage_layers=req.first_stage_layers,
+                        last_stage_layers=req.last_stage_layers)
+        options = ReshardOptions(target_format=to, drop_optimizer=req.drop_optimizer,
+                                 make_vocab_size_divisible_by=req.make_vocab_size_divisible_by,
+                                 vocab_size=req.vocab_size, vocab_fill=req.vocab_fill)
+        plan = plan_reshard(meta, layout, load_rules(req.rules), options, common=common)
+        result = ReshardResult(source=str(meta.root), source_format=src_format,
+                               target=None if out is None else str(out), format=to,
+                               plan=plan.to_dict(ranks=dry_run))
+        result.notes = [f"dropped {k}" for k in plan.dropped]
+        if check or dry_run or not plan.ok:
+            result.seconds = time.perf_counter() - start
+            return result
+        target = plan.target_meta
+        source = PaddedSource(reader, target, fill=req.vocab_fill)
+        written = [0]
+
+        def on_bytes(n: int) -> None:
+            written[0] += n
+            if progress is not None:
+                progress.update(n, 0)
+
+        if progress is not None:
+            progress.start(target.total_bytes, len(target.tensors))
+        new_common = dict(common)
+        new_common["args"] = updated_args(common.get("args"), plan.args_updates)
+        if to != "legacy":
+            target = _dist_objects_only(target, new_common, result.notes)
+        with staged_output_ranks(out, r, overwrite=overwrite) as staging:
+            if to == "legacy":
+                if r.is_main:
+                    write_legacy_ranks(staging, plan, source, new_common, on_bytes)
+            else:
+                request = WriteRequest(
+                    meta=target, source=source, common=new_common,
+                    objects=lambda unique_key: reader.read_object(unique_key),
+                    progress=on_bytes, ranks=r if r.world > 1 else None,
+                    source_description=f"ckpt reshard of {meta.root}")
+                result.notes += writer_for("torch_dist")(staging, WriterOptions()).write(request)
+            r.barrier()
+            if verify and r.is_main:
+                _verify(staging, trust=trust)
+    result.written = True
+    result.nbytes = sum(r.gather(written[0]) or [0]) if r.world > 1 else written[0]
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+_PER_RANK = re.compile(r"^[a-z_]+/mp_rank_[0-9_]+$")
+
+
+def _dist_objects_only(target: Any, common: dict[str, Any], notes: list[str]) -> Any:
+    """Legacy per-rank state (``rng_state/mp_rank_…``, per-rank optimizer objects) has no place
+    in a dist checkpoint: drop it (the common ``opt_param_scheduler`` stays)."""
+    rng = common.get("rng_state")
+    if isinstance(rng, dict) and rng and all(str(k).startswith("mp_rank_") for k in rng):
+        common.pop("rng_state")
+        notes.append("dropped the legacy per-rank rng_state (train with --no-load-rng)")
+    keep = tuple(o for o in target.objects if not _PER_RANK.match(o.unique_key))
+    dropped = len(target.objects) - len(keep)
+    if dropped:
+        notes.append(f"dropped {dropped} legacy per-rank objects (rng state, optimizer)")
+    return replace(target, objects=keep)
+
+
+def _verify(path: Path, *, trust: bool) -> None:
+    from ckpt_tool.ops.validate import validate
+
+    res = validate(path, trust=trust)
+    if not res.ok:
+        first = res.errors[0]
+        raise FindingsError(
+            f"the resharded checkpoint does not validate ({len(res.errors)} errors; first: "
+            f"{first.key or first.file or ''}: {first.message})",
+            hint="this is a bug in ckpt: please report it; --no-verify skips the check")
+
+
+def problems_as_lines(plan: dict[str, Any]) -> Sequence[str]:
+    """One line per problem: ``severity: reason (fix)``."""
+    return [f"{p['severity']}: {p['reason']}" + (f" (fix: {p['fix']})" if p.get("fix") else "")
+            for p in plan.get("problems", [])]
