@@ -106,7 +106,8 @@ def convert(src: str | Path, dst: str | Path, options: ConvertOptions, *, trust:
                 notes += writer_cls(staging, wopts).write(request)
             r.barrier()
             if verify and r.is_main:
-                _verify(staging / file_name if file_name else staging, trust=trust)
+                single = file_name or ("model.pt" if options.to == "torch" else "")
+                _verify(staging / single if single else staging, trust=trust)
     total = sum(r.gather(written[0]) or [0]) if r.world > 1 else written[0]
     return ConvertResult(
         source=str(meta.root), source_format=meta.format, target=str(out), format=options.to,

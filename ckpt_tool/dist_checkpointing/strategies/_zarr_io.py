@@ -85,12 +85,13 @@ def numpy_to_tensor(x: np.ndarray) -> torch.Tensor:
     x = np.asarray(x)
     if x.dtype.byteorder not in "=|":
         x = x.astype(x.dtype.newbyteorder("="))
-    if x.dtype == BFLOAT16:
-        return torch.from_numpy(np.ascontiguousarray(x).view(np.int16)).view(torch.bfloat16)
-    if x.dtype.kind == "V" and x.dtype.itemsize == 2:  # unpatched bf16 header ("<V2")
-        return torch.from_numpy(np.ascontiguousarray(x).view(np.int16)).view(torch.bfloat16)
+    shape = x.shape  # np.ascontiguousarray makes 0-d arrays 1-d
+    if x.dtype == BFLOAT16 or (x.dtype.kind == "V" and x.dtype.itemsize == 2):
+        # ("<V2": an unpatched bf16 header)
+        raw = np.ascontiguousarray(x).view(np.int16)
+        return torch.from_numpy(raw).view(torch.bfloat16).reshape(shape)
     torch_dtype_for(x.dtype)
-    return torch.from_numpy(np.ascontiguousarray(x))
+    return torch.from_numpy(np.ascontiguousarray(x)).reshape(shape)
 
 
 def read_zarray(array_dir: PathLike) -> Dict[str, Any]:

@@ -1,0 +1,248 @@
+"""Writer for safetensors (HF layout), plus the slab planning all file writers share.
+
+Output: ``model.safetensors`` when everything fits in one shard, else
+``model-0000i-of-0000N.safetensors`` shards of at most ``max_shard_size`` bytes (a tensor larger
+than the limit gets a shard of its own, as huggingface_hub's splitter does) and
+``model.safetensors.index.json`` (``{"metadata": {"total_size": N}, "weight_map": {...}}``).
+``WriterOptions.file_name`` (e.g. ``"weights.safetensors"``) changes the ``model`` stem.
+
+Each file is written as the real library does: 8-byte little-endian header length, compact
+JSON header (``__metadata__`` first, then tensors in data order) padded with spaces to a
+multiple of 8, raw C-order little-endian data. Inside a file tensors are ordered by item size,
+largest first (stable), so every tensor starts aligned to its item size. The header is known
+from the metadata alone, so it is written first and the data streamed after it, slab by slab
+(:func:`slab_pieces`): peak memory is one slab (``max_memory``, default 256 MiB).
+
+``__metadata__`` holds ``{"format": "pt"}``, the source description and the top-level scalar
+common values (``iteration``, ``checkpoint_version``, ...) as strings. Everything else
+(ShardedObjects, ``args`` and other non-scalar common values) is dropped with a note.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import struct
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from ckpt_tool.errors import CorruptCheckpointError, UnsupportedError, UsageError
+from ckpt_tool.formats.writer import WriteRequest, Writer
+from ckpt_tool.model import TensorMeta, dtype_itemsize
+
+__all__ = ["DEFAULT_MAX_MEMORY", "slab_pieces", "pull_piece", "scalar_common", "my_share",
+           "run_share", "SAFETENSORS_CODES", "plan_shards", "SafetensorsWriter"]
+
+DEFAULT_MAX_MEMORY = 256 * 2**20
+#: torch dtype name -> safetensors dtype code, for the dtypes safetensors.torch can load.
+SAFETENSORS_CODES: dict[str, str] = {
+    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
+    "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8",
+    "uint16": "U16", "uint32": "U32", "uint64": "U64", "bool": "BOOL",
+    "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2", "complex64": "C64",
+}
+
+
+def slab_pieces(shape: tuple[int, ...], itemsize: int, budget: int
+                ) -> Iterator[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """``(offsets, sizes)`` pieces covering ``shape`` in C order, each contiguous in the C-order
+    layout and at most ``budget`` bytes (one element at least).
+
+    The pieces are slabs along the first dim whose trailing block fits the budget: rows of
+    dim 0 when a row fits, else rows of dim 1 inside each index of dim 0, and so on.
+    """
+    shape = tuple(int(s) for s in shape)
+    if not shape or math.prod(shape) == 0:
+        yield (0,) * len(shape), shape
+        return
+    budget = max(int(budget), itemsize)
+    d = 0
+    while math.prod(shape[d + 1:]) * itemsize > budget:
+        d += 1
+    step = max(1, budget // (math.prod(shape[d + 1:]) * itemsize))
+    tail = shape[d + 1:]
+    for prefix in itertools.product(*(range(s) for s in shape[:d])):
+        for start in range(0, shape[d], step):
+            n = min(step, shape[d] - start)
+            yield prefix + (start,) + (0,) * len(tail), (1,) * d + (n,) + tail
+
+
+def pull_piece(request: WriteRequest, meta: TensorMeta, offsets: tuple[int, ...],
+               sizes: tuple[int, ...]) -> Any:
+    """The piece from ``request.source`` as a contiguous tensor, checked against ``meta``."""
+    t = request.source.read(meta.key, tuple(offsets), tuple(sizes))
+    got = str(t.dtype).removeprefix("torch.")
+    if tuple(t.shape) != tuple(sizes) or got != meta.dtype:
+        raise CorruptCheckpointError(
+            f"tensor {meta.key!r}: source gave {got} {list(t.shape)} for the piece at "
+            f"{list(offsets)}, expected {meta.dtype} {list(sizes)}")
+    return t.contiguous()
+
+
+def tensor_bytes(t: Any) -> memoryview:
+    """The raw C-order little-endian bytes of a contiguous CPU tensor (no copy)."""
+    import torch
+
+    flat = t.reshape(-1)
+    if flat.dtype != torch.uint8:
+        flat = flat.view(torch.uint8)
+    return memoryview(flat.numpy()).cast("B")
+
+
+def my_share(ranks: Any, sizes: list[int]) -> list[int]:
+    """Indices of the items (of ``sizes`` bytes) this rank writes: all without ``ranks``,
+    else its part of :func:`ckpt_tool.parallel.split_by_bytes` (the same on every rank)."""
+    if ranks is None or ranks.world == 1:
+        return list(range(len(sizes)))
+    from ckpt_tool.parallel import split_by_bytes
+
+    return split_by_bytes(list(enumerate(sizes)), ranks.world)[ranks.rank]
+
+
+def run_share(ranks: Any, work: Callable[[], None]) -> None:
+    """Run this rank's ``work``, then agree with every rank: a failure on any fails all (the
+    failing rank re-raises its own error, the others a UsageError)."""
+    if ranks is None or ranks.world == 1:
+        work()
+        return
+    error: BaseException | None = None
+    try:
+        work()
+    except Exception as exc:  # noqa: BLE001 - re-raised below, after the collective
+        error = exc
+    all_ok = ranks.all_ok(error is None)
+    if error is not None:
+        raise error
+    if not all_ok:
+        raise UsageError("another rank failed while writing the output",
+                         hint="see that rank's error above")
+
+
+def scalar_common(common: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """``(kept, dropped)``: top-level common values that are plain scalars (numpy scalars
+    unwrapped), and the names of everything else."""
+    kept: dict[str, Any] = {}
+    dropped: list[str] = []
+    for k, v in common.items():
+        if hasattr(v, "item") and getattr(v, "shape", None) == () and \
+                type(v).__module__.startswith("numpy"):
+            v = v.item()
+        if isinstance(v, (bool, int, float, str)) or v is None:
+            kept[str(k)] = v
+        else:
+            dropped.append(str(k))
+    return kept, dropped
+
+
+def plan_shards(tensors: list[TensorMeta], max_shard_size: int) -> list[list[TensorMeta]]:
+    """Split in order into shards of at most ``max_shard_size`` bytes (huggingface_hub's rule:
+    a tensor larger than the limit gets a shard of its own)."""
+    shards: list[list[TensorMeta]] = []
+    current: list[TensorMeta] = []
+    size = 0
+    for t in tensors:
+        if t.nbytes > max_shard_size:
+            shards.append([t])
+            continue
+        if current and size + t.nbytes > max_shard_size:
+            shards.append(current)
+            current, size = [], 0
+        current.append(t)
+        size += t.nbytes
+    if current or not shards:
+        shards.append(current)
+    return shards
+
+
+class SafetensorsWriter(Writer):
+    """HF-style safetensors writer; see the module docstring. Under torchrun every rank
+    writes whole shard files (split by bytes) and rank 0 the index."""
+
+    format_name = "safetensors"
+    supports_ranks = True
+
+    def write(self, request: WriteRequest) -> list[str]:
+        """Write the shards (and the index when more than one); return what was dropped."""
+        tensors = list(request.meta.tensors.values())
+        for t in tensors:
+            if t.key == "__metadata__":
+                raise UnsupportedError("a tensor named '__metadata__' cannot be stored in "
+                                       "safetensors (the name is reserved)", hint="rename it")
+            if t.dtype not in SAFETENSORS_CODES:
+                raise UnsupportedError(
+                    f"tensor {t.key!r}: dtype {t.dtype} cannot be stored in safetensors",
+                    hint="cast it (supported: " + ", ".join(SAFETENSORS_CODES) + ")")
+        if self.options.max_shard_size <= 0:
+            raise UsageError(f"max shard size {self.options.max_shard_size} must be > 0")
+        notes, metadata = self._metadata(request)
+        stem = Path(self.options.file_name or "model.safetensors").name
+        stem = stem[: -len(".safetensors")] if stem.endswith(".safetensors") else stem
+        shards = plan_shards(tensors, self.options.max_shard_size)
+        n = len(shards)
+        names = [f"{stem}.safetensors"] if n == 1 else \
+            [f"{stem}-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        budget = self.options.max_memory or DEFAULT_MAX_MEMORY
+        ranks = request.ranks
+        mine = my_share(ranks, [sum(t.nbytes for t in shard) for shard in shards])
+
+        def work() -> None:
+            for i in mine:
+                self._write_file(self.directory / names[i], shards[i], metadata, request, budget)
+            if n > 1 and (ranks is None or ranks.is_main):
+                index = {"metadata": {"total_size": sum(t.nbytes for t in tensors)},
+                         "weight_map": {t.key: name for name, shard in zip(names, shards)
+                                        for t in shard}}
+                if request.source_description:
+                    index["metadata"]["source"] = request.source_description
+                (self.directory / f"{stem}.safetensors.index.json").write_text(
+                    json.dumps(index, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+        run_share(ranks, work)
+        return notes
+
+    @staticmethod
+    def _metadata(request: WriteRequest) -> tuple[list[str], dict[str, str]]:
+        notes: list[str] = []
+        metadata = {"format": "pt"}
+        if request.source_description:
+            metadata["source"] = request.source_description
+        kept, dropped = scalar_common(request.common)
+        for k, v in kept.items():
+            metadata.setdefault(k, json.dumps(v) if not isinstance(v, str) else v)
+        if dropped:
+            notes.append(f"dropped {len(dropped)} common value(s) ({', '.join(sorted(dropped))}):"
+                         " safetensors __metadata__ holds strings only"
+                         + (f"; kept {', '.join(sorted(kept))} as strings" if kept else ""))
+        objects = request.meta.objects
+        if objects:
+            shown = ", ".join(o.unique_key for o in objects[:3]) + (", ..." if len(objects) > 3
+                                                                     else "")
+            notes.append(f"dropped {len(objects)} ShardedObject(s) ({shown}): safetensors holds "
+                         "tensors only")
+        return notes, metadata
+
+    @staticmethod
+    def _write_file(path: Path, shard: list[TensorMeta], metadata: dict[str, str],
+                    request: WriteRequest, budget: int) -> None:
+        ordered = sorted(shard, key=lambda t: -dtype_itemsize(t.dtype))  # stable
+        header: dict[str, Any] = {"__metadata__": metadata}
+        pos = 0
+        for t in ordered:
+            header[t.key] = {"dtype": SAFETENSORS_CODES[t.dtype], "shape": list(t.shape),
+                             "data_offsets": [pos, pos + t.nbytes]}
+            pos += t.nbytes
+        raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+        raw += b" " * (-len(raw) % 8)
+        with open(path, "wb") as f:
+            f.write(struct.pack("<Q", len(raw)))
+            f.write(raw)
+            for t in ordered:
+                if t.numel == 0:
+                    continue
+                for offsets, sizes in slab_pieces(t.shape, dtype_itemsize(t.dtype), budget):
+                    piece = pull_piece(request, t, offsets, sizes)
+                    data = tensor_bytes(piece)
+                    f.write(data)
+                    del piece
+                    request.progress(len(data))
