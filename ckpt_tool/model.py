@@ -47,7 +47,8 @@ class ChunkRef:
     (for DCP: the whole ``torch.save`` archive of the piece). ``transforms`` lists stream
     transforms (e.g. ``"stream.zstd/1"``) applied to the stored bytes. ``layout`` says how the
     bytes are stored: ``"torch_save"`` (a torch.save zip item), ``"raw"`` (C-order little-endian
-    elements) or ``"flat"`` (a flattened N-D reformulated piece, see ``TensorMeta.stored_shape``).
+    elements), ``"flat"`` (a flattened N-D reformulated piece, see ``TensorMeta.stored_shape``)
+    or ``"zarr_edge"`` (a zarr v2 edge chunk: raw, but padded to the array's full chunk shape).
     """
 
     offsets: tuple[int, ...]

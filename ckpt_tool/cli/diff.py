@@ -5,22 +5,30 @@ Exit codes: 0 identical (within ``--atol``/``--rtol``), 1 different, 2 an input 
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Any, List, Optional
 
 import typer
 
 from ckpt_tool.cli._errors import handle_errors
-from ckpt_tool.cli._options import CheckpointPath, JsonFlag, TrustFlag
+from ckpt_tool.cli._options import JsonFlag, TrustFlag
 from ckpt_tool.cli._output import message, print_json, stdout
 
 # Rows per section of the table (the JSON document always has every difference).
 _ROWS = 200
 
+_WHERE = "Checkpoint directory, an iter_* directory, a training save directory or a file"
+# CheckpointPath with the names the help and the report use for the two sides.
+CheckpointA = Annotated[Path, typer.Argument(metavar="A", help=_WHERE + " (the old side).",
+                                             show_default=False, readable=False)]
+CheckpointB = Annotated[Path, typer.Argument(metavar="B", help=_WHERE + " (the new side).",
+                                             show_default=False, readable=False)]
+
 
 @handle_errors
 def diff(
-    a: CheckpointPath,
-    b: CheckpointPath,
+    a: CheckpointA,
+    b: CheckpointB,
     json_: JsonFlag = False,
     trust: TrustFlag = False,
     rename: Annotated[Optional[List[str]], typer.Option(
@@ -45,7 +53,7 @@ def diff(
 
     Example: ckpt diff run1/iter_0000100 export/model.safetensors --json
 
-    Example: ckpt diff old new --rename module.=  --filter 'decoder\\.' --rtol 1e-2
+    Example: ckpt diff old new --rename module.= --filter 'decoder\\.' --rtol 1e-2
     """
     from ckpt_tool.cli._progress import progress_bar
     from ckpt_tool.ops.diff import diff as run_diff
@@ -81,8 +89,13 @@ def verdict(result: Any) -> str:
                f"{s.get('tensors_compared', 0)} of {s.get('tensors_common', 0)} common tensors "
                "compared")
     head = "identical" if result.identical else "DIFFERENT"
-    return (f"{head}: {result.a} ({result.format_a}) vs {result.b} ({result.format_b}): {what} "
+    line = (f"{head}: {result.a} ({result.format_a}) vs {result.b} ({result.format_b}): {what} "
             f"[{checked}{tol}]")
+    if result.values:
+        v = result.values[0]
+        line += (f"; first: {v.key}{list(v.first_index)} is {_num(v.first_a)} in A, "
+                 f"{_num(v.first_b)} in B")
+    return line
 
 
 def _esc(v: Any) -> str:

@@ -70,9 +70,11 @@ def read_zarr_array_meta(array_dir: Path, root: Path) -> TensorMeta:
             continue
         offsets = tuple(i * c for i, c in zip(idx, chunk_shape))
         sizes = tuple(min(c, s - o) for c, s, o in zip(chunk_shape, shape, offsets))
+        # zarr v2 stores edge chunks padded to the full chunk shape: not raw C-order of sizes
+        layout = "raw" if sizes == tuple(chunk_shape) else "zarr_edge"
         chunks.append(ChunkRef(offsets=offsets, sizes=sizes, file=f"{rel}/{name}",
                                byte_offset=0, byte_length=f.stat().st_size,
-                               transforms=transforms, layout="raw"))
+                               transforms=transforms, layout=layout))
     return TensorMeta(key=rel, dtype=dtype, shape=shape, chunks=tuple(chunks),
                       origin=f"zarr:{za.get('order', 'C')}")
 

@@ -240,7 +240,7 @@ class SafetensorsReader(Reader):
                          else np.dtype(meta.dtype).newbyteorder("<"))
         mm = np.memmap(file, dtype=proxy, mode="r", offset=chunk.byte_offset,
                        shape=meta.shape)
-        part = np.ascontiguousarray(mm[tuple(slice(a, b) for a, b in region)])
+        part = np.array(mm[tuple(slice(a, b) for a, b in region)], order="C", copy=True)
         del mm
         t = torch.from_numpy(part)
         return t if t.dtype == dt else t.view(dt)
