@@ -64,10 +64,13 @@ class ReshardResult:
         return bool(self.plan.get("ok"))
 
     def to_dict(self) -> dict[str, Any]:
+        plan = dict(self.plan)
+        layouts = {"source_layout": plan.pop("source", None),
+                   "target_layout": plan.pop("target", None)}
         return {"source": self.source, "source_format": self.source_format,
                 "target": self.target, "format": self.format, "written": self.written,
                 "nbytes": self.nbytes, "seconds": round(self.seconds, 3),
-                "notes": self.notes, **self.plan}
+                "notes": self.notes, **layouts, **plan}
 
 
 def reshard(src: str | Path, dst: str | Path | None, req: ReshardRequest, *,

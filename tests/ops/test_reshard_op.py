@@ -1,0 +1,140 @@
+"""reshard: feasibility first, then outputs whose global tensors are the source's, bit for bit."""
+
+from __future__ import annotations
+
+import glob
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from ckpt_tool.cli.app import app
+from ckpt_tool.formats import open_checkpoint
+from ckpt_tool.ops.reshard import ReshardRequest, reshard
+
+FIX = Path(__file__).resolve().parents[2] / "fixtures"
+DIST = FIX / "mcore016_gpt_tp2pp2_fp32"
+LEGACY = FIX / "megatron_legacy_tp2pp2"
+OPTIM = FIX / "mcore016_gpt_tp2pp2_bf16_optim"
+FLAT = FIX / "mcore015_gpt_flattened_optim"
+runner = CliRunner()
+
+
+def _tensors(path: Path) -> dict[str, torch.Tensor]:
+    with open_checkpoint(path) as r:
+        return {k: r.read(k).clone() for k in r.metadata().tensors}
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert set(a) == set(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
+        assert torch.equal(a[k].view(-1).view(torch.uint8), b[k].view(-1).view(torch.uint8)), k
+
+
+def test_chain_through_dist_and_legacy_ends_bit_identical(tmp_path):
+    """TP2PP2 -> TP1PP1 (dist) -> TP4PP1 (legacy, vocab re-padded) -> TP2PP2 (dist)."""
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    assert reshard(DIST, a, ReshardRequest(tp=1, pp=1)).written
+    rb = reshard(a, b, ReshardRequest(tp=4, pp=1, to="legacy"))
+    assert any("padded vocab 128 -> 256" in p["reason"] for p in rb.plan["problems"])
+    assert len(glob.glob(str(b / "iter_*" / "mp_rank_0?" / "model_optim_rng.pt"))) == 4
+    rank0 = torch.load(glob.glob(str(b / "iter_*" / "mp_rank_00" / "*.pt"))[0],
+                       weights_only=False)
+    assert rank0["args"].tensor_model_parallel_size == 4
+    assert rank0["args"].padded_vocab_size == 256
+    assert rank0["model"]["embedding.word_embeddings.weight"].shape == (64, 64)
+    reshard(b, c, ReshardRequest(tp=2, pp=2, to="torch_dist"))
+    _same(_tensors(DIST), _tensors(c))
+    files = sorted(p.name for p in c.glob("__*.distcp"))
+    assert files == [f"__{r}_0.distcp" for r in range(4)]  # one file per target rank
+
+
+def test_dist_chunks_follow_the_target_layout(tmp_path):
+    reshard(DIST, tmp_path / "o", ReshardRequest(tp=4, pp=1))
+    meta = open_checkpoint(tmp_path / "o").metadata()
+    qkv = meta.tensors["decoder.layers.self_attention.linear_qkv.weight"]
+    assert qkv.shape == (4, 128, 64)
+    assert sorted({c.sizes for c in qkv.chunks}) == [(1, 32, 64)]
+    assert {c.file for c in qkv.chunks} == {f"__{r}_0.distcp" for r in range(4)}
+    emb = meta.tensors["embedding.word_embeddings.weight"]
+    assert emb.shape == (256, 64)  # re-padded for tp 4, new rows copy the last row
+    with open_checkpoint(tmp_path / "o") as r, open_checkpoint(DIST) as s:
+        e, src = r.read("embedding.word_embeddings.weight"), s.read(
+            "embedding.word_embeddings.weight")
+        assert torch.equal(e[:128], src) and torch.equal(e[128:], src[-1:].expand(128, -1))
+
+
+def test_legacy_to_dist_has_megatron_core_names(tmp_path):
+    reshard(LEGACY, tmp_path / "o", ReshardRequest(tp=2, pp=2, to="torch_dist"))
+    got = _tensors(tmp_path / "o")
+    _same(_tensors(DIST), got)  # the same global tensors as the real dist fixture
+
+
+def test_legacy_same_layout_is_identity(tmp_path):
+    reshard(LEGACY, tmp_path / "o", ReshardRequest(tp=2, pp=2))
+    result = runner.invoke(app, ["diff", str(LEGACY), str(tmp_path / "o"), "--json"])
+    assert result.exit_code == 0, result.output
+
+
+def test_optimizer_state_survives_a_tp_pp_change(tmp_path):
+    reshard(OPTIM, tmp_path / "a", ReshardRequest(tp=1, pp=1))
+    reshard(tmp_path / "a", tmp_path / "b", ReshardRequest(tp=2, pp=2))
+    src, got = _tensors(OPTIM), _tensors(tmp_path / "b")
+    assert any(k.startswith("optimizer.") for k in src)
+    _same(src, got)
+
+
+def test_flattened_optimizer_state_becomes_model_space(tmp_path):
+    reshard(FLAT, tmp_path / "o", ReshardRequest(tp=1, pp=1))
+    meta = open_checkpoint(tmp_path / "o").metadata()
+    assert all(t.stored_shape is None for t in meta.tensors.values())
+    _same(_tensors(FLAT), _tensors(tmp_path / "o"))
+
+
+def test_check_reports_every_problem_and_writes_nothing(tmp_path):
+    result = runner.invoke(app, ["reshard", str(DIST), str(tmp_path / "o"), "--tp", "3",
+                                 "--pp", "3", "--check", "--json"])
+    assert result.exit_code == 1
+    doc = json.loads(result.stdout)
+    errors = [p for p in doc["problems"] if p["severity"] == "error"]
+    reasons = " | ".join(p["reason"] for p in errors)
+    assert "num_attention_heads (4)" in reasons and "ffn_hidden_size (128)" in reasons
+    assert "4 layers" in reasons or "num_layers" in reasons
+    assert all(p["fix"] for p in errors)
+    assert not (tmp_path / "o").exists()
+    assert "cannot reshard" in result.stderr
+
+
+def test_dry_run_prints_per_rank_reads(tmp_path):
+    result = runner.invoke(app, ["reshard", str(DIST), "--tp", "1", "--pp", "2",
+                                 "--dry-run", "--json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert [r["rank"] for r in doc["ranks"]] == [0, 1]
+    for r in doc["ranks"]:
+        assert r["reads"] and all(x["file"].endswith(".distcp") for x in r["reads"])
+    stage0 = {x["file"] for x in doc["ranks"][0]["reads"]}
+    assert stage0 == {"__0_0.distcp", "__0_1.distcp", "__1_0.distcp", "__1_1.distcp"}
+
+
+def test_dp_sharded_legacy_optimizer_needs_drop_optimizer(tmp_path):
+    src = FIX / "megatron_legacy_distopt_tp2dp2"
+    result = runner.invoke(app, ["reshard", str(src), str(tmp_path / "o"), "--tp", "1"])
+    assert result.exit_code == 1 and "drop-optimizer" in result.output
+    result = runner.invoke(app, ["reshard", str(src), str(tmp_path / "o"), "--tp", "1",
+                                 "--drop-optimizer"])
+    assert result.exit_code == 0, result.output
+    got = open_checkpoint(tmp_path / "o").metadata()
+    assert got.tensors and not any(k.startswith("optimizer.") for k in got.tensors)
+
+
+def test_cli_writes_and_validates(tmp_path):
+    result = runner.invoke(app, ["reshard", str(DIST), str(tmp_path / "o"), "--tp", "1",
+                                 "--json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert doc["written"] and doc["target"] == str(tmp_path / "o")
+    assert runner.invoke(app, ["validate", str(tmp_path / "o")]).exit_code == 0
