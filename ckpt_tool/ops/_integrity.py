@@ -1,45 +1,24 @@
-"""Integrity checks of ``validate`` (I/O), in one sequential pass over each data file.
-
-* Every ``torch.save`` archive the checkpoint stores -- each DCP item of a ``.distcp`` file,
-  each whole Megatron-LM legacy rank file / torch.save file -- has the CRC32 of every zip
-  record checked (``torch.load`` does not), over a read-only mmap; the records are parsed by
-  ``formats._dcp_raw`` (no copies). Archives it cannot follow go through ``zipfile``
-  (:func:`check_zip_item`) for the verdict and its message.
-* With ``deep``, the same pass counts NaN/Inf of every tensor chunk on its zero-copy view,
-  slab by slab right after the slab's CRC (while it is in cache); chunks it cannot read in
-  place are left to the reader (``validate._deep``).
-* ``integrity.json`` sha256 digests.
-
-Files (and runs of items of big files) are spread over worker threads: zlib and torch release
-the GIL, so the pass runs at memory bandwidth rather than at one core's CRC speed.
-"""
+"""Integrity checks of ``validate`` (I/O): CRC32 of every zip entry of DCP items, read in
+place through a bounded view of the data file, and ``integrity.json`` sha256 digests."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import mmap
-import os
+import struct
 import zipfile
 import zlib
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckpt_tool.formats._dcp_raw import (NotSimple, ZipRecord, as_tensor, count_nonfinite,
-                                        nonfinite, raw_item, zip_records)
 from ckpt_tool.model import CheckpointMeta
 from ckpt_tool.ops._checks import Finding, error, warning
 
-__all__ = ["BoundedReader", "check_zip_item", "scan_archives", "check_integrity_json"]
+__all__ = ["BoundedReader", "check_zip_item", "check_zip_items", "check_integrity_json"]
 
 _ZIP_LAYOUTS = ("torch_save", "flat")
-_WHOLE_FILE_FORMATS = ("legacy", "torch_save")
 _BLOCK = 1 << 20
-_SLAB = 4 << 20  # CRC and NaN/Inf counting alternate on slabs this big
-_UNIT_BYTES = 256 << 20  # a big file's items are split into runs of about this many bytes
-_MAX_WORKERS = 16
 
 
 class BoundedReader:
@@ -106,277 +85,86 @@ def check_zip_item(f: Any, offset: int, length: int) -> str | None:
     return None
 
 
-@dataclass(frozen=True)
-class _Archive:
-    """A torch.save archive at ``[offset, offset+length)``: a DCP item (``what`` = "chunk
-    [..]" or "object") or a whole file (``what`` = "file"); ``count``: deep-count the tensor
-    of this DCP item for ``key`` (it must hold ``numel`` elements)."""
-
-    offset: int
-    length: int
-    key: str | None
-    what: str
-    count: bool = False
-    numel: int = -1
+_EOCD = struct.Struct("<4s4H2LH")
+_CDIR = struct.Struct("<4s6H3L5H2L")
+_LOCAL = struct.Struct("<4s5H3L2H")
 
 
-@dataclass(frozen=True)
-class _Raw:
-    """A chunk stored as plain little-endian elements inside a whole-file archive (legacy)."""
+def zip_item_intact(buf: memoryview) -> bool:
+    """True when ``buf`` is a stored (uncompressed, non-ZIP64) zip archive whose every entry's
+    CRC32 matches. False means "not proven": the caller falls back to ``check_zip_item`` for
+    the verdict and its message. Parses the records with ``struct``; no copies of entry data."""
+    tail = bytes(buf[-min(len(buf), 22 + 65535):])
+    at = tail.rfind(b"PK\x05\x06")
+    if at < 0 or len(tail) - at < _EOCD.size:
+        return False
+    _, _, _, _, count, _, cd_off, _ = _EOCD.unpack_from(tail, at)
+    if count == 0 or count == 0xFFFF or cd_off == 0xFFFFFFFF:
+        return False
+    pos = cd_off
+    for _ in range(count):
+        if pos + _CDIR.size > len(buf):
+            return False
+        (sig, _, _, _, method, _, _, crc, csize, usize, nlen, elen, clen, _, _, _,
+         lho) = _CDIR.unpack_from(buf, pos)
+        if sig != b"PK\x01\x02" or method != 0 or csize != usize or 0xFFFFFFFF in (
+                csize, lho):
+            return False
+        pos += _CDIR.size + nlen + elen + clen
+        if lho + _LOCAL.size > len(buf):
+            return False
+        lsig, *_, lnlen, lelen = _LOCAL.unpack_from(buf, lho)
+        start = lho + _LOCAL.size + lnlen + lelen
+        if lsig != b"PK\x03\x04" or start + csize > len(buf):
+            return False
+        with buf[start:start + csize] as data:
+            if zlib.crc32(data) != crc:
+                return False
+    return True
 
-    offset: int
-    length: int
-    dtype: str
-    key: str
 
-
-@dataclass
-class _Unit:
-    file: str
-    archives: list[_Archive] = field(default_factory=list)
-    raws: list[_Raw] = field(default_factory=list)
-    count_raws: bool = False
-
-
-@dataclass
-class _Out:
-    findings: list[Finding] = field(default_factory=list)
-    counts: dict[str, list[int]] = field(default_factory=dict)  # key -> [nan, inf, chunks]
-    uncounted: set[str] = field(default_factory=set)
-    checked: int = 0
-
-    def add(self, key: str, nan: int, inf: int) -> None:
-        c = self.counts.setdefault(key, [0, 0, 0])
-        c[0], c[1], c[2] = c[0] + nan, c[1] + inf, c[2] + 1
-
-
-def _box(offsets: tuple[int, ...], sizes: tuple[int, ...]) -> str:
-    return "[" + ", ".join(f"{o}:{o + s}" for o, s in zip(offsets, sizes)) + "]"
-
-
-def _plan(meta: CheckpointMeta, sizes: dict[str, int | None], skip_objects: set[str],
-          deep: bool) -> list[_Unit]:
-    whole = meta.format in _WHOLE_FILE_FORMATS
-    files: dict[str, _Unit] = {}
+def check_zip_items(base: Path, meta: CheckpointMeta, sizes: dict[str, int | None],
+                     stats: dict[str, int], skip_objects: set[str]) -> list[Finding]:
+    items: dict[str, list[tuple[int, int, str, str]]] = {}
     for key, t in meta.tensors.items():
         for c in t.chunks:
-            if not c.file or c.transforms or c.byte_offset is None or c.byte_length is None:
-                continue
-            if whole and c.layout == "raw":
-                files.setdefault(c.file, _Unit(c.file, count_raws=deep)).raws.append(
-                    _Raw(c.byte_offset, c.byte_length, t.dtype, key))
-            elif not whole and c.layout in _ZIP_LAYOUTS:
-                files.setdefault(c.file, _Unit(c.file)).archives.append(_Archive(
-                    c.byte_offset, c.byte_length, key, f"chunk {_box(c.offsets, c.sizes)}",
-                    deep, c.numel))
+            if c.layout in _ZIP_LAYOUTS and not c.transforms and c.file \
+                    and c.byte_offset is not None and c.byte_length is not None:
+                box = "[" + ", ".join(f"{o}:{o + s}" for o, s in zip(c.offsets, c.sizes)) + "]"
+                items.setdefault(c.file, []).append((c.byte_offset, c.byte_length, key,
+                                                     f"chunk {box}"))
     for o in meta.objects:
-        if not o.file:
-            continue
-        if whole:
-            files.setdefault(o.file, _Unit(o.file, count_raws=deep))
-        elif o.unique_key not in skip_objects and o.byte_offset is not None \
+        if o.unique_key not in skip_objects and o.file and o.byte_offset is not None \
                 and o.byte_length is not None:
-            files.setdefault(o.file, _Unit(o.file)).archives.append(
-                _Archive(o.byte_offset, o.byte_length, o.unique_key, "object"))
-    units = []
-    for name in sorted(files):
-        u, size = files[name], sizes.get(name)
+            items.setdefault(o.file, []).append((o.byte_offset, o.byte_length, o.unique_key,
+                                                 "object"))
+    out: list[Finding] = []
+    checked = 0
+    for file in sorted(items):
+        size = sizes.get(file)
         if size is None:
             continue  # reported by check_storage
-        if whole:
-            u.archives.append(_Archive(0, size, None, "file"))
-            units.append(u)
+        try:
+            f = open(base / file, "rb")
+        except OSError as exc:
+            out.append(error(f"cannot open data file ({exc.strerror})", file=file))
             continue
-        u.archives.sort(key=lambda a: a.offset)
-        run: list[_Archive] = []
-        run_bytes = 0
-        for a in u.archives:
-            run.append(a)
-            run_bytes += a.length
-            if run_bytes >= _UNIT_BYTES:
-                units.append(_Unit(name, run))
-                run, run_bytes = [], 0
-        if run:
-            units.append(_Unit(name, run))
-    return units
-
-
-def _crc_and_count(rec: memoryview, span: tuple[int, int], dtype: str, out: list[int]) -> int:
-    """CRC32 of ``rec``; NaN/Inf of the elements in its byte range ``span`` added to ``out``."""
-    crc = 0
-    a, b = span
-    for s in range(0, len(rec), _SLAB):
-        with rec[s:s + _SLAB] as part:
-            crc = zlib.crc32(part, crc)
-            lo, hi = max(s, a), min(s + len(part), b)
-        if lo < hi:
-            with rec[lo:hi] as data:
-                n, i = count_nonfinite(data, dtype)
-            out[0] += n
-            out[1] += i
-    return crc
-
-
-def _count_raw(data: memoryview, dtype: str) -> tuple[int, int]:
-    nan = inf = 0
-    for s in range(0, len(data), _SLAB):
-        with data[s:s + _SLAB] as part:
-            n, i = count_nonfinite(part, dtype)
-        nan, inf = nan + n, inf + i
-    return nan, inf
-
-
-def _bad_crc(rec: ZipRecord, got: int) -> str:
-    return f"Bad CRC-32 for file {rec.name!r} (computed {got:08x}, recorded {rec.crc:08x})"
-
-
-def _check_archive(f: Any, item: memoryview, a: _Archive, u: _Unit, out: _Out) -> None:
-    out.checked += 1
-    where = f"{a.what} at bytes [{a.offset}, {a.offset + a.length})"
-    try:
-        records = zip_records(item)
-        if not records or not all(r.stored for r in records):
-            raise NotSimple("compressed records")
-    except NotSimple:
-        if a.count:
-            out.uncounted.add(str(a.key))
-        if a.what == "file" and not zipfile.is_zipfile(f):
-            return  # a legacy (non-zip) torch.save file or a truncated one: the reader says
-        why = check_zip_item(f, a.offset, a.length)
-        if why is not None:
-            out.findings.append(error(f"{where}: {why}", key=a.key, file=u.file))
-        return
-    raw = span = None
-    if a.count:
-        try:
-            raw = raw_item(item, records)
-            if raw.numel == a.numel:
-                span = raw.dense_span()
-            else:
-                raw = None  # the reader reports the mismatch
-        except NotSimple:
-            raw = None
-    counts = [0, 0]
-    try:
-        for r in records:
-            with item[r.start:r.start + r.size] as rec:
-                if raw is not None and span is not None and r is raw.record:
-                    crc = _crc_and_count(rec, (span[0] * raw.itemsize, span[1] * raw.itemsize),
-                                         raw.dtype, counts)
-                else:
-                    crc = zlib.crc32(rec)
-            if crc == r.crc:
-                continue
-            if a.what != "file":
-                out.findings.append(error(f"{where}: damaged torch.save archive "
-                                          f"({_bad_crc(r, crc)})", key=a.key, file=u.file))
-                return
-            keys = sorted({x.key for x in u.raws if r.start <= x.offset < r.start + r.size})
-            out.findings.append(error(
-                f"zip record {r.name} at bytes [{r.start}, {r.start + r.size}): damaged "
-                f"torch.save archive ({_bad_crc(r, crc)})", key=keys[0] if keys else None,
-                file=u.file))
-        if a.count and raw is None:
-            out.uncounted.add(str(a.key))
-        elif raw is not None:
-            if span is None:  # a strided view that skips or repeats storage elements
-                t = as_tensor(raw)
-                counts = list(nonfinite(t))
-                del t
-            out.add(str(a.key), counts[0], counts[1])
-    finally:
-        if raw is not None:
-            try:
-                raw.data.release()
-            except BufferError:
-                pass
-
-
-def _scan_unit(base: Path, u: _Unit, size: int) -> _Out:
-    out = _Out()
-    try:
-        f = open(base / u.file, "rb")
-    except OSError as exc:
-        out.findings.append(error(f"cannot open data file ({exc.strerror})", file=u.file))
-        return out
-    with f:
-        if size == 0:
-            return out
-        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        try:
-            mapped.madvise(mmap.MADV_SEQUENTIAL)
-        except (AttributeError, OSError):
-            pass
-        view = memoryview(mapped)
-        try:
-            for a in u.archives:
-                if 0 <= a.offset and a.offset + a.length <= size:  # else: check_storage
-                    with view[a.offset:a.offset + a.length] as item:
-                        _check_archive(f, item, a, u, out)
-            for r in u.raws if u.count_raws else ():
-                if r.offset < 0 or r.offset + r.length > size:
-                    out.uncounted.add(r.key)
-                    continue
-                with view[r.offset:r.offset + r.length] as data:
-                    out.add(r.key, *_count_raw(data, r.dtype))
-        finally:
-            view.release()
-            try:
+        with f:
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+            for off, length, key, what in sorted(items[file]):
+                if off < 0 or off + length > size:
+                    continue  # reported by check_storage
+                with memoryview(mapped) as view, view[off:off + length] as item:
+                    intact = zip_item_intact(item)
+                why = None if intact else check_zip_item(f, off, length)
+                checked += 1
+                if why is not None:
+                    out.append(error(f"{what} at bytes [{off}, {off + length}): {why}",
+                                     key=key, file=file))
+            if isinstance(mapped, mmap.mmap):
                 mapped.close()
-            except BufferError:
-                pass
+    stats["zip_items_checked"] = checked
     return out
-
-
-def _workers() -> int:
-    try:
-        n = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        n = os.cpu_count() or 1
-    return max(1, min(_MAX_WORKERS, n))
-
-
-def scan_archives(base: Path, meta: CheckpointMeta, sizes: dict[str, int | None],
-                  stats: dict[str, int], skip_objects: set[str], *, deep: bool = False
-                  ) -> tuple[list[Finding], dict[str, tuple[int, int]]]:
-    """CRC32 findings of every torch.save archive of a DCP-based or legacy/torch.save
-    checkpoint and, with ``deep``, ``{key: (NaN, Inf)}`` for every tensor whose chunks were
-    all counted in place (the others are for the reader). Sets ``stats["zip_items_checked"]``.
-    """
-    units = _plan(meta, sizes, skip_objects, deep)
-    workers = min(_workers(), len(units))
-    results: list[_Out] = []
-    torch_threads = None
-    try:
-        if workers > 1:
-            if deep:
-                import torch
-
-                torch_threads = torch.get_num_threads()
-                torch.set_num_threads(1)  # the workers are the parallelism
-            with ThreadPoolExecutor(workers, thread_name_prefix="ckpt-scan") as pool:
-                results = list(pool.map(
-                    lambda u: _scan_unit(base, u, int(sizes[u.file] or 0)), units))
-        else:
-            results = [_scan_unit(base, u, int(sizes[u.file] or 0)) for u in units]
-    finally:
-        if torch_threads is not None:
-            import torch
-
-            torch.set_num_threads(torch_threads)
-    findings: list[Finding] = []
-    counts: dict[str, list[int]] = {}
-    uncounted: set[str] = set()
-    for r in results:
-        findings.extend(r.findings)
-        uncounted |= r.uncounted
-        for k, (n, i, c) in r.counts.items():
-            acc = counts.setdefault(k, [0, 0, 0])
-            acc[0], acc[1], acc[2] = acc[0] + n, acc[1] + i, acc[2] + c
-    stats["zip_items_checked"] = sum(r.checked for r in results)
-    counted = {k: (n, i) for k, (n, i, c) in counts.items()
-               if k not in uncounted and c == len(meta.tensors[k].chunks)}
-    return findings, counted
 
 
 def _sha256(path: Path) -> str:
