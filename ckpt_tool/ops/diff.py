@@ -31,6 +31,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Protocol
 
 from ckpt_tool.errors import UsageError
+from ckpt_tool.parallel import ranks as current_ranks
+from ckpt_tool.parallel import split_by_bytes
 from ckpt_tool.ops._diff_values import CommonDiff, TensorDiff, js
 
 __all__ = ["diff", "DiffResult", "TensorDiff", "MetaChange", "CommonDiff", "parse_rename",
@@ -154,6 +156,21 @@ def _match(keys_a: Iterable[str], keys_b: Iterable[str], rn: Callable[[str], str
             sorted(common))
 
 
+def _merge_ranks(ranks: Any, values: list[TensorDiff], stats: dict[str, int]
+                 ) -> tuple[list[TensorDiff], dict[str, int]]:
+    """Every rank's differing tensors and counts, merged on rank 0 and shared with all (so
+    every rank exits with the same code)."""
+    parts = ranks.gather((values, stats))
+    merged = None
+    if ranks.is_main:
+        assert parts is not None
+        all_values = sorted((v for vs, _ in parts for v in vs), key=lambda v: v.key)
+        total = {k: (stats[k] if k == "tensors_common" else sum(st[k] for _, st in parts))
+                 for k in stats}
+        merged = (all_values, total)
+    return ranks.broadcast(merged)
+
+
 def diff(a: str | Path, b: str | Path, *, rename: Iterable[tuple[str, str]] = (),
          filter: str | None = None, keys_only: bool = False, atol: float = 0.0,
          rtol: float = 0.0, trust: bool = False, progress: Progress | None = None
@@ -194,9 +211,14 @@ def diff(a: str | Path, b: str | Path, *, rename: Iterable[tuple[str, str]] = ()
         if keys_only:
             notes.append("--keys-only: values not compared")
         else:
+            ranks = current_ranks()
+            todo = same_shape
+            if ranks.world > 1:  # under torchrun: each rank compares its share (by bytes)
+                share = set(split_by_bytes([(n, t.nbytes + u.nbytes) for n, t, u in same_shape],
+                                           ranks.world)[ranks.rank])
+                todo = [x for x in same_shape if x[0] in share]
             if progress is not None:
-                progress.start(sum(t.nbytes + u.nbytes for _, t, u in same_shape),
-                               len(same_shape))
+                progress.start(sum(t.nbytes + u.nbytes for _, t, u in todo), len(todo))
             done = [0, 0]
 
             def tick(nbytes: int, finished: str | None) -> None:
@@ -205,8 +227,8 @@ def diff(a: str | Path, b: str | Path, *, rename: Iterable[tuple[str, str]] = ()
                 if progress is not None:
                     progress.update(nbytes, done[1])
 
-            proven = fast_equal(same_shape, ma, mb, tick)
-            for n, t, u in same_shape:
+            proven = fast_equal(todo, ma, mb, tick)
+            for n, t, u in todo:
                 eq = proven.get(n, set())
                 if sum(math.prod(b - a for a, b in box) for box in eq) != t.numel:
                     found = compare_values(n, common[n], t, u, ra, rb, eq, atol, rtol, tick)
@@ -217,6 +239,8 @@ def diff(a: str | Path, b: str | Path, *, rename: Iterable[tuple[str, str]] = ()
                 stats["tensors_compared"] += 1
                 tick(0, n)
             stats["bytes_compared"] = done[0]
+            if ranks.world > 1:
+                values, stats = _merge_ranks(ranks, values, stats)
         cdiffs: list[CommonDiff] = []
         if rx is not None:
             notes.append("--filter: common state not compared")
