@@ -38,6 +38,8 @@ def main() -> None:
     ap.add_argument("--size-mb", type=int, default=500)
     ap.add_argument("--hidden", type=int)
     ap.add_argument("--layers", type=int)
+    ap.add_argument("--load-from", help="Megatron-Core's reshard path: build the state dict at "
+                    "this world size, load it from this checkpoint, save it to OUT")
     a = ap.parse_args()
 
     import torch
@@ -86,6 +88,15 @@ def main() -> None:
         "iteration": 100,
         "checkpoint_version": 3.0,
     }
+    if a.load_from:
+        sd.pop("rng_state")  # keyed by the old layout
+        sharded = {k: sd[k] for k in ("embedding", "output", "final_norm", "qkv", "proj", "fc1",
+                                      "fc2", "norm")}
+        loaded = dist_checkpointing.load(sharded, a.load_from)
+        for k, v in sharded.items():
+            for sh, t in zip(v if isinstance(v, list) else [v],
+                             loaded[k] if isinstance(v, list) else [loaded[k]]):
+                sh.data = t
     if rank == 0:
         os.makedirs(a.out, exist_ok=True)
     dist.barrier()
