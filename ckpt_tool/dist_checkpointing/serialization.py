@@ -269,6 +269,9 @@ def save(
         if os.path.isdir(checkpoint_dir) and os.listdir(checkpoint_dir):
             logger.warning("Overwriting old incomplete / corrupted checkpoint...")
         os.makedirs(checkpoint_dir, exist_ok=True)
+        marker = os.path.join(checkpoint_dir, "metadata.json")
+        if os.path.exists(marker):  # the old marker must not vouch for new, partial data
+            os.remove(marker)
 
     if common_strategy is not None:
         raise NotImplementedError("The only supported common strategy is torch")
@@ -304,7 +307,9 @@ def save(
     if not isinstance(sharded_strategy, AsyncSaveShardedStrategy):
         raise CheckpointingException(
             f"Cannot apply async_save to non-async strategy {sharded_strategy}")
+    # stages a private copy of the data: the live tensors may change once this returns
     request = sharded_strategy.async_save(sharded_state_dict, checkpoint_dir)
+    # runs after the sharded finalize, which raises on every rank if any write failed
     request.finalize_fns.append(write_metadata_json)
     return request
 

@@ -1,35 +1,80 @@
-"""The request object of an asynchronous save.
+"""Run the write step of a checkpoint save in a background process (Megatron-Core's API).
 
-NOTE: minimal for now — only the :class:`AsyncRequest` that save strategies return and that
-``AsyncSaveShardedStrategy.save`` runs synchronously. The scheduling machinery of
-Megatron-Core's module (``AsyncCallsQueue``, persistent worker processes) comes later.
+A save strategy returns an :class:`AsyncRequest`; an :class:`AsyncCallsQueue` schedules it and
+later finalizes it. Call order, on every rank::
+
+    queue = AsyncCallsQueue(persistent=False)
+    request = save(sharded_state_dict, ckpt_dir, async_sharded_save=True)  # data staged
+    queue.schedule_async_request(request)     # write starts in a background process
+    ... training goes on, live tensors may change ...
+    queue.maybe_finalize_async_calls(blocking=False)  # finalizes the calls done on all ranks
+    queue.close()                             # waits for / ends the workers
+
+The write runs in a process forked per request (:class:`TemporalAsyncCaller`) or in one spawned
+worker kept across saves (:class:`PersistentAsyncCaller`). A worker that raises or dies is
+detected (exit status / missing answer); an all-reduce tells every rank, which then raises
+:class:`CheckpointingException` without finalizing: no completeness marker is written.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Callable, List, Optional, Tuple
+import logging
+import os
+import queue as queue_mod
+import select
+import traceback
+from abc import ABC, abstractmethod
+from collections import deque
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
-__all__ = ["AsyncRequest"]
+import torch
+import torch.multiprocessing as mp
+
+from ..core import CheckpointingException
+
+__all__ = ["AsyncRequest", "AsyncCaller", "TemporalAsyncCaller", "PersistentAsyncCaller",
+           "AsyncCallsQueue"]
+
+logger = logging.getLogger(__name__)
+
+_POLL_S = 0.05  # how often a blocking wait looks at the worker
+_FORK_ACK_S = 10.0  # a forked writer that has not started by then is hung
+_FORK_ATTEMPTS = 3
 
 
-@dataclass
-class AsyncRequest:
-    """A save split into a (possibly background) write and finalize steps on every rank.
+def _dist_ready() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def collective_device() -> torch.device:
+    """Device of small tensors for collectives: the current GPU under NCCL, else the CPU."""
+    if _dist_ready() and torch.distributed.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class AsyncRequest(NamedTuple):
+    """A save split into a (background) write and finalize steps run on every rank.
 
     Args:
         async_fn: the write function; None when this rank has nothing to write.
-        async_fn_args: positional arguments of ``async_fn``.
+        async_fn_args: its positional arguments; with ``preload_fn``, ``async_fn_args[1]`` is
+            replaced by what ``preload_fn()`` returns (the staged data).
         finalize_fns: run in order on every rank once all ranks finished writing (they may
             use collectives); the checkpoint is complete only after them.
-        preload_fn: optional staging step (e.g. copy to host memory) run before ``async_fn``.
+        async_fn_kwargs: keyword arguments of ``async_fn``.
+        preload_fn: stages the data to host memory; self-contained (a ``partial``).
+        is_frozen: no finalize function may be added any more.
+        call_idx: index given by the scheduling :class:`AsyncCallsQueue`.
     """
 
     async_fn: Optional[Callable]
-    async_fn_args: Tuple[Any, ...]
-    finalize_fns: List[Callable] = field(default_factory=list)
+    async_fn_args: Tuple
+    finalize_fns: List[Callable]
+    async_fn_kwargs: Dict = {}
     preload_fn: Optional[Callable] = None
     is_frozen: bool = False
+    call_idx: int = 0
 
     def add_finalize_fn(self, fn: Callable) -> None:
         """Append a finalize function (not allowed once the request is frozen)."""
@@ -37,16 +82,352 @@ class AsyncRequest:
             raise RuntimeError("Cannot add finalization functions to a frozen AsyncRequest")
         self.finalize_fns.append(fn)
 
-    def freeze(self) -> "AsyncRequest":
-        """Mark the request as ready to be scheduled."""
-        self.is_frozen = True
-        return self
+    def staged_args(self) -> list:
+        """``async_fn_args`` with the staged data from ``preload_fn`` in place."""
+        args = list(self.async_fn_args)
+        if self.preload_fn is not None:
+            if len(args) != 3:
+                raise CheckpointingException("Expected 3 args to be passed to async function")
+            args[1] = self.preload_fn()
+        return args
 
     def execute_sync(self) -> None:
-        """Preload, write and finalize in the calling process."""
-        if self.preload_fn is not None:
-            self.preload_fn()
+        """Stage, write and finalize in the calling process (a synchronous save)."""
+        args = self.staged_args()
         if self.async_fn is not None:
-            self.async_fn(*self.async_fn_args)
+            self.async_fn(*args, **self.async_fn_kwargs)
+        if _dist_ready():
+            torch.distributed.barrier()
         for fn in self.finalize_fns:
             fn()
+
+    def freeze(self) -> "AsyncRequest":
+        """A copy of the request that accepts no more finalize functions."""
+        return self._replace(is_frozen=True)
+
+
+class AsyncCaller(ABC):
+    """Runs requests in a background process and tells when they are done on all ranks."""
+
+    def __init__(self) -> None:
+        self.failure: Optional[str] = None  # why the last finished call failed on this rank
+
+    @abstractmethod
+    def schedule_async_call(self, async_req: AsyncRequest) -> None:
+        """Stage the request's data and start its write (call on all ranks)."""
+
+    @abstractmethod
+    def is_current_async_call_done(self, blocking: bool = False, no_dist: bool = False) -> bool:
+        """Whether the current call finished on all ranks (call on all ranks).
+
+        With ``blocking`` wait for it. ``no_dist`` looks at this rank only (no collective).
+        A call whose worker died counts as finished, with :attr:`failure` set.
+        """
+
+    def sync_all_async_calls(self, is_alive: int) -> bool:
+        """True when no rank has its call still running (one integer all-reduce)."""
+        if not _dist_ready():
+            return not is_alive
+        ten = torch.tensor([int(is_alive)], dtype=torch.int, device=collective_device())
+        torch.distributed.all_reduce(ten)
+        return int(ten[0]) == 0
+
+    def take_failure(self) -> Optional[str]:
+        """The failure of the last finished call on this rank (then forgotten), or None."""
+        failure, self.failure = self.failure, None
+        return failure
+
+    @abstractmethod
+    def close(self, abort: bool = False) -> None:
+        """Wait for (or with ``abort`` kill) the background process and release it."""
+
+
+def _forked_main(ack_fd: int, async_fn: Callable, args: list, kwargs: dict) -> None:
+    """Target of a forked writer: tell the parent it started, then write (an exception is
+    printed and becomes exit code 1)."""
+    os.write(ack_fd, b"1")
+    os.close(ack_fd)
+    async_fn(*args, **kwargs)
+
+
+class TemporalAsyncCaller(AsyncCaller):
+    """Forks one process per request; it exits when the write is done.
+
+    A forked child can hang before running any Python code when another thread held an
+    interpreter lock at fork time (CPython < 3.11.8, gh-112275); a child that does not report
+    its start within ``_FORK_ACK_S`` is killed and forked again.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.process: Optional[mp.Process] = None
+
+    def schedule_async_call(self, async_req: AsyncRequest) -> None:
+        if async_req.async_fn is None:
+            return
+        args = async_req.staged_args()
+        ctx = mp.get_context("fork")
+        for _ in range(_FORK_ATTEMPTS):
+            ack_r, ack_w = os.pipe()
+            process = ctx.Process(target=_forked_main, daemon=True,
+                                  args=(ack_w, async_req.async_fn, args,
+                                        async_req.async_fn_kwargs))
+            try:
+                process.start()
+            finally:
+                os.close(ack_w)
+            started = select.select([ack_r], [], [], _FORK_ACK_S)[0]
+            os.close(ack_r)
+            if started:  # the child wrote, or died (EOF): its exit code tells
+                self.process = process
+                return
+            logger.warning("Forked checkpoint writer %d did not start; forking again",
+                           process.pid)
+            process.kill()
+            process.join()
+            process.close()
+        self.failure = f"could not start a forked checkpoint writer in {_FORK_ATTEMPTS} tries"
+
+    def is_current_async_call_done(self, blocking: bool = False, no_dist: bool = False) -> bool:
+        is_alive = int(self.process.is_alive()) if self.process is not None else 0
+        is_done = not is_alive if no_dist else self.sync_all_async_calls(is_alive)
+        if is_done or blocking:
+            self.close()
+            is_done = True
+        return is_done
+
+    def close(self, abort: bool = False) -> None:
+        if self.process is None:
+            return
+        if abort:
+            self.process.kill()
+        self.process.join()
+        if self.process.exitcode != 0 and not abort:
+            self.failure = (f"async checkpoint writer (pid {self.process.pid}) exited with "
+                            f"code {self.process.exitcode}")
+        self.process.close()
+        self.process = None
+
+
+class PersistentAsyncCaller(AsyncCaller):
+    """One spawned worker process that runs the requests one after another.
+
+    Requests reach it through a queue (staged tensors travel in shared memory); it answers
+    ``(call_idx, error or None)`` on a completion queue. A dead worker fails every call it
+    had not answered and is replaced at the next schedule, with new queues (a killed process
+    may hold their locks).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.process: Optional[mp.Process] = None
+        self.queue = self.comp_q = None
+        self.pending: deque = deque()  # indices of scheduled, unfinished calls, oldest first
+        self.answers: Dict[int, Optional[str]] = {}  # call index -> error or None
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        self.queue, self.comp_q = ctx.Queue(), ctx.Queue()
+        rank = torch.distributed.get_rank() if _dist_ready() else 0
+        self.process = ctx.Process(target=PersistentAsyncCaller.async_loop,
+                                   args=(rank, self.queue, self.comp_q,
+                                         logger.getEffectiveLevel()), daemon=True)
+        self.process.start()
+
+    def schedule_async_call(self, async_req: AsyncRequest) -> None:
+        self.pending.append(async_req.call_idx)
+        if async_req.async_fn is None:  # nothing to write on this rank: done already
+            self.answers[async_req.call_idx] = None
+            return
+        if self.process is None or not self.process.is_alive():
+            self._release(kill=True)
+            self._start()
+        staged = async_req._replace(async_fn_args=tuple(async_req.staged_args()),
+                                    preload_fn=None, finalize_fns=[])
+        self.queue.put(staged)
+
+    def _drain(self, timeout: float) -> None:
+        """Collect answers; a dead (or absent) worker fails every unanswered call."""
+        try:
+            while self.comp_q is not None:
+                idx, error = self.comp_q.get(timeout=timeout)
+                self.answers[idx] = error
+                timeout = 0.0
+        except queue_mod.Empty:
+            pass
+        if self.pending[0] in self.answers:
+            return
+        if self.process is not None and self.process.is_alive():
+            return
+        try:  # an answer sent just before the exit may still be in the pipe
+            if self.comp_q is None:
+                raise queue_mod.Empty
+            idx, error = self.comp_q.get(timeout=_POLL_S)
+            self.answers[idx] = error
+        except queue_mod.Empty:
+            death = ("persistent checkpoint worker is gone" if self.process is None else
+                     f"persistent checkpoint worker (pid {self.process.pid}) died with "
+                     f"exit code {self.process.exitcode}")
+            for idx in self.pending:
+                self.answers.setdefault(idx, death)
+            self._release(kill=True)
+
+    def is_current_async_call_done(self, blocking: bool = False, no_dist: bool = False) -> bool:
+        """Whether the oldest pending call of this worker is done (see the base class)."""
+        is_alive = 0
+        while self.pending:
+            head = self.pending[0]
+            if head not in self.answers:
+                self._drain(_POLL_S if blocking else 0.0)
+            if head in self.answers:
+                self.failure = self.answers.pop(head)
+            elif blocking:
+                continue
+            else:
+                is_alive = 1
+                break
+            self.pending.popleft()
+            break
+        return not is_alive if no_dist else self.sync_all_async_calls(is_alive)
+
+    def _release(self, kill: bool) -> None:
+        if self.process is not None:
+            if kill:
+                self.process.kill()
+            self.process.join()
+            self.process.close()
+            self.process = None
+        for q in (self.queue, self.comp_q):
+            if q is not None:
+                if kill:  # nobody may read what is still buffered: do not wait for it
+                    q.cancel_join_thread()
+                q.close()
+                q.join_thread()
+        self.queue = self.comp_q = None
+
+    def close(self, abort: bool = False) -> None:
+        if self.process is not None and not abort and self.process.is_alive():
+            self.queue.put("DONE")
+        self._release(kill=abort)
+
+    def __del__(self) -> None:
+        try:
+            self.close(abort=True)
+        except Exception:  # interpreter shutdown: nothing left to release
+            pass
+
+    @staticmethod
+    def async_loop(rank: int, queue: Any, comp_q: Any, log_level: int = logging.INFO) -> None:
+        """Body of the worker: run requests until ``"DONE"``; report each outcome."""
+        logging.getLogger(__name__).setLevel(log_level)
+        while True:
+            item = queue.get()
+            if isinstance(item, str) and item == "DONE":
+                break
+            error = None
+            try:
+                item.async_fn(*item.async_fn_args, **item.async_fn_kwargs)
+            except BaseException as e:  # report, stay alive for the next save
+                error = f"rank {rank}: async checkpoint write failed: {e!r}"
+                traceback.print_exc()
+            comp_q.put((item.call_idx, error))
+            del item
+
+
+class _ActiveAsyncRequest(NamedTuple):
+    idx: int
+    async_caller: AsyncCaller
+    async_request: AsyncRequest
+
+
+class AsyncCallsQueue:
+    """Schedules async requests and finalizes them in order once done on all ranks.
+
+    Args:
+        persistent: keep one worker process across saves (:class:`PersistentAsyncCaller`)
+            instead of forking one per save.
+    """
+
+    def __init__(self, persistent: bool = False):
+        self.async_calls: deque = deque()
+        self.call_idx = -1
+        self.persistent = persistent
+        self.persistent_caller: Optional[PersistentAsyncCaller] = None
+
+    def _get_async_caller(self) -> AsyncCaller:
+        if not self.persistent:
+            return TemporalAsyncCaller()
+        if self.persistent_caller is None:
+            self.persistent_caller = PersistentAsyncCaller()
+        return self.persistent_caller
+
+    def schedule_async_request(self, async_request: AsyncRequest) -> int:
+        """Stage the data of ``async_request`` and start its write (call on all ranks).
+
+        Returns the index of the call (as :meth:`maybe_finalize_async_calls` reports it).
+        """
+        self.call_idx += 1
+        caller = self._get_async_caller()
+        async_request = async_request._replace(call_idx=self.call_idx).freeze()
+        caller.schedule_async_call(async_request)
+        self.async_calls.append(_ActiveAsyncRequest(self.call_idx, caller, async_request))
+        return self.call_idx
+
+    def maybe_finalize_async_calls(self, blocking: bool = False,
+                                   no_dist: bool = False) -> List[int]:
+        """Finalize the calls that are done on all ranks (all of them with ``blocking``).
+
+        Call on all ranks. Returns the finalized indices. Raises CheckpointingException on
+        every rank when any rank's write failed (its finalize functions do not run).
+        """
+        finalized = []
+        while self.async_calls:
+            caller = self.async_calls[0].async_caller
+            if not caller.is_current_async_call_done(blocking, no_dist):
+                break
+            call_idx, _, async_request = self.async_calls.popleft()
+            self._raise_on_any_failure(call_idx, caller.take_failure(), no_dist)
+            for fn in async_request.finalize_fns:
+                fn()
+            if not no_dist and _dist_ready():
+                ten = torch.tensor([call_idx], dtype=torch.int, device=collective_device())
+                torch.distributed.all_reduce(ten, op=torch.distributed.ReduceOp.MAX)
+                if int(ten.item()) != call_idx:
+                    raise CheckpointingException(
+                        "Unmatched async calls: not all ranks take part in async finalization")
+            finalized.append(call_idx)
+        return finalized
+
+    @staticmethod
+    def _raise_on_any_failure(call_idx: int, failure: Optional[str], no_dist: bool) -> None:
+        """All-reduce of one failure flag per rank; raise on every rank if any is set."""
+        failed = [int(failure is not None)]
+        if not no_dist and _dist_ready():
+            dist = torch.distributed
+            flags = torch.zeros(dist.get_world_size(), dtype=torch.int, device=collective_device())
+            flags[dist.get_rank()] = failed[0]
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            failed = flags.tolist()
+        if any(failed):
+            ranks = [r for r, f in enumerate(failed) if f]
+            raise CheckpointingException(
+                f"Async checkpoint save {call_idx} failed on rank(s) {ranks}"
+                + (f": {failure}" if failure else "") + "; the checkpoint is incomplete")
+
+    def get_num_unfinalized_calls(self) -> int:
+        """Number of scheduled calls not finalized yet."""
+        return len(self.async_calls)
+
+    def close(self, abort: bool = False) -> None:
+        """Finalize every call (unless ``abort``) and end the worker processes."""
+        try:
+            if not abort:
+                self.maybe_finalize_async_calls(blocking=True)
+        finally:
+            if abort:
+                for _, caller, _ in self.async_calls:
+                    caller.close(abort=True)
+                self.async_calls.clear()
+            if self.persistent_caller is not None:
+                self.persistent_caller.close(abort=abort)
+                self.persistent_caller = None

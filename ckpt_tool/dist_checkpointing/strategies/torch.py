@@ -8,6 +8,7 @@ local regions, so a checkpoint can be loaded at another parallel layout.
 
 from __future__ import annotations
 
+import copy
 import io
 import logging
 import os
@@ -44,6 +45,8 @@ from .base import (
     StrategyAction,
     register_default_strategy,
 )
+from .filesystem_async import FileSystemWriterAsync
+from .state_dict_saver import save_state_dict_async_finalize, save_state_dict_async_plan
 
 __all__ = [
     "TorchDistSaveShardedStrategy",
@@ -81,7 +84,8 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         version: format version (1).
         keep_only_main_replica: write only main replicas (``replica_id`` 0); recommended.
         thread_count: writer threads, and so data files per rank (``__{rank}_{i}.distcp``).
-        cached_metadata: accepted for compatibility; plans are not cached between saves.
+        cached_metadata: async saves reuse the previous save plan and global metadata when
+            every rank's local plan is unchanged (planning then exchanges one integer).
         separation_hint: accepted for compatibility; not supported yet (raises if set).
     """
 
@@ -95,6 +99,12 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         self.thread_count = thread_count
         self.use_cached_ckpt_structure = cached_metadata
         self.separation_hint = separation_hint
+        # plan cache of async saves (the global metadata is only held by the coordinator)
+        self.cached_central_plan = None
+        self.cached_local_plan = None
+        self.cached_global_metadata = None
+        self.validated_cache_reuse = False
+        self.validated_loaded_metadata_reuse = False
 
     def _write_table(self, sharded_state_dict: ShardedStateDict) -> WriteTable:
         table = WriteTable()
@@ -116,26 +126,61 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             table.add_objects(key, values)
         return table
 
-    def async_save(self, sharded_state_dict: ShardedStateDict,
-                   checkpoint_dir: Union[str, Path]) -> AsyncRequest:
-        """Prepare the DCP save of ``sharded_state_dict``.
-
-        NOTE: the returned request runs the whole DCP save (planning collectives included) in
-        ``async_fn``; it is meant to be executed synchronously until a background-safe split
-        of planning and writing lands.
-        """
+    def save(self, sharded_state_dict: ShardedStateDict,
+             checkpoint_dir: Union[str, Path]) -> None:
+        """Synchronous save: DCP writes straight from the live tensors (no staging copy)."""
         table = self._write_table(sharded_state_dict)
         writer = McoreFileSystemWriter(str(checkpoint_dir), thread_count=self.thread_count,
                                        overwrite=True)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Detected an existing checkpoint")
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.save({}, storage_writer=writer, planner=McoreSavePlanner(table),
+                     no_dist=not _dist_ready())
 
-        def run():
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message="Detected an existing checkpoint")
-                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                dcp.save({}, storage_writer=writer, planner=McoreSavePlanner(table),
-                         no_dist=not _dist_ready())
+    def async_save(self, sharded_state_dict: ShardedStateDict,
+                   checkpoint_dir: Union[str, Path]) -> AsyncRequest:
+        """Plan the save and stage a private host copy of the data (call on every rank).
 
-        return AsyncRequest(run, (), [])
+        Returns the request whose ``async_fn`` writes the staged data (in a background
+        process when scheduled on an :class:`AsyncCallsQueue`) and whose finalize function
+        gathers the write results and writes ``.metadata`` on the coordinator, raising on
+        every rank if any rank failed. Live tensors may change as soon as this returns.
+        With ``cached_metadata`` a save of an unchanged structure reuses the previous plan.
+        """
+        table = self._write_table(sharded_state_dict)
+        writer = FileSystemWriterAsync(str(checkpoint_dir), thread_count=self.thread_count,
+                                       overwrite=True)
+        cached = None
+        if self.use_cached_ckpt_structure and self.cached_central_plan is not None:
+            cached = (self.cached_central_plan, self.cached_local_plan,
+                      self.validated_cache_reuse)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Detected an existing checkpoint")
+            (ret, central_plan, local_plan, self.validated_cache_reuse,
+             self.validated_loaded_metadata_reuse) = save_state_dict_async_plan(
+                {}, writer, None, 0, planner=McoreSavePlanner(table),
+                cached_ckpt_structure=cached)
+        writer, global_metadata, dist_wrapper = ret
+        if self.use_cached_ckpt_structure:
+            if self.validated_cache_reuse:
+                if dist_wrapper.is_coordinator:  # finish() sets per-save fields on a copy
+                    global_metadata = copy.copy(self.cached_global_metadata)
+            else:
+                self.cached_central_plan, self.cached_local_plan = central_plan, local_plan
+                self.cached_global_metadata = global_metadata
+        return self._get_save_and_finalize_callbacks(
+            writer, (writer, global_metadata, dist_wrapper))
+
+    @staticmethod
+    def _get_save_and_finalize_callbacks(writer: FileSystemWriterAsync,
+                                         save_state_dict_ret) -> AsyncRequest:
+        save_fn, preload_fn, save_args = writer.get_save_function_and_args()
+
+        def finalize_fn():
+            save_state_dict_async_finalize(*save_state_dict_ret)
+
+        return AsyncRequest(save_fn, tuple(save_args), [finalize_fn], preload_fn=preload_fn)
 
     @property
     def can_handle_sharded_objects(self) -> bool:

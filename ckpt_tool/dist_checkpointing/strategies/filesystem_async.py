@@ -1,0 +1,253 @@
+"""A DCP storage writer whose data write can run in a background process.
+
+Call order (``state_dict_saver`` drives it)::
+
+    writer = FileSystemWriterAsync(ckpt_dir, thread_count=2)
+    ... DCP planning (set_up_storage_writer, prepare_local_plan, prepare_global_plan) ...
+    writer.prepare_write_data(central_plan, planner)   # stages a private host copy
+    fn, preload_fn, args = writer.get_save_function_and_args()
+    fn(*args) with args[1] = preload_fn()                # anywhere: a forked/spawned worker
+    results = writer.retrieve_write_results()          # back in the training process
+    writer.finish(metadata, all_ranks_results)          # coordinator: writes .metadata
+
+Staging copies every tensor (a clone on the CPU, a device-to-host copy otherwise), so once
+``prepare_write_data`` returns, in-place updates of the live tensors cannot reach the files.
+Each bucket of items becomes one ``__{rank}_{i}.distcp`` file, written by its own thread and
+fsynced. Results travel back through a small file in the temp directory, which works for forked
+and spawned workers alike and needs no helper process.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import queue
+import tempfile
+import threading
+import uuid
+import weakref
+from functools import partial
+from itertools import chain
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+
+import torch
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import WRAPPED_EXCEPTION, _wrap_exception
+from torch.distributed.checkpoint.filesystem import _write_item
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+
+__all__ = ["FileSystemWriterAsync", "WriteBucket"]
+
+# (file path, file name (storage key), ([(item, BytesIO)], [(item, CPU tensor)]))
+WriteBucket = Tuple[str, str, Tuple[list, list]]
+
+
+def _rank() -> int:
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _unlink_quietly(path: str) -> None:
+    for p in (path, path + ".tmp"):
+        try:
+            os.unlink(p)
+        except FileNotFoundError:
+            pass
+
+
+class ResultsDrop:
+    """A one-shot, queue-like channel from a worker process: ``put`` once, ``get_nowait``.
+
+    Backed by a file (written to a temp name, then renamed), so it is picklable to any worker
+    and an absent answer (a killed worker) reads as :class:`queue.Empty`.
+    """
+
+    def __init__(self) -> None:
+        self.path = os.path.join(tempfile.gettempdir(),
+                                 f"ckpt_async_{os.getpid()}_{uuid.uuid4().hex}.results")
+
+    def put(self, obj: Any) -> None:
+        with open(self.path + ".tmp", "wb") as f:
+            pickle.dump(obj, f)
+        os.replace(self.path + ".tmp", self.path)
+
+    def get_nowait(self) -> Any:
+        try:
+            with open(self.path, "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            raise queue.Empty from None
+        os.unlink(self.path)
+        return pickle.loads(data)  # written by our own worker into our private file
+
+
+def _stage(tensor: torch.Tensor) -> torch.Tensor:
+    """A private, contiguous host copy of ``tensor``."""
+    tensor = tensor.detach()
+    if tensor.device.type == "cpu":
+        return tensor.clone(memory_format=torch.contiguous_format)
+    return tensor.to("cpu", copy=True).contiguous()
+
+
+def _item_size(item: WriteItem) -> int:
+    td = item.tensor_data
+    n = 1
+    for s in td.chunk.sizes:
+        n *= s
+    return n * torch._utils._element_size(td.properties.dtype)
+
+
+def _split_by_size_and_type(bins: int, items: List[WriteItem]) -> List[List[WriteItem]]:
+    """Objects round-robin, tensors largest first onto the least-filled bin (by bytes)."""
+    buckets: List[List[WriteItem]] = [[] for _ in range(max(1, bins))]
+    sizes = [0] * len(buckets)
+    byte_items = [i for i in items if i.type == WriteItemType.BYTE_IO]
+    tensor_items = [i for i in items if i.type != WriteItemType.BYTE_IO]
+    for n, item in enumerate(byte_items):
+        buckets[n % len(buckets)].append(item)
+    for item in sorted(tensor_items, key=_item_size, reverse=True):
+        target = sizes.index(min(sizes))
+        buckets[target].append(item)
+        sizes[target] += _item_size(item)
+    return buckets
+
+
+class FileSystemWriterAsync(FileSystemWriter):
+    """DCP's file writer split into staging (here) and writing (in a worker).
+
+    One writer serves one save. ``write_data`` is not supported: use
+    :meth:`prepare_write_data` and :meth:`get_save_function_and_args`.
+    """
+
+    def __init__(self, path: Union[str, os.PathLike], *args, separation_hint: Optional[str] = None,
+                 **kwargs):
+        super().__init__(path, *args, **kwargs)
+        if separation_hint is not None:
+            raise NotImplementedError("separation_hint is not supported")
+        self.checkpoint_dir = str(path)
+        self.write_buckets: Optional[List[WriteBucket]] = None
+        self.results_queue: Optional[ResultsDrop] = None
+
+    def prepare_write_data(self, plan: SavePlan, planner: SavePlanner) -> None:
+        """Split ``plan``'s items into per-file buckets and stage their data to host memory."""
+        prefix = plan.storage_data.prefix
+        self.write_buckets = []
+        for bucket in _split_by_size_and_type(self.thread_count, plan.items):
+            if not bucket:
+                continue
+            bytes_data, tensor_data = [], []
+            for item in bucket:
+                data = planner.resolve_data(item)
+                if item.type == WriteItemType.BYTE_IO:
+                    bytes_data.append((item, io.BytesIO(data.getvalue())))
+                else:
+                    tensor_data.append((item, _stage(data)))
+            name = f"{prefix}{len(self.write_buckets)}.distcp"
+            self.write_buckets.append((os.path.join(self.checkpoint_dir, name), name,
+                                       (bytes_data, tensor_data)))
+        if self.write_buckets:
+            self.results_queue = ResultsDrop()
+            weakref.finalize(self, _unlink_quietly, self.results_queue.path)
+        else:
+            self.results_queue = None
+
+    def get_save_function_and_args(self) -> Tuple[Optional[Callable], Optional[Callable], List]:
+        """``(save_fn, preload_fn, args)``; ``(None, None, [])`` when this rank writes nothing.
+
+        ``save_fn(*args)`` with ``args[1] = preload_fn()`` writes the staged buckets.
+        """
+        if not self.write_buckets:
+            return None, None, []
+        return (partial(self.write_preloaded_data_multiproc, [self.transforms], False),
+                partial(self.preload_tensors, self.write_buckets, True),
+                [_rank(), self.write_buckets, self.results_queue])
+
+    @staticmethod
+    def preload_tensors(write_buckets: List[WriteBucket], non_blocking: bool = True
+                        ) -> List[WriteBucket]:
+        """The buckets with every tensor on the host (staged tensors already are)."""
+        out = []
+        for path, name, (bytes_data, tensor_data) in write_buckets:
+            tensor_data = [(item, t.to("cpu", non_blocking=non_blocking))
+                           for item, t in tensor_data]
+            out.append((path, name, (bytes_data, tensor_data)))
+        if non_blocking and torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        return out
+
+    @staticmethod
+    def write_preloaded_data_multiproc(transform_list: list, use_msc: bool, rank: int,
+                                       write_buckets: List[WriteBucket],
+                                       global_results_queue: ResultsDrop) -> None:
+        """Write every bucket (one thread each) and put ``{bucket: [WriteResult]}`` or the
+        first exception into ``global_results_queue``."""
+        if use_msc:
+            raise NotImplementedError("multi-storage client is not supported")
+        results: Dict[int, Any] = {}
+
+        def work(i: int, bucket: WriteBucket) -> None:
+            try:
+                results[i] = FileSystemWriterAsync.write_preloaded_data(
+                    transform_list, i, bucket, use_fsync=True)
+            except BaseException as e:  # reported below, never lost in a thread
+                results[i] = e
+
+        threads = [threading.Thread(target=work, args=(i, b), daemon=True)
+                   for i, b in enumerate(write_buckets)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        errors = [r for r in results.values() if isinstance(r, BaseException)]
+        if errors:
+            global_results_queue.put(RuntimeError(f"rank {rank}: {errors[0]!r}"))
+        else:
+            global_results_queue.put(results)
+
+    @staticmethod
+    def write_preloaded_data(transform_list: list, local_proc_idx: int, write_bucket: WriteBucket,
+                             use_fsync: bool = True) -> List[WriteResult]:
+        """Write one bucket to its file (objects first, then tensors); fsync it."""
+        from torch.distributed.checkpoint.filesystem import SerializationFormat
+
+        path, storage_key, (bytes_data, tensor_data) = write_bucket
+        out = []
+        with open(path, "wb") as stream:
+            for item, data in chain(bytes_data, tensor_data):
+                out.append(_write_item(*transform_list, stream, data, item, storage_key,
+                                       serialization_format=SerializationFormat.TORCH_SAVE))
+            if use_fsync:
+                stream.flush()
+                os.fsync(stream.fileno())
+        return out
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner):
+        raise NotImplementedError("FileSystemWriterAsync writes via get_save_function_and_args")
+
+    def retrieve_write_results(self) -> Union[List[WriteResult], WRAPPED_EXCEPTION]:
+        """This rank's write results, or a wrapped exception when its write failed or no
+        result came back (a dead worker)."""
+        if self.write_buckets is None:
+            return _wrap_exception(RuntimeError("prepare_write_data was not called"))
+        if self.results_queue is None:
+            return []
+        try:
+            results = self.results_queue.get_nowait()
+        except queue.Empty:
+            return _wrap_exception(RuntimeError(
+                "No write results: the async checkpoint worker did not finish (killed?)"))
+        except Exception as e:
+            return _wrap_exception(RuntimeError(f"Unreadable write results: {e!r}"))
+        if isinstance(results, BaseException):
+            return _wrap_exception(RuntimeError(f"Worker failure: {results}"))
+        if len(results) != len(self.write_buckets):
+            return _wrap_exception(RuntimeError(
+                f"Incomplete worker results (expected {len(self.write_buckets)}, got "
+                f"{len(results)})"))
+        return list(chain.from_iterable(results[i] for i in sorted(results)))
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.checkpoint_dir

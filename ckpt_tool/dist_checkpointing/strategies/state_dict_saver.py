@@ -1,0 +1,167 @@
+"""The DCP save split into planning, a (background) write and finalization.
+
+Call order, on every rank::
+
+    (writer, metadata, dist_wrapper), central_plan, local_plan, cache_ok, md_reuse = \\
+        save_state_dict_async_plan(state_dict, writer, planner=planner,
+                                   cached_ckpt_structure=previous_structure_or_None)
+    fn, preload_fn, args = writer.get_save_function_and_args()   # run fn in the background
+    save_state_dict_async_finalize(writer, metadata, dist_wrapper)  # after the write, all ranks
+
+Planning gathers the local plans on the coordinator and scatters the global ones
+(``torch.distributed.checkpoint``'s reduce-scatter). With ``cached_ckpt_structure`` from the
+previous save, the ranks only all-reduce one integer saying whether their local plans are
+unchanged; if they all are, the cached global plan is reused and no plan crosses ranks (the
+caller supplies the cached global metadata on the coordinator). A changed rank makes every rank
+plan afresh, so a stale cache can never drop or misplace items.
+
+Finalization gathers every rank's write results; the coordinator writes ``.metadata`` only if
+all ranks succeeded, then broadcasts the outcome: a failure anywhere raises on every rank.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import fields
+from typing import List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.utils import _DistWrapper, _get_failure_dict
+
+from ..core import CheckpointingException
+from .async_utils import collective_device
+from .filesystem_async import FileSystemWriterAsync
+
+__all__ = ["save_state_dict_async_plan", "verify_global_md_reuse",
+           "save_state_dict_async_finalize"]
+
+logger = logging.getLogger(__name__)
+
+
+def _use_dist() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _all_ranks_agree(flag: bool, dist_wrapper: _DistWrapper) -> bool:
+    """True iff ``flag`` holds on every rank (one integer all-reduce)."""
+    if not dist_wrapper.use_dist:
+        return bool(flag)
+    ten = torch.tensor([int(flag)], dtype=torch.int, device=collective_device())
+    dist.all_reduce(ten, op=dist.ReduceOp.MIN, group=dist_wrapper.group)
+    return int(ten.item()) == 1
+
+
+def _plans_equal(a: Optional[SavePlan], b: Optional[SavePlan], skip=("storage_data",)) -> bool:
+    if a is None or b is None:
+        return False
+    return all(getattr(a, f.name) == getattr(b, f.name) for f in fields(a) if f.name not in skip)
+
+
+def save_state_dict_async_plan(
+    state_dict,
+    storage_writer: FileSystemWriterAsync,
+    process_group: Optional[dist.ProcessGroup] = None,
+    coordinator_rank: int = 0,
+    planner: Optional[SavePlanner] = None,
+    cached_ckpt_structure: Optional[Tuple[SavePlan, SavePlan, bool]] = None,
+    loaded_all_plans: Optional[List[SavePlan]] = None,
+):
+    """Plan the save and stage the data (first stage; call on every rank).
+
+    Args:
+        state_dict: the DCP state dict the planner resolves (may be empty for our planners).
+        storage_writer: the writer that stages and later writes the data.
+        process_group: group used for planning (default group when None).
+        coordinator_rank: rank that builds the global plan and writes ``.metadata``.
+        planner: the save planner.
+        cached_ckpt_structure: ``(central_plan, local_plan, validated)`` returned by the
+            previous save; reused when every rank's local plan is unchanged.
+        loaded_all_plans: local plans stored in a loaded checkpoint's ``.metadata``; see
+            :func:`verify_global_md_reuse`.
+
+    Returns:
+        ``((storage_writer, global_metadata, dist_wrapper), central_plan, local_plan,
+        cache_reused, global_md_verify_reuse)``; ``global_metadata`` is None on
+        non-coordinators and when the cached plan was reused.
+    """
+    cached_central, cached_local, _ = cached_ckpt_structure or (None, None, False)
+    dist_wrapper = _DistWrapper(process_group, _use_dist(), coordinator_rank)
+    if planner is None:
+        raise ValueError("a save planner is required")
+    global_metadata: Optional[Metadata] = None
+
+    def local_step() -> SavePlan:
+        planner.set_up_planner(state_dict, is_coordinator=dist_wrapper.is_coordinator)
+        storage_writer.set_up_storage_writer(dist_wrapper.is_coordinator)
+        return storage_writer.prepare_local_plan(planner.create_local_plan())
+
+    def global_step(all_local_plans: List[SavePlan]) -> List[SavePlan]:
+        nonlocal global_metadata
+        all_local_plans, global_metadata = planner.create_global_plan(all_local_plans)
+        return storage_writer.prepare_global_plan(all_local_plans)
+
+    cache_reused = False
+    global_md_verify_reuse = False
+    if cached_central is not None:
+        local_plan = local_step()
+        cache_reused = _all_ranks_agree(_plans_equal(local_plan, cached_local), dist_wrapper)
+    if cache_reused:
+        central_plan = cached_central
+    else:
+        if loaded_all_plans:
+            local_plan = local_step()
+            global_md_verify_reuse = verify_global_md_reuse(
+                loaded_all_plans, local_plan, dist_wrapper.get_rank(), dist_wrapper)
+        local_plan = None
+
+        def map_fun() -> SavePlan:
+            nonlocal local_plan
+            local_plan = local_step()
+            return local_plan
+
+        central_plan = dist_wrapper.reduce_scatter("plan", map_fun, global_step)
+    central_plan = planner.finish_plan(central_plan)
+    storage_writer.prepare_write_data(central_plan, planner)
+    return ((storage_writer, global_metadata, dist_wrapper), central_plan, local_plan,
+            cache_reused, global_md_verify_reuse)
+
+
+def verify_global_md_reuse(loaded_all_plans: List[SavePlan], local_plan: SavePlan, rank: int,
+                           dist_wrapper: _DistWrapper) -> bool:
+    """Whether the global metadata of a loaded checkpoint fits this save on every rank.
+
+    True iff the checkpoint has one stored local plan per rank and each rank's current local
+    plan equals its stored one (ignoring storage prefixes). Collective when the number of
+    stored plans matches the world size.
+    """
+    if not loaded_all_plans or len(loaded_all_plans) != dist_wrapper.get_world_size():
+        return False
+    return _all_ranks_agree(_plans_equal(local_plan, loaded_all_plans[rank]), dist_wrapper)
+
+
+def save_state_dict_async_finalize(storage_writer: FileSystemWriterAsync,
+                                   global_metadata: Optional[Metadata],
+                                   dist_wrapper: _DistWrapper) -> None:
+    """Gather the write results, write ``.metadata`` on the coordinator if every rank
+    succeeded, and raise CheckpointingException on every rank otherwise (call on every rank)."""
+    write_results = storage_writer.retrieve_write_results()
+    all_results = dist_wrapper.gather_object(write_results)
+    summary = None
+    if dist_wrapper.is_coordinator:
+        node_failures = _get_failure_dict(all_results)
+        if not node_failures:
+            try:
+                if global_metadata is None:
+                    raise RuntimeError("no global metadata on the coordinator")
+                storage_writer.finish(global_metadata, all_results)
+            except Exception as e:  # every rank must learn about it, not only this one
+                node_failures[dist_wrapper.get_rank()] = (e, [])
+        if node_failures:
+            summary = "; ".join(f"rank {r}: {exc[0]!r}" for r, exc in sorted(node_failures.items()))
+    summary = dist_wrapper.broadcast_object(summary)
+    if summary is not None:
+        raise CheckpointingException(
+            f"Checkpoint write failed, .metadata not written ({summary})")
