@@ -1,15 +1,20 @@
 """Moving bytes out of DCP ``.distcp`` files and assembling global tensors (imports torch).
 
 Each stored DCP item is an independent ``torch.save`` archive at ``[offset, offset+length)`` of
-its file; :func:`read_item_bytes` fetches that range and :func:`load_chunk` unpickles it through
-the allowlist. :func:`assemble` builds a (sliced) global tensor from a ``TensorMeta``'s chunks,
-for any chunk source, and undoes MCore's N-D reformulation of flattened tensors.
+its file; :func:`read_item_bytes` fetches that range. :func:`load_chunk` reads a tensor item in
+place (``_dcp_raw``: zip records parsed with ``struct``, the tiny ``data.pkl`` through the
+allowlist, the storage copied once into a fresh tensor) and falls back to ``torch.load`` of the
+item's bytes through the allowlist when the item is unusual. :func:`assemble` builds a (sliced)
+global tensor from a ``TensorMeta``'s chunks, for any chunk source, and undoes MCore's N-D
+reformulation of flattened tensors.
 """
 
 from __future__ import annotations
 
 import io
 import math
+import mmap
+import os
 from pathlib import Path
 from typing import Any, Callable
 
@@ -47,12 +52,65 @@ def read_item_bytes(root: Path, file: str | None, offset: int | None, length: in
     return data
 
 
+_PREAD_MAX = 1 << 20  # smaller items are read with one pread, bigger ones mapped
+
+
+def _load_chunk_raw(path: Path, offset: int, length: int) -> Any:
+    """The item's tensor read in place, as a fresh tensor owning its memory; None when the
+    raw path does not apply (missing/short file, unusual archive: the caller's fallback
+    reports or handles it)."""
+    from ckpt_tool.formats._dcp_raw import NotSimple, as_tensor, raw_item
+
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        if length <= 0 or offset < 0 or offset + length > os.fstat(fd).st_size:
+            return None
+        if length <= _PREAD_MAX:
+            try:
+                return as_tensor(raw_item(os.pread(fd, length, offset)), copy=True)
+            except NotSimple:
+                return None
+        start = offset - offset % mmap.ALLOCATIONGRANULARITY
+        mapped = mmap.mmap(fd, offset + length - start, access=mmap.ACCESS_READ, offset=start)
+    finally:
+        os.close(fd)
+    view = memoryview(mapped)
+    try:
+        with view[offset - start:] as item:
+            raw = raw_item(item)
+            try:
+                return as_tensor(raw, copy=True)
+            finally:
+                raw.data.release()
+    except NotSimple:
+        return None
+    finally:
+        view.release()
+        try:
+            mapped.close()
+        except BufferError:  # a view still alive somewhere: the GC unmaps it later
+            pass
+
+
 def load_chunk(root: Path, chunk: ChunkRef, *, trust: bool = False) -> Any:
-    """One stored chunk as a torch.Tensor (a ``torch.save`` item of a ``.distcp`` file)."""
+    """One stored chunk as a torch.Tensor (a ``torch.save`` item of a ``.distcp`` file).
+
+    The tensor is always a private copy that owns its memory (writable, never aliasing the
+    file, no mapping kept open): read in place when the item is a plain tensor archive (one
+    copy of the data), else through ``torch.load`` of the item's bytes via the allowlist.
+    """
     from ckpt_tool.formats._pickle import load_torch_file
 
     if chunk.transforms:
         raise UnsupportedError(f"stream transforms {list(chunk.transforms)} are not supported yet")
+    if chunk.file is not None and chunk.byte_offset is not None \
+            and chunk.byte_length is not None:
+        t = _load_chunk_raw(root / chunk.file, chunk.byte_offset, chunk.byte_length)
+        if t is not None:
+            return t
     data = read_item_bytes(root, chunk.file, chunk.byte_offset, chunk.byte_length)
     try:
         return load_torch_file(io.BytesIO(data), trust=trust)

@@ -1,18 +1,22 @@
 """Pure checks of ``validate``: they work on the metadata model (and facts passed in), no I/O.
 
-Each returns a list of :class:`Finding`; none raises on a bad checkpoint.
+Each returns a list of :class:`Finding`; none raises on a bad checkpoint. Also the NaN/Inf
+counting of ``--deep`` (on buffers handed in, e.g. views of a read-only mmap).
 """
 
 from __future__ import annotations
 
 import math
+import threading
+import zlib
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 from ckpt_tool.model import DTYPE_ITEMSIZE, CheckpointMeta, ChunkRef, TensorMeta
 
 __all__ = ["Finding", "error", "warning", "check_coverage", "check_storage",
-           "check_expectations", "MAX_REPORTED"]
+           "check_expectations", "MAX_REPORTED", "nonfinite", "count_nonfinite", "count_slabs",
+           "crc32_counting", "NonfiniteBatch"]
 
 # At most this many findings of one kind per tensor (overlaps, out-of-bounds chunks).
 MAX_REPORTED = 5
@@ -239,3 +243,155 @@ def check_expectations(meta: CheckpointMeta, *, expect_tp: int | None = None,
             out.append(error(f"expected iteration {expect_iteration}, the checkpoint is at "
                              f"iteration {have}"))
     return out
+
+
+# -- NaN/Inf counting (validate --deep): on raw bytes with numpy, no torch import ---------
+
+_local = threading.local()  # per-thread scratch buffers
+
+
+def nonfinite(t: Any) -> tuple[int, int]:
+    """``(NaN count, Inf count)`` of a tensor (complex: per component), via
+    :func:`count_slabs` on its bytes."""
+    name = str(t.dtype).removeprefix("torch.")
+    if name not in _BITS or t.numel() == 0:
+        return 0, 0
+    import torch
+
+    flat = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    return count_slabs(memoryview(flat.numpy()), name)
+
+
+# dtype -> (unsigned view, mask, value, mantissa): an element is NaN/Inf when
+# ``bits & mask == value``; a NaN when also ``bits & mantissa``, else an Inf (no mantissa: NaN).
+_BITS: dict[str, tuple[str, int, int, int | None]] = {
+    "float64": ("<u8", 0x7FF0000000000000, 0x7FF0000000000000, 0x000FFFFFFFFFFFFF),
+    "float32": ("<u4", 0x7F800000, 0x7F800000, 0x007FFFFF),
+    "float16": ("<u2", 0x7C00, 0x7C00, 0x03FF),
+    "bfloat16": ("<u2", 0x7F80, 0x7F80, 0x007F),
+    "float8_e5m2": ("u1", 0x7C, 0x7C, 0x03),
+    "float8_e4m3fn": ("u1", 0x7F, 0x7F, None),
+    "float8_e4m3fnuz": ("u1", 0xFF, 0x80, None),
+    "float8_e5m2fnuz": ("u1", 0xFF, 0x80, None),
+}
+_BITS["complex64"], _BITS["complex128"] = _BITS["float32"], _BITS["float64"]  # per component
+
+
+def _scratch(nbytes: int) -> Any:
+    """A per-thread numpy buffer of at least ``nbytes`` (uint8)."""
+    import numpy as np
+
+    buf = getattr(_local, "buf", None)
+    if buf is None or buf.size < nbytes:
+        buf = np.empty(max(nbytes, 1 << 20), dtype=np.uint8)
+        _local.buf = buf
+    return buf[:nbytes]
+
+
+def count_nonfinite(data: Any, dtype: str) -> tuple[int, int]:
+    """``(NaN, Inf)`` among the little-endian ``dtype`` elements of the buffer ``data`` (whole
+    elements; any alignment), with numpy (no torch import): a float32/64 sum, or for 16/8-bit
+    floats an AND and a max of the exponent bits, proves the common all-finite case; only
+    then are the exponent bits counted (exact)."""
+    import numpy as np
+
+    spec = _BITS.get(dtype)
+    if spec is None or len(data) == 0:
+        return 0, 0
+    udt, mask, value, mant = spec
+    if udt in ("<u4", "<u8"):  # float32/64: a sum (SIMD, no temporary) proves most slabs finite
+        with np.errstate(all="ignore"):
+            if np.isfinite(np.add.reduce(np.frombuffer(data, dtype=udt.replace("u", "f")))):
+                return 0, 0
+    bits = np.frombuffer(data, dtype=udt)
+    tmp = _scratch(bits.nbytes).view(udt)
+    np.bitwise_and(bits, np.array(mask, dtype=udt), out=tmp)
+    if value == mask and tmp.max() != mask:
+        return 0, 0
+    hit = tmp == value
+    n = int(np.count_nonzero(hit))
+    if n == 0 or mant is None:
+        return n, 0
+    nan = int(np.count_nonzero(hit & (bits & np.array(mant, dtype=udt) != 0)))
+    return nan, n - nan
+
+
+def count_slabs(data: Any, dtype: str, slab: int = 4 << 20) -> tuple[int, int]:
+    """:func:`count_nonfinite` of a big buffer, a slab at a time (bounded scratch memory)."""
+    nan = inf = 0
+    for s in range(0, len(data), slab):
+        with data[s:s + slab] as part:
+            n, i = count_nonfinite(part, dtype)
+        nan, inf = nan + n, inf + i
+    return nan, inf
+
+
+def crc32_counting(rec: Any, span: tuple[int, int], dtype: str, slab: int = 4 << 20
+                   ) -> tuple[int, tuple[int, int] | None]:
+    """``(CRC32 of rec, (NaN, Inf) of its elements in the byte range span)``, one pass: each
+    slab is counted right after its CRC, while it is in cache. The counts are None when they
+    cannot be taken (the CRC always is)."""
+    crc, counts = 0, [0, 0]
+    a, b = span
+    for s in range(0, len(rec), slab):
+        with rec[s:s + slab] as part:
+            crc = zlib.crc32(part, crc)
+            lo, hi = max(s, a), min(s + len(part), b)
+        if lo < hi and counts is not None:
+            try:
+                with rec[lo:hi] as data:
+                    n, i = count_nonfinite(data, dtype)
+                counts = [counts[0] + n, counts[1] + i]
+            except Exception:  # noqa: BLE001 - left to the reader, which reports it
+                counts = None
+    return crc, None if counts is None else (counts[0], counts[1])
+
+
+class NonfiniteBatch:
+    """NaN/Inf counts of many small buffers with one reduction per dtype.
+
+    ``add(tag, data, dtype)`` copies ``data`` (whole elements) into an aligned per-dtype
+    buffer; when it is full, and at :meth:`flush`, the buffer is reduced once and, only if
+    something in it is not finite, each member is counted apart. Results arrive through
+    ``done(tag, nan, inf)``, one call per ``add``. Saves the per-call cost of torch on the
+    thousands of tiny tensors (norms, biases) a checkpoint holds. Reusable after
+    :meth:`flush` (``done`` may be reassigned); not thread-safe: one per thread.
+    """
+
+    def __init__(self, done: Any, capacity: int = 4 << 20):
+        self.done, self._cap = done, capacity
+        self._bufs: dict[str, list[Any]] = {}  # dtype -> [memoryview, uint8 tensor, fill, members]
+
+    def add(self, tag: Any, data: Any, dtype: str) -> None:
+        n = len(data)
+        if dtype not in _BITS or n == 0 or n > self._cap:
+            if dtype in _BITS and n:
+                self.done(tag, *count_nonfinite(data, dtype))
+            else:
+                self.done(tag, 0, 0)
+            return
+        b = self._bufs.get(dtype)
+        if b is None:
+            import numpy as np
+
+            store = np.empty(self._cap, dtype=np.uint8)
+            b = self._bufs[dtype] = [memoryview(store), store, 0, []]
+        if b[2] + n > self._cap:
+            self._flush(dtype)
+        b[0][b[2]:b[2] + n] = data
+        b[3].append((tag, b[2], b[2] + n))
+        b[2] += n
+
+    def flush(self) -> None:
+        """Reduce what is buffered (call once at the end)."""
+        for dtype in list(self._bufs):
+            self._flush(dtype)
+
+    def _flush(self, dtype: str) -> None:
+        b = self._bufs[dtype]
+        if b[3]:
+            nan, inf = count_nonfinite(b[1][:b[2]], dtype)
+            for tag, lo, hi in b[3]:
+                self.done(tag, *((0, 0) if nan == inf == 0 else count_nonfinite(b[1][lo:hi],
+                                                                                  dtype)))
+        b[2], b[3] = 0, []

@@ -8,13 +8,16 @@ Checks, in order (the pure ones live in ``ops/_checks.py``, CRC32/sha256 ones in
    interrupted save, e.g. ``*.distcp`` without ``.metadata``, is an *error finding*, exit 1);
 2. every file the chunks/objects reference exists and holds every item's byte range;
 3. every tensor is covered by its chunks exactly once (in bounds, no gap, no overlap);
-4. integrity: the CRC32 of every zip entry of every DCP item (``torch.load`` does not check
-   them), streamed from a bounded view of the file; ``integrity.json`` sha256 digests;
+4. integrity: the CRC32 of every zip entry of every DCP item and of every legacy/torch.save
+   file (``torch.load`` does not check them), in one pass over a read-only mmap of each file;
+   ``integrity.json`` sha256 digests;
 5. stale ``*.distcp`` files nobody references, leftover ``*.tmp``/staging files (warnings);
 6. the caller's expectations: ``expect_tp``/``expect_pp``/``expect_keys``/``expect_iteration``;
    Megatron-LM legacy: every ``mp_rank_*`` file for TP x PP (x EP) present, replicated
    tensors consistent across TP ranks;
 7. ``deep``: read every tensor, count NaN/Inf (warnings), report read failures (errors).
+   Chunks stored as plain tensor archives / raw elements are counted in place during the
+   pass of 4. (no copies); the rest is read through the reader.
 
 A path that is not a checkpoint at all (missing, unknown format, unsafe pickle without
 ``trust``) raises the usual :class:`~ckpt_tool.errors.InputError` (exit 2): there is nothing to
@@ -33,12 +36,13 @@ from ckpt_tool.model import CheckpointMeta
 from ckpt_tool.ops._checks import (Finding, check_coverage, check_expectations, check_storage,
                                    error, warning)
 from ckpt_tool.ops._integrity import (BoundedReader, check_integrity_json, check_zip_item,
-                                      check_zip_items)
+                                      scan_archives)
 
 __all__ = ["Finding", "ValidateResult", "validate", "read_expected_keys", "BoundedReader",
            "check_zip_item"]
 
 _DCP_FORMATS = ("torch_dist", "dcp")
+_ARCHIVE_FORMATS = (*_DCP_FORMATS, "legacy", "torch")  # torch.save zips: CRC-checked
 
 
 @dataclass(frozen=True)
@@ -132,9 +136,12 @@ def validate(path: str | Path, *, trust: bool = False, deep: bool = False,
         findings.extend(_check_common_state(base, meta))
         if meta.format == "legacy":
             findings.extend(_legacy_rank_findings(reader))
-        if meta.format in _DCP_FORMATS:
+        counted: dict[str, tuple[int, int]] = {}
+        if meta.format in _ARCHIVE_FORMATS:
             skip = set(getattr(reader, "_object_transforms", {}) or {})
-            findings.extend(check_zip_items(base, meta, sizes, stats, skip))
+            crc_findings, counted = scan_archives(base, meta, sizes, stats, skip, deep=deep)
+            findings.extend(crc_findings)
+        if meta.format in _DCP_FORMATS:
             findings.extend(_stale_data_files(base, meta))
         if base.is_dir() and Path(meta.root).is_dir():
             findings.extend(check_integrity_json(base))
@@ -144,7 +151,7 @@ def validate(path: str | Path, *, trust: bool = False, deep: bool = False,
             expect_keys=None if expect_keys is None else list(expect_keys),
             expect_iteration=expect_iteration))
         if deep:
-            findings.extend(_deep(reader, meta, findings, stats))
+            findings.extend(_deep(reader, meta, findings, stats, counted))
     finally:
         reader.close()
     findings.extend(_sub_checkpoint_findings(Path(meta.root), trust=trust, deep=deep))
@@ -348,20 +355,15 @@ def _slabs(meta: Any) -> list[tuple[slice, ...] | None]:
 
 
 def _nan_inf(t: Any) -> tuple[int, int]:
-    import torch
+    from ckpt_tool.ops._checks import nonfinite
 
-    if not (t.is_floating_point() or t.is_complex()) or t.numel() == 0:
-        return 0, 0
-    x = t if t.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64) \
-        or t.is_complex() else t.float()
-    if bool(torch.isfinite(x).all()):  # the common case: one pass, no counting
-        return 0, 0
-    return int(torch.isnan(x).sum()), int(torch.isinf(x).sum())
+    return nonfinite(t)
 
 
 def _deep(reader: Any, meta: CheckpointMeta, so_far: list[Finding],
-          stats: dict[str, int]) -> list[Finding]:
-    """Read every tensor not already reported broken; NaN/Inf counts per tensor."""
+          stats: dict[str, int], counted: dict[str, tuple[int, int]]) -> list[Finding]:
+    """Read every tensor not already reported broken; NaN/Inf counts per tensor (``counted``:
+    those already counted in place by the integrity pass)."""
     errors = [f for f in so_far if f.severity == "error"]
     broken_keys = {f.key for f in errors if f.key}
     broken_files = {f.file for f in errors if f.file}
@@ -372,21 +374,24 @@ def _deep(reader: Any, meta: CheckpointMeta, so_far: list[Finding],
         if key in broken_keys or any(c.file in broken_files for c in tm.chunks):
             continue  # already reported; a read would only repeat it
         nan = inf = 0
-        try:
-            for sl in _slabs(tm):
-                t = reader.read(key, sl)
-                try:
-                    n, i = _nan_inf(t)
-                except Exception as exc:  # noqa: BLE001
-                    out.append(warning(f"cannot count NaN/Inf ({type(exc).__name__}: {exc})",
-                                       key=key))
-                    break
-                nan, inf = nan + n, inf + i
-                del t
-        except Exception as exc:  # noqa: BLE001 - every failure is a finding
-            msg = getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}"
-            out.append(error(f"cannot read the tensor: {msg}", key=key))
-            continue
+        if key in counted:
+            nan, inf = counted[key]
+        else:
+            try:
+                for sl in _slabs(tm):
+                    t = reader.read(key, sl)
+                    try:
+                        n, i = _nan_inf(t)
+                    except Exception as exc:  # noqa: BLE001
+                        out.append(warning(f"cannot count NaN/Inf ({type(exc).__name__}: "
+                                           f"{exc})", key=key))
+                        break
+                    nan, inf = nan + n, inf + i
+                    del t
+            except Exception as exc:  # noqa: BLE001 - every failure is a finding
+                msg = getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}"
+                out.append(error(f"cannot read the tensor: {msg}", key=key))
+                continue
         read += 1
         if nan or inf:
             out.append(warning(f"{nan} NaN and {inf} Inf of {tm.numel} elements", key=key))

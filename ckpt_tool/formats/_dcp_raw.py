@@ -1,0 +1,348 @@
+"""Reading ``torch.save`` archives in place: zip records and zero-copy tensor views.
+
+DCP stores every tensor item as one independent ``torch.save`` zip at ``[offset,
+offset+length)`` of a ``.distcp`` file; Megatron-LM legacy rank files are whole ``torch.save``
+zips. Given that archive as a buffer (a memoryview of a read-only mmap, or bytes):
+
+* :func:`zip_records` lists its records (name, where the data starts, size, CRC32) by parsing
+  the central directory and local headers with ``struct`` (ZIP64 included): no ``zipfile``,
+  no copies of record data;
+* :func:`raw_item` describes the one tensor of a DCP item (dtype, shape, stride, storage
+  offset and a zero-copy memoryview of its storage record); its tiny ``data.pkl`` is unpickled
+  by the allowlisting unpickler with the torch-free stand-ins (cached by content: layers repeat);
+* :func:`as_tensor` turns that into a ``torch.Tensor`` without copying when it can;
+* :func:`check_zip_item` gives ``zipfile``'s verdict on an archive in place (the slow path, for
+  what the raw parser cannot follow).
+
+Anything unusual (compressed or encrypted records, a big-endian archive, several storages,
+tensor subclasses, a pickle needing real torch, bounds that do not fit) raises
+:class:`NotSimple`: the caller falls back to ``torch.load`` through the allowlist
+(``_dcp_io.load_chunk``), which gives the authoritative result or error.
+
+Aliasing: a view from :func:`as_tensor` shares memory with the buffer. Over a read-only mmap
+it must never be written to (the write would fault; the file itself cannot change): code that
+hands tensors to callers uses ``copy=True`` (``_dcp_io.load_chunk`` does).
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import struct
+import threading
+import warnings
+import zipfile
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, NamedTuple
+
+from ckpt_tool.model import DTYPE_ITEMSIZE
+
+__all__ = ["NotSimple", "ZipRecord", "zip_records", "RawItem", "raw_item", "as_tensor",
+           "frombuffer_u8", "BoundedReader", "check_zip_item"]
+
+_EOCD = struct.Struct("<4s4H2LH")
+_LOC64 = struct.Struct("<4sLQL")
+_EOCD64 = struct.Struct("<4sQ2H2L4Q")
+_CDIR = struct.Struct("<4s6H3L5H2L")
+_LOCAL = struct.Struct("<4s5H3L2H")
+_LOCAL_LENS = struct.Struct("<4s22xHH")  # signature, name and extra lengths
+_CDIR_USED = struct.Struct("<4s4xHH4xLLLHHH8xL")  # the _CDIR fields zip_records reads
+_MAX32 = 0xFFFFFFFF
+_BLOCK = 1 << 20
+
+
+class NotSimple(Exception):
+    """The archive is not in the plain layout the raw path reads; use ``torch.load``."""
+
+
+class ZipRecord(NamedTuple):
+    """One zip record: ``name``; its data at ``[start, start + size)`` of the archive when
+    ``stored`` (uncompressed, unencrypted); ``crc`` the CRC32 the central directory records."""
+
+    name: str
+    start: int
+    size: int
+    crc: int
+    stored: bool
+
+
+def _zip64_sizes(extra: Any, usize: int, csize: int, lho: int) -> tuple[int, int, int]:
+    pos = 0
+    while pos + 4 <= len(extra):
+        tag, n = struct.unpack_from("<HH", extra, pos)
+        if tag == 1:
+            vals = list(struct.unpack_from(f"<{n // 8}Q", extra, pos + 4))
+            usize = vals.pop(0) if usize == _MAX32 and vals else usize
+            csize = vals.pop(0) if csize == _MAX32 and vals else csize
+            lho = vals.pop(0) if lho == _MAX32 and vals else lho
+            break
+        pos += 4 + n
+    if _MAX32 in (usize, csize, lho):
+        raise NotSimple("ZIP64 sizes missing from a central directory entry")
+    return usize, csize, lho
+
+
+def _end_of_directory(buf: Any) -> tuple[int, int, int]:
+    """``(record count, central directory offset, its size)`` from the (ZIP64) end records."""
+    n = len(buf)
+    if n < _EOCD.size:
+        raise NotSimple("too short for a zip archive")
+    at = n - _EOCD.size
+    if buf[at:at + 4] != b"PK\x05\x06":  # an archive comment: search backwards
+        tail = bytes(buf[max(0, n - _EOCD.size - 0xFFFF):])
+        i = tail.rfind(b"PK\x05\x06")
+        if i < 0 or len(tail) - i < _EOCD.size:
+            raise NotSimple("no end-of-central-directory record")
+        at = n - len(tail) + i
+    _, disk, cd_disk, _, count, cd_size, cd_off, _ = _EOCD.unpack_from(buf, at)
+    if disk or cd_disk:
+        raise NotSimple("multi-disk zip archive")
+    if count == 0xFFFF or cd_off == _MAX32 or cd_size == _MAX32:
+        loc = at - _LOC64.size
+        if loc < 0 or buf[loc:loc + 4] != b"PK\x06\x07":
+            raise NotSimple("ZIP64 end-of-directory locator missing")
+        e64 = _LOC64.unpack_from(buf, loc)[2]
+        if e64 + _EOCD64.size > n or buf[e64:e64 + 4] != b"PK\x06\x06":
+            raise NotSimple("ZIP64 end-of-directory record missing")
+        *_, count, cd_size, cd_off = _EOCD64.unpack_from(buf, e64)
+    if cd_off + cd_size > n:
+        raise NotSimple("central directory runs past the archive")
+    return count, cd_off, cd_size
+
+
+def zip_records(buf: Any) -> list[ZipRecord]:
+    """Every record of the zip archive ``buf`` (bytes or memoryview), in directory order;
+    NotSimple when the structure cannot be followed (truncated, not a zip, ...)."""
+    try:
+        return _zip_records(buf)
+    except struct.error as exc:
+        raise NotSimple(f"damaged zip structure ({exc})") from None
+
+
+def _zip_records(buf: Any) -> list[ZipRecord]:
+    n = len(buf)
+    count, cd_off, cd_size = _end_of_directory(buf)
+    cd = bytes(buf[cd_off:cd_off + cd_size])  # small; parsing bytes beats a memoryview
+    local, entry = _LOCAL_LENS.unpack_from, _CDIR_USED.unpack_from
+    out = []
+    pos = 0
+    for _ in range(count):
+        if pos + _CDIR.size > cd_size:
+            raise NotSimple("central directory runs past the archive")
+        sig, flags, method, crc, csize, usize, nlen, elen, clen, lho = entry(cd, pos)
+        if sig != b"PK\x01\x02":
+            raise NotSimple("bad central directory entry")
+        at = pos + _CDIR.size
+        name = cd[at:at + nlen].decode("utf-8", "replace")
+        if _MAX32 in (usize, csize, lho):
+            usize, csize, lho = _zip64_sizes(cd[at + nlen:at + nlen + elen], usize, csize, lho)
+        pos = at + nlen + elen + clen
+        if lho + _LOCAL.size > n:
+            raise NotSimple(f"local header of {name} is past the archive")
+        lsig, lnlen, lelen = local(buf, lho)
+        start = lho + _LOCAL.size + lnlen + lelen
+        if lsig != b"PK\x03\x04" or start + csize > n:
+            raise NotSimple(f"record {name} is damaged or runs past the archive")
+        out.append(ZipRecord(name, start, usize, crc,
+                             method == 0 and csize == usize and not flags & 1))
+    return out
+
+
+@dataclass(frozen=True)
+class RawItem:
+    """The one tensor of a ``torch.save`` archive, in place: element ``[i, j, ..]`` is at
+    element ``storage_offset + i*stride[0] + j*stride[1] + ..`` of ``data`` (little-endian
+    ``dtype``); ``data`` is the storage record's bytes (a view, not a copy)."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage_offset: int
+    data: memoryview
+    record: ZipRecord
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_ITEMSIZE[self.dtype]
+
+    def dense_span(self) -> tuple[int, int] | None:
+        """``(start, stop)`` element range of the storage that the tensor covers exactly once
+        (any order of dimensions), or None when it skips or repeats elements."""
+        expect = 1
+        for st, size in sorted((st, s) for s, st in zip(self.shape, self.stride) if s != 1):
+            if size == 0:
+                return self.storage_offset, self.storage_offset
+            if st != expect:
+                return None
+            expect *= size
+        return self.storage_offset, self.storage_offset + self.numel
+
+
+@lru_cache(maxsize=4096)
+def _describe(pkl: bytes) -> tuple[str, tuple[int, ...], tuple[int, ...], int, str, int, str]:
+    """``(dtype, shape, stride, storage offset, storage key, storage nbytes, storage dtype)``
+    of the tensor a DCP item's ``data.pkl`` rebuilds (cached: the bytes say it all)."""
+    from ckpt_tool.formats._pickle import SafeUnpickler
+    from ckpt_tool.formats._torch_stubs import (StoragePlaceholder, TensorPlaceholder,
+                                                torch_free_fallback)
+
+    def persistent_load(pid: Any) -> Any:
+        if isinstance(pid, tuple) and len(pid) >= 5 and pid[0] == "storage":
+            return StoragePlaceholder(str(pid[1]), int(pid[4]), str(pid[2]))
+        raise NotSimple(f"persistent id {pid!r}")
+
+    try:
+        t = SafeUnpickler(io.BytesIO(pkl), fallback=torch_free_fallback,
+                          persistent_load=persistent_load, encoding="utf-8").load()
+    except Exception as exc:  # noqa: BLE001 - anything unusual goes to torch.load
+        raise NotSimple(f"data.pkl: {type(exc).__name__}: {exc}") from None
+    if not isinstance(t, TensorPlaceholder) or t.storage is None or t.stride is None \
+            or len(t.stride) != len(t.shape) or t.dtype not in DTYPE_ITEMSIZE \
+            or t.storage.dtype not in DTYPE_ITEMSIZE:
+        raise NotSimple("data.pkl does not hold one plain tensor")
+    nbytes = t.storage.numel * DTYPE_ITEMSIZE[t.storage.dtype]
+    return (str(t.dtype), tuple(int(s) for s in t.shape), t.stride, t.storage_offset,
+            t.storage.key, nbytes, str(t.storage.dtype))
+
+
+def raw_item(buf: Any, records: list[ZipRecord] | None = None) -> RawItem:
+    """The tensor of the ``torch.save`` archive ``buf`` (``records``: its
+    :func:`zip_records`, if already parsed); NotSimple when the raw path does not apply."""
+    records = zip_records(buf) if records is None else records
+    by_name = {r.name: r for r in records}
+    pkls = sorted((r.name for r in records if r.name.endswith("data.pkl")), key=len)
+    if not pkls or not by_name[pkls[0]].stored:
+        raise NotSimple("no stored data.pkl")
+    prefix = pkls[0][:-len("data.pkl")]
+    order = by_name.get(prefix + "byteorder")
+    if order is not None and (not order.stored or bytes(
+            buf[order.start:order.start + order.size]).strip() != b"little"):
+        raise NotSimple("not a little-endian archive")
+    pkl = by_name[pkls[0]]
+    dtype, shape, stride, offset, key, nbytes, _ = _describe(
+        bytes(buf[pkl.start:pkl.start + pkl.size]))
+    rec = by_name.get(f"{prefix}data/{key}")
+    if rec is None or not rec.stored or rec.size != nbytes:
+        raise NotSimple(f"storage record data/{key} is missing, compressed or mis-sized")
+    itemsize = DTYPE_ITEMSIZE[dtype]
+    if nbytes % itemsize or any(s < 0 for s in shape) or any(st < 0 for st in stride):
+        raise NotSimple("storage does not hold whole elements")
+    if math.prod(shape) and offset + sum((s - 1) * st for s, st in zip(shape, stride)) \
+            >= nbytes // itemsize:
+        raise NotSimple("tensor reaches past its storage")
+    return RawItem(dtype, shape, tuple(stride), offset,
+                   memoryview(buf)[rec.start:rec.start + rec.size], rec)
+
+
+_PRIMED = threading.Lock()
+_primed = False
+
+
+def frombuffer_u8(data: Any) -> Any:
+    """``torch.frombuffer(data, dtype=uint8)``, also for empty and read-only buffers. Torch
+    warns once per process about read-only buffers; that warning is silenced here (the views
+    made in this package are never written to)."""
+    global _primed
+    import torch
+
+    if len(data) == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    if not _primed:
+        with _PRIMED:
+            if not _primed:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", UserWarning)
+                    torch.frombuffer(memoryview(b"\0"), dtype=torch.uint8)
+                _primed = True
+    return torch.frombuffer(data, dtype=torch.uint8)
+
+
+def as_tensor(raw: RawItem, *, copy: bool = False) -> Any:
+    """``raw`` as a ``torch.Tensor`` with the pickled shape, stride and storage offset.
+
+    Zero-copy (aliasing ``raw.data``) unless ``copy`` or the data is not aligned to the
+    element size (DCP items sit at arbitrary file offsets; misaligned element access is not
+    safe for every kernel): then the storage is copied into a fresh, writable tensor that
+    owns its memory.
+    """
+    import torch
+
+    from ckpt_tool.formats._dcp_io import torch_dtype
+
+    dt = torch_dtype(raw.dtype)
+    u8 = frombuffer_u8(raw.data)
+    if copy or u8.data_ptr() % raw.itemsize:
+        base = torch.empty(len(raw.data) // raw.itemsize, dtype=dt)
+        base.view(torch.uint8).copy_(u8)
+    else:
+        base = u8.view(dt)
+    return base.as_strided(raw.shape, raw.stride, raw.storage_offset)
+
+
+class BoundedReader:
+    """A read-only, seekable view of ``[offset, offset + length)`` of an open binary file,
+    for ``zipfile`` to parse one DCP item in place (nothing is read into memory up front)."""
+
+    def __init__(self, f: Any, offset: int, length: int):
+        self._f, self._start, self._len, self._pos = f, offset, length, 0
+
+    def seekable(self) -> bool:
+        return True
+
+    def readable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        if whence == 1:
+            pos += self._pos
+        elif whence == 2:
+            pos += self._len
+        if pos < 0:
+            raise OSError("negative seek position")
+        self._pos = pos
+        return pos
+
+    def read(self, n: int = -1) -> bytes:
+        left = max(0, self._len - self._pos)
+        n = left if n is None or n < 0 else min(n, left)
+        if n == 0:
+            return b""
+        self._f.seek(self._start + self._pos)
+        data = self._f.read(n)
+        self._pos += len(data)
+        return data
+
+    def close(self) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+
+def check_zip_item(f: Any, offset: int, length: int) -> str | None:
+    """None if the torch.save archive at ``[offset, offset+length)`` of ``f`` is intact (every
+    entry's CRC32 matches), else why not. Streams entries in 1 MiB blocks."""
+    try:
+        with zipfile.ZipFile(BoundedReader(f, offset, length)) as zf:
+            infos = zf.infolist()
+            if not infos:
+                return "empty zip archive"
+            for info in infos:
+                with zf.open(info) as entry:
+                    while entry.read(_BLOCK):
+                        pass
+    except zipfile.BadZipFile as exc:
+        return f"damaged torch.save archive ({exc})"
+    except (OSError, EOFError, ValueError, NotImplementedError, RuntimeError) as exc:
+        return f"unreadable torch.save archive ({type(exc).__name__}: {exc})"
+    except Exception as exc:  # zlib.error and friends
+        return f"unreadable torch.save archive ({type(exc).__name__}: {exc})"
+    return None
