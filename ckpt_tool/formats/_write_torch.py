@@ -33,7 +33,7 @@ import io
 import pickle
 import struct
 import zipfile
-import zlib
+from ckpt_tool._crc import crc32
 from pathlib import Path
 from typing import Any
 
@@ -215,7 +215,7 @@ def _fill_records(path: Path, deferred: list[tuple[str, TensorMeta]], request: W
                 piece = pull_piece(request, t, offsets, sizes)
                 data = tensor_bytes(piece)
                 f.write(data)
-                crc = zlib.crc32(data, crc)
+                crc = crc32(data, crc)
                 del piece
                 request.progress(len(data))
             for at in (info.header_offset + 14, central[name] + 16):

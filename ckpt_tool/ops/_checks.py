@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import threading
-import zlib
+from ckpt_tool._crc import crc32
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
@@ -335,7 +335,7 @@ def crc32_counting(rec: Any, span: tuple[int, int], dtype: str, slab: int = 4 <<
     a, b = span
     for s in range(0, len(rec), slab):
         with rec[s:s + slab] as part:
-            crc = zlib.crc32(part, crc)
+            crc = crc32(part, crc)
             lo, hi = max(s, a), min(s + len(part), b)
         if lo < hi and counts is not None:
             try:
