@@ -79,7 +79,39 @@ def main() -> None:
     print(f"peak RSS minus import torch: {held:.1f} MB = {held * 2**20 / largest:.2f}x the "
           f"largest tensor (goal <= 2x)")
     print(f"cat throughput share: {by['cat (I/O floor)'].seconds / ours.seconds:.0%}")
+    _in_process(ckpt, work, a.repeat + 1)
     shutil.rmtree(work, ignore_errors=True)
+
+
+def _timed(setup: str, job: str, repeat: int) -> float:
+    """Best time of ``job`` in one process after ``setup`` (imports excluded)."""
+    code = (setup + "\nimport time\nbest = 1e9\n"
+            f"for _ in range({repeat}):\n"
+            "    t = time.perf_counter()\n" + "".join(f"    {line}\n" for line in
+                                                   job.splitlines()) +
+            "    best = min(best, time.perf_counter() - t)\nprint(best)\n")
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                         text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def _in_process(ckpt: Path, work: Path, repeat: int) -> None:
+    """The job alone: every peer already imported (torch, megatron.core, ckpt_tool)."""
+    st, pt = work / "st_inproc", work / "inproc.pt"
+    ours = _timed(
+        "import shutil, torch\nfrom ckpt_tool.ops.convert import convert\n"
+        "from ckpt_tool.ops._convert_plan import ConvertOptions",
+        f"shutil.rmtree({str(st)!r}, ignore_errors=True)\n"
+        f"convert({str(ckpt)!r}, {str(st)!r}, ConvertOptions(to='safetensors'))", repeat)
+    dcp = _timed("from torch.distributed.checkpoint.format_utils import dcp_to_torch_save as f",
+                 f"f({str(ckpt)!r}, {str(pt)!r})", repeat)
+    mcore = _timed(PATCH + PG + "from megatron.core.dist_checkpointing import "
+                   "load_plain_tensors as f",
+                   f"torch.save(f({str(ckpt)!r}), {str(pt)!r})", repeat)
+    print("\nthe job alone, in one process after imports (best of "
+          f"{repeat}): ckpt convert (incl. validation) {ours:.3f} s, "
+          f"dcp_to_torch_save {dcp:.3f} s ({dcp / ours:.2f}x), "
+          f"megatron-core load_plain_tensors+torch.save {mcore:.3f} s ({mcore / ours:.2f}x)")
 
 
 if __name__ == "__main__":

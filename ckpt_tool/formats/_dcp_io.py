@@ -21,7 +21,7 @@ from typing import Any, Callable
 from ckpt_tool.errors import CorruptCheckpointError, UnsupportedError, UsageError
 from ckpt_tool.model import ChunkRef, TensorMeta
 
-__all__ = ["read_item_bytes", "load_chunk", "normalize_slices", "assemble", "torch_dtype"]
+__all__ = ["read_item_bytes", "load_chunk", "load_chunk_view", "normalize_slices", "assemble", "torch_dtype"]
 
 
 def torch_dtype(name: str) -> Any:
@@ -55,9 +55,10 @@ def read_item_bytes(root: Path, file: str | None, offset: int | None, length: in
 _PREAD_MAX = 1 << 20  # smaller items are read with one pread, bigger ones mapped
 
 
-def _load_chunk_raw(path: Path, offset: int, length: int) -> Any:
-    """The item's tensor read in place, as a fresh tensor owning its memory; None when the
-    raw path does not apply (missing/short file, unusual archive: the caller's fallback
+def _load_chunk_raw(path: Path, offset: int, length: int, copy: bool = True) -> Any:
+    """The item's tensor read in place, as a fresh tensor owning its memory (``copy=False``:
+    a read-only view of the file that keeps its mapping alive until it is dropped); None when
+    the raw path does not apply (missing/short file, unusual archive: the caller's fallback
     reports or handles it)."""
     from ckpt_tool.formats._dcp_raw import NotSimple, as_tensor, raw_item
 
@@ -70,13 +71,18 @@ def _load_chunk_raw(path: Path, offset: int, length: int) -> Any:
             return None
         if length <= _PREAD_MAX:
             try:
-                return as_tensor(raw_item(os.pread(fd, length, offset)), copy=True)
+                return as_tensor(raw_item(os.pread(fd, length, offset)), copy=copy)
             except NotSimple:
                 return None
         start = offset - offset % mmap.ALLOCATIONGRANULARITY
         mapped = mmap.mmap(fd, offset + length - start, access=mmap.ACCESS_READ, offset=start)
     finally:
         os.close(fd)
+    if not copy:
+        try:
+            return as_tensor(raw_item(memoryview(mapped)[offset - start:]), copy=False)
+        except NotSimple:
+            return None
     view = memoryview(mapped)
     try:
         with view[offset - start:] as item:
@@ -117,6 +123,18 @@ def load_chunk(root: Path, chunk: ChunkRef, *, trust: bool = False) -> Any:
     except CorruptCheckpointError as exc:
         exc.path = exc.path or str(root / str(chunk.file))
         raise
+
+
+def load_chunk_view(root: Path, chunk: ChunkRef, *, trust: bool = False) -> Any:
+    """Like :func:`load_chunk` but, for plain tensor items, a read-only zero-copy view of the
+    file: only for callers that copy what they need at once (``assemble``) and never write
+    into it."""
+    if not chunk.transforms and chunk.file is not None and chunk.byte_offset is not None \
+            and chunk.byte_length is not None:
+        t = _load_chunk_raw(root / chunk.file, chunk.byte_offset, chunk.byte_length, copy=False)
+        if t is not None:
+            return t
+    return load_chunk(root, chunk, trust=trust)
 
 
 def normalize_slices(shape: tuple[int, ...], slices: tuple[slice, ...] | None

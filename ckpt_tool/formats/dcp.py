@@ -284,10 +284,10 @@ class DcpReader(Reader):
     # -- data -------------------------------------------------------------------------------
     def read(self, key: str, slices: tuple[slice, ...] | None = None) -> Any:
         """The global tensor ``key`` (DCP fqn), or ``slices`` of it, assembled from its chunks."""
-        from ckpt_tool.formats._dcp_io import assemble, load_chunk
+        from ckpt_tool.formats._dcp_io import assemble, load_chunk_view
 
         return assemble(self._tensor_meta(key), slices,
-                        lambda c: load_chunk(self.root, c, trust=self.trust))
+                        lambda c: load_chunk_view(self.root, c, trust=self.trust))
 
     def read_object(self, unique_key: str) -> Any:
         """The value of a bytes item (fqn): DCP stores ``torch.save(value)``, loaded safely."""

@@ -189,10 +189,10 @@ class TorchDistReader(McoreDistReader):
 
     def read(self, key: str, slices: tuple[slice, ...] | None = None) -> Any:
         """The global tensor ``key`` (or ``slices`` of it), assembled from its stored chunks."""
-        from ckpt_tool.formats._dcp_io import assemble, load_chunk
+        from ckpt_tool.formats._dcp_io import assemble, load_chunk_view
 
         return assemble(self._tensor_meta(key), slices,
-                        lambda c: load_chunk(self.root, c, trust=self.trust))
+                        lambda c: load_chunk_view(self.root, c, trust=self.trust))
 
     def read_object(self, unique_key: str) -> Any:
         """The payload of a ShardedObject (``rng_state/shard_0.0_1.2``)."""
