@@ -42,6 +42,9 @@ def convert(
         "--max-shard-size", help="safetensors: largest shard, e.g. 5GB.",
         show_default=False)] = None,
     max_memory: MaxMemoryOption = None,
+    workers: Annotated[int, typer.Option(
+        "--workers", min=1, help="Files written at once by I/O threads (dist targets); peak "
+        "memory grows to about this many chunks.")] = 1,
     overwrite: OverwriteFlag = False,
     no_verify: NoVerifyFlag = False,
     json_: JsonFlag = False,
@@ -62,7 +65,7 @@ def convert(
         result = run_convert(src, dst, options, trust=trust, overwrite=overwrite,
                              verify=not no_verify, tp=tp, pp=pp,
                              max_shard_size=parse_size(max_shard_size, "--max-shard-size"),
-                             progress=bar)
+                             progress=bar, workers=workers)
     for note in result.notes:
         message(f"note: {note}")
     if json_:

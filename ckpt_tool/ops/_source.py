@@ -6,6 +6,7 @@ dtype and counts what it read, so the executor can report bytes and check the me
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +35,7 @@ class ReaderSource:
     largest_piece: int = 0
     tensors_done: int = 0
     _per_key: dict[str, int] = field(default_factory=dict, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def read(self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Any:
         """The rectangle ``offsets``/``sizes`` of target tensor ``key`` (contiguous, CPU)."""
@@ -45,11 +47,12 @@ class ReaderSource:
             t = t.to(torch_dtype(self.dtypes[key]))
         t = t.contiguous()
         n = t.numel() * t.element_size()
-        self.bytes_read += n
-        self.pieces += 1
-        self.largest_piece = max(self.largest_piece, n)
-        got = self._per_key.get(key, 0) + n
-        self._per_key[key] = got
-        if key in self.sizes and got >= self.sizes[key] and got - n < self.sizes[key]:
-            self.tensors_done += 1
+        with self._lock:  # writers with --workers > 1 pull from several threads
+            self.bytes_read += n
+            self.pieces += 1
+            self.largest_piece = max(self.largest_piece, n)
+            got = self._per_key.get(key, 0) + n
+            self._per_key[key] = got
+            if key in self.sizes and got >= self.sizes[key] and got - n < self.sizes[key]:
+                self.tensors_done += 1
         return t

@@ -65,7 +65,7 @@ class ConvertResult:
 def convert(src: str | Path, dst: str | Path, options: ConvertOptions, *, trust: bool = False,
             overwrite: bool = False, verify: bool = True, tp: int | None = None,
             pp: int | None = None, max_shard_size: int | None = None,
-            progress: Progress | None = None) -> ConvertResult:
+            progress: Progress | None = None, workers: int = 1) -> ConvertResult:
     """Convert checkpoint ``src`` into ``dst`` in format ``options.to``; see the module doc."""
     start = time.perf_counter()
     if (tp is not None or pp is not None) and options.to != "legacy":
@@ -99,7 +99,8 @@ def convert(src: str | Path, dst: str | Path, options: ConvertOptions, *, trust:
         wopts = WriterOptions(
             max_shard_size=max_shard_size or WriterOptions.max_shard_size,
             file_name=file_name, max_memory=options.max_memory, tp=tp, pp=pp,
-            extra={"source_common_summary": meta.common, "source_extras": meta.extras})
+            extra={"source_common_summary": meta.common, "source_extras": meta.extras,
+                   "threads": max(1, workers)})
         writer_cls = writer_for(options.to)
         with staged_output_ranks(out, r, overwrite=overwrite, file_name=file_name) as staging:
             if r.is_main or writer_cls.supports_ranks:

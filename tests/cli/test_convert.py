@@ -92,3 +92,13 @@ def test_killed_conversion_leaves_nothing_that_looks_complete(tmp_path):
     # the source is untouched and still valid
     result = runner.invoke(app, ["validate", str(LEGACY)])
     assert result.exit_code == 0
+
+
+def test_workers_write_in_parallel_with_the_same_result(tmp_path):
+    optim = FIX / "mcore016_gpt_tp2pp2_bf16_optim"
+    result = runner.invoke(app, ["convert", str(optim), str(tmp_path / "w"), "--to",
+                                 "torch_dist", "--workers", "2", "--json"])
+    assert result.exit_code == 0, result.output
+    same = runner.invoke(app, ["diff", str(optim), str(tmp_path / "w"), "--json"])
+    assert same.exit_code == 0, same.output
+    assert json.loads(same.stdout)["stats"]["tensors_compared"] == 64
