@@ -10,6 +10,7 @@ Megatron-Core model); ``write_legacy_ranks`` unstacks dist keys into per-layer l
 from __future__ import annotations
 
 import argparse
+import math
 import re
 from collections import OrderedDict
 from dataclasses import replace
@@ -27,7 +28,9 @@ _STACKED = re.compile(r"^((?:.*\.)?(?:decoder|encoder)\.layers\.)([^0-9].*)$")
 
 
 class StackedView(Reader):
-    """A legacy reader's per-layer keys as stacked keys with a leading layer axis."""
+    """A legacy reader's per-layer keys as Megatron-Core dist keys: a leading layer axis, and
+    for routed experts (``…local_experts.<e>.…``) a second, global-expert axis under the
+    name Megatron-Core's SequentialMLP saves (``…mlp.experts.experts.…``)."""
 
     format_name = "legacy"
 
@@ -35,13 +38,13 @@ class StackedView(Reader):
         super().__init__(reader.path, trust=reader.trust)
         self.inner = reader
         self._meta: CheckpointMeta | None = None
-        self._layers: dict[str, list[str]] = {}
+        self._parts: dict[str, dict[tuple[int, ...], str]] = {}
 
     def metadata(self) -> CheckpointMeta:
         if self._meta is not None:
             return self._meta
         meta = self.inner.metadata()
-        groups: dict[str, dict[int, TensorMeta]] = {}
+        groups: dict[str, dict[tuple[int, ...], TensorMeta]] = {}
         tensors: dict[str, TensorMeta] = {}
         moe_layers = {m.group(2) for k in meta.tensors if (m := _PER_LAYER.match(k))
                       and (".mlp.router." in k or ".mlp.experts." in k)}
@@ -49,37 +52,48 @@ class StackedView(Reader):
             m = _PER_LAYER.match(key)
             if m is None:
                 tensors[key] = t
-            else:
-                rest = _dist_name(m.group(3), moe=m.group(2) in moe_layers)
-                groups.setdefault(m.group(1) + rest, {})[int(m.group(2))] = t
-        for key, by_layer in groups.items():
-            layers = sorted(by_layer)
-            first = by_layer[layers[0]]
-            if layers != list(range(len(layers))) or any(
-                    (t.shape, t.dtype) != (first.shape, first.dtype) for t in by_layer.values()):
-                for t in by_layer.values():  # not a regular stack: keep per-layer keys
+                continue
+            rest = _dist_name(m.group(3), moe=m.group(2) in moe_layers)
+            index: tuple[int, ...] = (int(m.group(2)),)
+            e = _LOCAL_EXPERT.match(rest)
+            if e is not None:
+                rest, index = f"{e.group(1)}experts.{e.group(3)}", index + (int(e.group(2)),)
+            groups.setdefault(m.group(1) + rest, {})[index] = t
+        for key, parts in groups.items():
+            first = next(iter(parts.values()))
+            grid = tuple(max(i[d] for i in parts) + 1 for d in range(len(next(iter(parts)))))
+            if len(parts) != math.prod(grid) or any(
+                    (t.shape, t.dtype) != (first.shape, first.dtype) for t in parts.values()):
+                for t in parts.values():  # not a regular stack: keep the per-layer keys
                     tensors[t.key] = t
                 continue
-            chunks = tuple(replace(c, offsets=(n, *c.offsets), sizes=(1, *c.sizes))
-                           for n in layers for c in by_layer[n].chunks)
-            tensors[key] = TensorMeta(key=key, dtype=first.dtype,
-                                      shape=(len(layers), *first.shape), chunks=chunks)
-            self._layers[key] = [k.key for _, k in sorted(by_layer.items())]
+            lead = (1,) * len(grid)
+            chunks = tuple(replace(c, offsets=(*i, *c.offsets), sizes=(*lead, *c.sizes))
+                           for i in sorted(parts) for c in parts[i].chunks)
+            tensors[key] = TensorMeta(key=key, dtype=first.dtype, shape=(*grid, *first.shape),
+                                      chunks=chunks)
+            self._parts[key] = {i: t.key for i, t in parts.items()}
         self._meta = replace(meta, tensors=tensors)
         return self._meta
 
     def read(self, key: str, slices: tuple[slice, ...] | None = None) -> Any:
+        import itertools
+
         import torch
 
-        self.metadata()
-        if key not in self._layers:
+        meta = self.metadata()
+        if key not in self._parts:
             return self.inner.read(key, slices)
-        layers = self._layers[key]
-        first = slices[0] if slices else slice(None)
-        rest = tuple(slices[1:]) if slices else None
-        parts = [self.inner.read(layers[n], rest or None)
-                 for n in range(*first.indices(len(layers)))]
-        return torch.stack(parts)
+        parts = self._parts[key]
+        n_lead = len(next(iter(parts)))
+        shape = meta.tensors[key].shape
+        slices = tuple(slices or ())
+        lead = [range(*(slices[d] if d < len(slices) else slice(None)).indices(shape[d]))
+                for d in range(n_lead)]
+        rest = slices[n_lead:] or None
+        pieces = [self.inner.read(parts[i], rest) for i in itertools.product(*lead)]
+        out = torch.stack(pieces) if pieces else torch.empty(0)
+        return out.reshape(*(len(r) for r in lead), *out.shape[1:])
 
     def read_object(self, unique_key: str) -> Any:
         return self.inner.read_object(unique_key)
@@ -89,6 +103,9 @@ class StackedView(Reader):
 
     def close(self) -> None:
         self.inner.close()
+
+
+_LOCAL_EXPERT = re.compile(r"^(.*\.experts\.)local_experts\.(\d+)\.(.*)$")
 
 
 # Megatron-Core's local-spec TransformerLayer saves its norms under the fused TE names
@@ -196,8 +213,8 @@ def write_legacy_ranks(directory: Path, plan: Any, source: PaddedSource,
                     local[box] = data
                     if progress is not None:
                         progress(data.numel() * data.element_size())
-            for name, value in _legacy_entries(tp, local, lm):
-                chunks.setdefault(tp.model_chunk, OrderedDict())[name] = value
+            for chunk, name, value in _legacy_entries(tp, local, lm, rp, plan):
+                chunks.setdefault(chunk, OrderedDict())[name] = value
         state: dict[str, Any] = {"args": args,
                                  "checkpoint_version": common.get("checkpoint_version", 3.0)}
         for k in ("iteration", "num_floating_point_operations_so_far", "opt_param_scheduler"):
@@ -219,15 +236,29 @@ def write_legacy_ranks(directory: Path, plan: Any, source: PaddedSource,
     (directory / "latest_checkpointed_iteration.txt").write_text(tracker)
 
 
-def _legacy_entries(tp: Any, local: Any, lm: Any) -> list[tuple[str, Any]]:
-    """``(name, tensor)`` for the legacy file: a stacked dist key's layer slab becomes the
-    per-layer key with its stage-local layer number."""
+def _legacy_entries(tp: Any, local: Any, lm: Any, rp: Any, plan: Any
+                    ) -> list[tuple[int | None, str, Any]]:
+    """``(virtual stage, name, tensor)`` for the legacy file: a stacked dist key's layer (and
+    expert) slab becomes the per-layer key with its stage-local layer (and ep-local expert)
+    number."""
     m = _STACKED.match(tp.local_key)
     if m is None:
-        return [(tp.local_key, local)]
-    layer = tp.pieces[0].piece.global_offsets[0]
-    local_layer = lm.locate(layer)[2]
-    return [(f"{m.group(1)}{local_layer}.{m.group(2)}", local.reshape(local.shape[1:]).clone())]
+        return [(tp.model_chunk, tp.local_key, local)]
+    offsets = tp.pieces[0].piece.global_offsets
+    _pp, vp, local_layer = lm.locate(offsets[0])
+    rest = m.group(2)
+    lead = 1
+    e = _STACKED_EXPERT.match(rest)
+    if e is not None:
+        per = (plan.sizes.num_experts or 0) // max(plan.target.ep, 1)
+        local_expert = offsets[1] - rp.ep * per
+        rest, lead = f"{e.group(1)}local_experts.{local_expert}.{e.group(2)}", 2
+    name = f"{m.group(1)}{local_layer}.{rest}"
+    chunk = vp if (plan.target.vpp or 1) > 1 else None
+    return [(chunk, name, local.reshape(local.shape[lead:]).clone())]
+
+
+_STACKED_EXPERT = re.compile(r"^(.*\.experts\.)experts\.(.*)$")
 
 
 def stacked_view_if_legacy(reader: Reader, target_format: str) -> Reader:

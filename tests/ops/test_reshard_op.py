@@ -138,3 +138,29 @@ def test_cli_writes_and_validates(tmp_path):
     doc = json.loads(result.stdout)
     assert doc["written"] and doc["target"] == str(tmp_path / "o")
     assert runner.invoke(app, ["validate", str(tmp_path / "o")]).exit_code == 0
+
+
+def _te_names(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Local-spec legacy names -> the fused TE names dist checkpoints (and our legacy output
+    from them) use."""
+    return {k.replace("input_layernorm.", "self_attention.linear_qkv.layer_norm_"): v
+            for k, v in tensors.items()}
+
+
+def test_moe_with_experts_and_virtual_pipeline_through_dist(tmp_path):
+    src = FIX / "megatron_legacy_moe_vpp"  # TP1 PP2 VPP2 EP2, 4 experts, shared expert
+    reshard(src, tmp_path / "d", ReshardRequest(tp=1, pp=2, ep=2, to="torch_dist"))
+    meta = open_checkpoint(tmp_path / "d").metadata()
+    fc1 = meta.tensors["decoder.layers.mlp.experts.experts.linear_fc1.weight"]
+    assert fc1.shape[:2] == (4, 4)  # Megatron-Core's SequentialMLP: (layer, global expert, ...)
+    want = _te_names(_tensors(src))
+    for layout in (dict(tp=1, pp=2, ep=2, vpp=2), dict(tp=2, pp=1, ep=4), dict(tp=1, pp=1)):
+        out = tmp_path / f"l_{layout['tp']}_{layout['pp']}_{layout.get('ep', 1)}"
+        reshard(tmp_path / "d", out, ReshardRequest(to="legacy", **layout))
+        _same(want, _tensors(out))
+    ranks = sorted(p.parent.name for p in (tmp_path / "l_2_1_4").glob("*/mp_rank_*/*.pt"))
+    assert ranks == [f"mp_rank_{t:02d}_{e:03d}" for t in range(2) for e in range(4)]
+    rank_file = next((tmp_path / "l_1_2_2").glob("*/mp_rank_00_001_001/*.pt"))
+    state = torch.load(rank_file, weights_only=False)
+    assert set(state) >= {"model0", "model1"}  # virtual pipeline chunks
+    assert "decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.weight" in state["model0"]
