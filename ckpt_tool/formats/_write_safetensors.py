@@ -72,6 +72,11 @@ def pull_piece(request: WriteRequest, meta: TensorMeta, offsets: tuple[int, ...]
                sizes: tuple[int, ...]) -> Any:
     """The piece from ``request.source`` as a contiguous tensor, checked against ``meta``."""
     t = request.source.read(meta.key, tuple(offsets), tuple(sizes))
+    if getattr(request.source, "raw_bytes", False) and not hasattr(t, "element_size"):
+        if tuple(t.shape) != tuple(sizes) or t.itemsize != dtype_itemsize(meta.dtype):
+            raise CorruptCheckpointError(f"tensor {meta.key!r}: source gave {t.dtype} "
+                                         f"{list(t.shape)} for the piece at {list(offsets)}")
+        return t  # raw element bytes as a numpy array (a torch-free source)
     got = str(t.dtype).removeprefix("torch.")
     if tuple(t.shape) != tuple(sizes) or got != meta.dtype:
         raise CorruptCheckpointError(
@@ -81,7 +86,12 @@ def pull_piece(request: WriteRequest, meta: TensorMeta, offsets: tuple[int, ...]
 
 
 def tensor_bytes(t: Any) -> memoryview:
-    """The raw C-order little-endian bytes of a contiguous CPU tensor (no copy)."""
+    """The raw C-order little-endian bytes of a contiguous CPU tensor or numpy array (no
+    copy)."""
+    if not hasattr(t, "element_size"):  # a numpy array from a torch-free source
+        import numpy as np
+
+        return memoryview(np.ascontiguousarray(t).reshape(-1).view(np.uint8))
     import torch
 
     flat = t.reshape(-1)

@@ -17,6 +17,7 @@ from ckpt_tool.errors import FindingsError, UsageError
 from ckpt_tool.formats.base import open_checkpoint
 from ckpt_tool.formats.writer import WriteRequest, WriterOptions, writer_for
 from ckpt_tool.ops._convert_plan import ConvertOptions, ConvertPlan, plan_convert
+from ckpt_tool.ops._raw_source import RawSource, raw_source_applies
 from ckpt_tool.ops._source import ReaderSource
 from ckpt_tool.ops._staging import check_output_target, staged_output_ranks
 from ckpt_tool.parallel import ranks as current_ranks
@@ -78,8 +79,11 @@ def convert(src: str | Path, dst: str | Path, options: ConvertOptions, *, trust:
         meta = reader.metadata()
         plan = plan_convert(meta, options)
         file_name = _single_file_name(out, options.to)
-        source = ReaderSource(reader, plan.key_map, plan.dtypes,
-                              sizes={k: t.nbytes for k, t in plan.target.tensors.items()})
+        sizes = {k: t.nbytes for k, t in plan.target.tensors.items()}
+        raw = options.to == "safetensors" and raw_source_applies(reader, plan.key_map,
+                                                                  plan.dtypes)
+        source: Any = (RawSource(reader, plan.key_map, sizes) if raw else
+                       ReaderSource(reader, plan.key_map, plan.dtypes, sizes=sizes))
         notes = list(plan.notes)
         if progress is not None:
             progress.start(plan.target.total_bytes, len(plan.target.tensors))
@@ -90,7 +94,10 @@ def convert(src: str | Path, dst: str | Path, options: ConvertOptions, *, trust:
             if progress is not None:
                 progress.update(nbytes, source.tensors_done)
 
-        common = _full_common(reader, plan)
+        # safetensors keeps only scalars of the common state: the summary has them (and
+        # loading the full common state would import torch for nothing)
+        common = (_scalar_summary(meta.common) if options.to == "safetensors"
+                  else _full_common(reader, plan))
         request = WriteRequest(
             meta=plan.target, source=source, common=common,
             objects=lambda unique_key: reader.read_object(plan.object_map[unique_key]),
@@ -121,6 +128,10 @@ def _single_file_name(out: Path, to: str) -> str | None:
     if out.suffix.lower() in SINGLE_FILE_TARGETS.get(to, ()):
         return out.name
     return None
+
+
+def _scalar_summary(summary: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in summary.items() if isinstance(v, (int, float, str, bool))}
 
 
 def _full_common(reader: Any, plan: ConvertPlan) -> dict[str, Any]:

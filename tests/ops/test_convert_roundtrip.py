@@ -85,3 +85,19 @@ def test_real_libraries_read_the_outputs(tmp_path):
     target = {k: torch.empty_like(v) for k, v in src.items()}
     dcp.load(target, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
     _assert_bit_equal(src, target)
+
+
+def test_dist_to_safetensors_moves_bytes_without_torch(tmp_path):
+    """A byte-moving conversion never imports torch (a second saved; the output is the same)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom ckpt_tool.ops.convert import convert\n"
+            "from ckpt_tool.ops._convert_plan import ConvertOptions\n"
+            f"convert({str(BF16_OPTIM)!r}, {str(tmp_path / 'st')!r}, "
+            "ConvertOptions(to='safetensors'))\n"
+            "print('torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "False"
+    _assert_bit_equal(_tensors(BF16_OPTIM), _tensors(tmp_path / "st"))

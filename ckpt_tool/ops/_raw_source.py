@@ -1,0 +1,128 @@
+"""A torch-free ``TensorSource`` for byte-moving conversions (DCP-based source -> safetensors).
+
+When no dtype changes and every chunk of a tensor is a plain ``torch.save`` item, the bytes can
+be moved without torch: each item is located in place over mmap (``formats._dcp_raw``) and its
+elements copied with numpy into the requested rectangle. Pieces are numpy arrays of unsigned
+integers of the element's size (the bytes are what matter); anything unusual falls back to the
+torch path, per tensor. Skipping ``import torch`` (about 1 s) is most of a small conversion.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+from ckpt_tool.formats._dcp_raw import NotSimple, raw_item
+from ckpt_tool.formats.base import Reader
+from ckpt_tool.model import ChunkRef, TensorMeta, dtype_itemsize
+
+__all__ = ["RawSource", "raw_source_applies"]
+
+_UINT = {1: "<u1", 2: "<u2", 4: "<u4", 8: "<u8"}
+
+
+def raw_source_applies(reader: Reader, key_map: dict[str, str], dtypes: dict[str, str]) -> bool:
+    """True when every selected tensor can be moved as raw bytes (no cast, DCP items)."""
+    meta = reader.metadata()
+    if dtypes or meta.format not in ("torch_dist", "dcp"):
+        return False
+    return all(_movable(meta.tensors[k]) for k in key_map.values())
+
+
+def _movable(t: TensorMeta) -> bool:
+    return (t.stored_shape is None and bool(t.chunks) and dtype_itemsize(t.dtype) in _UINT
+            and all(c.layout == "torch_save" and not c.transforms and c.file is not None
+                    and c.byte_offset is not None and c.byte_length for c in t.chunks))
+
+
+class RawSource:
+    """``TensorSource`` yielding numpy arrays; see the module docstring."""
+
+    raw_bytes = True  # writers may take the pieces as bytes (numpy arrays, not tensors)
+
+    def __init__(self, reader: Reader, key_map: dict[str, str], sizes: dict[str, int]):
+        self.reader = reader
+        self.root = Path(reader.metadata().root)
+        self.key_map = key_map
+        self.sizes = sizes
+        self.largest_piece = 0
+        self.tensors_done = 0
+        self._per_key: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def read(self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Any:
+        import numpy as np
+
+        meta = self.reader.metadata().tensors[self.key_map[key]]
+        dt = np.dtype(_UINT[dtype_itemsize(meta.dtype)])
+        out = np.empty(sizes, dtype=dt)
+        covered = 0
+        for chunk in meta.chunks:
+            inter = [(max(o, c), min(o + n, c + m)) for o, n, c, m in
+                     zip(offsets, sizes, chunk.offsets, chunk.sizes)]
+            if any(lo >= hi for lo, hi in inter):
+                continue
+            src = tuple(slice(lo - c, hi - c) for (lo, hi), c in zip(inter, chunk.offsets))
+            dst = tuple(slice(lo - o, hi - o) for (lo, hi), o in zip(inter, offsets))
+            try:
+                self._copy_chunk(chunk, meta.dtype, dt, src, out, dst)
+            except NotSimple:  # an unusual item: this tensor goes through torch
+                return self._through_torch(key, offsets, sizes, dt)
+            covered += int(np.prod([hi - lo for lo, hi in inter]))
+        if covered < out.size:
+            from ckpt_tool.errors import CorruptCheckpointError
+
+            raise CorruptCheckpointError(f"tensor {meta.key}: stored chunks cover {covered} of "
+                                         f"{out.size} requested elements", path=self.root)
+        n = out.nbytes
+        with self._lock:
+            self.largest_piece = max(self.largest_piece, n)
+            got = self._per_key.get(key, 0) + n
+            self._per_key[key] = got
+            if key in self.sizes and got >= self.sizes[key] > got - n:
+                self.tensors_done += 1
+        return out
+
+    def _through_torch(self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...],
+                       dt: Any) -> Any:
+        import torch
+
+        from ckpt_tool.ops._source import ReaderSource
+
+        t = ReaderSource(self.reader, self.key_map).read(key, offsets, sizes)
+        return t.reshape(-1).view(torch.uint8).numpy().view(dt).reshape(sizes)
+
+    def _copy_chunk(self, chunk: ChunkRef, dtype: str, dt: Any, src: tuple, out: Any,
+                    dst: tuple) -> None:
+        import numpy as np
+
+        start = chunk.byte_offset - chunk.byte_offset % mmap.ALLOCATIONGRANULARITY
+        with open(self.root / str(chunk.file), "rb") as f:
+            if chunk.byte_offset + chunk.byte_length > os.fstat(f.fileno()).st_size:
+                from ckpt_tool.errors import CorruptCheckpointError
+
+                raise CorruptCheckpointError(f"data file {chunk.file} is truncated",
+                                             path=self.root)
+            mapped = mmap.mmap(f.fileno(), chunk.byte_offset + chunk.byte_length - start,
+                               access=mmap.ACCESS_READ, offset=start)
+        try:
+            with memoryview(mapped) as whole:
+                item = whole[chunk.byte_offset - start:]
+                raw = raw_item(item)
+                if raw.dtype != dtype:
+                    raise NotSimple(f"item holds {raw.dtype}, the metadata says {dtype}")
+                size = dt.itemsize
+                data = np.ndarray(raw.shape, dtype=dt, buffer=raw.data,
+                                  offset=raw.storage_offset * size,
+                                  strides=[s * size for s in raw.stride])
+                if data.shape != tuple(chunk.sizes):
+                    data = data.reshape(chunk.sizes)
+                out[dst] = data[src]
+                del data
+                raw.data.release()
+                item.release()
+        finally:
+            mapped.close()
