@@ -132,7 +132,12 @@ class McoreFileSystemWriter(FileSystemWriter):
         for n, bucket in enumerate(b for b in buckets if b):
             name = f"{plan.storage_data.prefix}{n}.distcp"
             file_queue.put((self.fs.concat_path(self.path, name), name, bucket))
-        return self._write_data(planner, file_queue)
+        fut = self._write_data(planner, file_queue)
+        written = len(fut.wait())
+        if written != len(plan.items):  # DCP loses the exceptions of its extra writer threads
+            raise CheckpointingException(
+                f"only {written} of {len(plan.items)} items written: a writer thread failed")
+        return fut
 
 
 class SafeFileSystemReader(FileSystemReader):

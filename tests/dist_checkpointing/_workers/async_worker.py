@@ -205,7 +205,8 @@ def process_facts() -> dict:
             continue
         fields = stat.rsplit(")", 1)[1].split()
         if int(fields[1]) == me and int(entry) != tracker:
-            children.append(f"{entry}:{fields[0]}")
+            # the pid, and "Z" for zombies only: R/S flip between snapshots of a live worker
+            children.append(f"{entry}:Z" if fields[0] == "Z" else entry)
     with open("/proc/self/maps") as f:
         shm_maps = sum(1 for line in f if "/dev/shm" in line or "torch_" in line)
     leftovers = [n for n in os.listdir(tempfile.gettempdir())
