@@ -181,8 +181,10 @@ def updated_args(args: Any, updates: dict[str, Any]) -> Any:
 
 
 def write_legacy_ranks(directory: Path, plan: Any, source: PaddedSource,
-                       common: dict[str, Any], progress: Any = None) -> None:
-    """One ``model_optim_rng.pt`` per target rank, as Megatron-LM writes them, from ``plan``."""
+                       common: dict[str, Any], progress: Any = None, ranks: Any = None) -> None:
+    """One ``model_optim_rng.pt`` per target rank, as Megatron-LM writes them, from ``plan``.
+    Under torchrun (``ranks``) each process writes its share of the rank files (balanced by
+    the bytes they read) and rank 0 the tracker file."""
     import torch
 
     from ckpt_tool.formats._dcp_io import torch_dtype
@@ -192,11 +194,18 @@ def write_legacy_ranks(directory: Path, plan: Any, source: PaddedSource,
     lm = LayerMap(plan.sizes.num_layers, plan.target)
     iteration = common.get("iteration")
     iter_dir = directory / ("release" if iteration is None else f"iter_{int(iteration):07d}")
-    iter_dir.mkdir(parents=True)
+    iter_dir.mkdir(parents=True, exist_ok=True)
     args = updated_args(common.get("args"), plan.args_updates)
     same_layout = all(getattr(plan.source, f) == getattr(plan.target, f)
                       for f in ("tp", "pp", "ep", "expert_tp", "vpp"))
-    for rp in plan.ranks:
+    todo = plan.ranks
+    if ranks is not None and ranks.world > 1:
+        from ckpt_tool.parallel import split_by_bytes
+
+        share = split_by_bytes([(i, max(1, rp.read_bytes())) for i, rp in enumerate(plan.ranks)],
+                               ranks.world)[ranks.rank]
+        todo = [plan.ranks[i] for i in share]
+    for rp in todo:
         chunks: dict[int | None, OrderedDict] = {}
         for tp in rp.tensors:
             dtype = torch_dtype(meta.tensors[tp.key].dtype)
@@ -232,8 +241,9 @@ def write_legacy_ranks(directory: Path, plan: Any, source: PaddedSource,
         path = iter_dir / rp.file
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save(state, path)
-    tracker = "release" if iteration is None else str(int(iteration))
-    (directory / "latest_checkpointed_iteration.txt").write_text(tracker)
+    if ranks is None or ranks.is_main:
+        tracker = "release" if iteration is None else str(int(iteration))
+        (directory / "latest_checkpointed_iteration.txt").write_text(tracker)
 
 
 def _legacy_entries(tp: Any, local: Any, lm: Any, rp: Any, plan: Any

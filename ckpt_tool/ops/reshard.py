@@ -129,9 +129,9 @@ def reshard(src: str | Path, dst: str | Path | None, req: ReshardRequest, *,
         if to != "legacy":
             target = _dist_objects_only(target, new_common, result.notes)
         with staged_output_ranks(out, r, overwrite=overwrite) as staging:
-            if to == "legacy":
-                if r.is_main:
-                    write_legacy_ranks(staging, plan, source, new_common, on_bytes)
+            if to == "legacy":  # every rank writes its share of the rank files
+                write_legacy_ranks(staging, plan, source, new_common, on_bytes,
+                                   ranks=r if r.world > 1 else None)
             else:
                 request = WriteRequest(
                     meta=target, source=source, common=new_common,

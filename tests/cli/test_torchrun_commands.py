@@ -13,6 +13,7 @@ import pytest
 from ckpt_tool.ops._convert_plan import ConvertOptions
 from ckpt_tool.ops.convert import convert
 from ckpt_tool.ops.diff import diff
+from ckpt_tool.ops.reshard import ReshardRequest, reshard
 
 pytestmark = pytest.mark.multiproc
 REPO = Path(__file__).resolve().parents[2]
@@ -42,6 +43,13 @@ def test_convert_and_reshard_split_over_ranks_equal_one_process(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     resharded = diff(OPTIM, tmp_path / "r2")
     assert not resharded.values and resharded.stats["tensors_compared"] == 64  # args differ
+
+    proc = _torchrun("reshard", str(OPTIM), str(tmp_path / "l2"), "--tp", "4", "--pp", "1",
+                     "--to", "legacy", "--drop-optimizer")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reshard(OPTIM, tmp_path / "l1", ReshardRequest(tp=4, pp=1, to="legacy",
+                                                   drop_optimizer=True))
+    assert diff(tmp_path / "l1", tmp_path / "l2").identical
 
 
 def test_diff_splits_tensors_and_agrees_on_the_verdict(tmp_path):
