@@ -318,6 +318,10 @@ def _workers() -> int:
     return max(1, min(_MAX_WORKERS, n))
 
 
+def _unit_bytes(u: Any) -> int:
+    return sum(r.size for r in u.records) if u.records else sum(a.length for a in u.archives)
+
+
 def scan_archives(base: Path, meta: CheckpointMeta, sizes: dict[str, int | None],
                   stats: dict[str, int], skip_objects: set[str], *, deep: bool = False
                   ) -> tuple[list[Finding], dict[str, tuple[int, int]]]:
@@ -326,6 +330,14 @@ def scan_archives(base: Path, meta: CheckpointMeta, sizes: dict[str, int | None]
     all counted in place (the others are for the reader). Sets ``stats["zip_items_checked"]``.
     """
     units = _plan(base, meta, sizes, skip_objects, deep)
+    from ckpt_tool.parallel import ranks as current_ranks
+    from ckpt_tool.parallel import split_by_bytes
+
+    job = current_ranks()
+    if job.world > 1:  # under torchrun each rank scans its share of the bytes
+        share = set(split_by_bytes([(i, max(1, _unit_bytes(u))) for i, u in enumerate(units)],
+                                   job.world)[job.rank])
+        units = [u for i, u in enumerate(units) if i in share]
     # Python's per-archive work holds the GIL (~30 us); only the bytes (CRC, counting) run in
     # parallel: more threads than the bytes can keep busy only contend for the GIL.
     n = sum(len(u.archives) for u in units)
@@ -338,6 +350,11 @@ def scan_archives(base: Path, meta: CheckpointMeta, sizes: dict[str, int | None]
                 lambda u: _scan_unit(base, u, int(sizes[u.file] or 0)), units))
     else:
         results = [_scan_unit(base, u, int(sizes[u.file] or 0)) for u in units]
+    if job.world > 1:  # every rank gets every result: the verdict is the same everywhere
+        plain = [_Out(r.findings, {k: [int(x) for x in v] for k, v in r.counts.items()},
+                      set(r.uncounted), int(r.checked)) for r in results]  # picklable
+        parts = job.gather(plain)
+        results = job.broadcast([x for part in parts for x in part] if parts else None)
     findings: list[Finding] = []
     counts: dict[str, list[int]] = {}
     uncounted: set[str] = set()

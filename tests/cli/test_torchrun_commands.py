@@ -74,3 +74,27 @@ def test_diff_splits_tensors_and_agrees_on_the_verdict(tmp_path):
     doc = json.loads(proc.stdout)
     assert [v["key"] for v in doc["values"]] == [key]
     del torch
+
+
+def test_validate_deep_splits_files_and_reports_every_finding(tmp_path):
+    import shutil
+    import struct
+    import zipfile
+
+    src = REPO / "fixtures" / "megatron_legacy_tp2pp2"
+    bad = tmp_path / "bad"
+    shutil.copytree(src, bad)
+    for rank_file in sorted(bad.glob("iter_*/mp_rank_*/model_optim_rng.pt"))[1::2]:
+        info = [i for i in zipfile.ZipFile(rank_file).infolist() if "/data/" in i.filename][3]
+        data = bytearray(rank_file.read_bytes())
+        h = info.header_offset
+        n, e = struct.unpack("<HH", data[h + 26:h + 30])
+        data[h + 30 + n + e + 5] ^= 0xFF
+        rank_file.write_bytes(bytes(data))
+    proc = _torchrun("validate", "--deep", str(bad), "--json")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    findings = json.loads(proc.stdout)
+    damaged = sorted(f["file"] for f in findings if "CRC" in f["message"])
+    assert damaged == ["mp_rank_00_001/model_optim_rng.pt", "mp_rank_01_001/model_optim_rng.pt"]
+    proc = _torchrun("validate", "--deep", str(src), "--json")
+    assert proc.returncode == 0 and json.loads(proc.stdout) == []
