@@ -46,9 +46,11 @@ def validate(
     from ckpt_tool.ops.validate import validate as run_validate
 
     keys = None if expect_keys is None else read_expected_keys(expect_keys)
+    from ckpt_tool.parallel import ranks
+
     result = run_validate(path, trust=trust, deep=deep, expect_tp=expect_tp,
                           expect_pp=expect_pp, expect_keys=keys,
-                          expect_iteration=expect_iteration)
+                          expect_iteration=expect_iteration, ranks=ranks())
     if json_:
         print_json([f.to_dict() for f in result.findings])
     else:

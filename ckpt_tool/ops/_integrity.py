@@ -323,17 +323,18 @@ def _unit_bytes(u: Any) -> int:
 
 
 def scan_archives(base: Path, meta: CheckpointMeta, sizes: dict[str, int | None],
-                  stats: dict[str, int], skip_objects: set[str], *, deep: bool = False
-                  ) -> tuple[list[Finding], dict[str, tuple[int, int]]]:
+                  stats: dict[str, int], skip_objects: set[str], *, deep: bool = False,
+                  ranks: Any = None) -> tuple[list[Finding], dict[str, tuple[int, int]]]:
     """CRC32 findings of every torch.save archive of a DCP-based or legacy/torch.save
     checkpoint and, with ``deep``, ``{key: (NaN, Inf)}`` for every tensor whose chunks were
     all counted in place (the others are for the reader). Sets ``stats["zip_items_checked"]``.
+    ``ranks``: every rank of a torchrun job calls this; each scans its share of the bytes and
+    all get every result (collectives: never pass it when only one rank runs the scan).
     """
     units = _plan(base, meta, sizes, skip_objects, deep)
-    from ckpt_tool.parallel import ranks as current_ranks
-    from ckpt_tool.parallel import split_by_bytes
+    from ckpt_tool.parallel import Ranks, split_by_bytes
 
-    job = current_ranks()
+    job = ranks or Ranks()  # only when every rank of the job runs this scan
     if job.world > 1:  # under torchrun each rank scans its share of the bytes
         share = set(split_by_bytes([(i, max(1, _unit_bytes(u))) for i, u in enumerate(units)],
                                    job.world)[job.rank])

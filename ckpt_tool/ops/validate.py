@@ -85,8 +85,11 @@ def read_expected_keys(path: str | Path) -> list[str]:
 def validate(path: str | Path, *, trust: bool = False, deep: bool = False,
              expect_tp: int | None = None, expect_pp: int | None = None,
              expect_keys: Iterable[str] | None = None,
-             expect_iteration: int | None = None) -> ValidateResult:
-    """Check the checkpoint at ``path`` and return every finding (see the module docstring)."""
+             expect_iteration: int | None = None, ranks: Any = None) -> ValidateResult:
+    """Check the checkpoint at ``path`` and return every finding (see the module docstring).
+
+    ``ranks`` (a ``ckpt_tool.parallel.Ranks`` under torchrun): every rank of the job calls
+    this, the byte scan is split over them and every rank gets every finding."""
     from ckpt_tool.formats._resolve import resolve_checkpoint_dir
 
     from ckpt_tool.formats.base import check_readable
@@ -139,7 +142,8 @@ def validate(path: str | Path, *, trust: bool = False, deep: bool = False,
         counted: dict[str, tuple[int, int]] = {}
         if meta.format in _ARCHIVE_FORMATS:
             skip = set(getattr(reader, "_object_transforms", {}) or {})
-            crc_findings, counted = scan_archives(base, meta, sizes, stats, skip, deep=deep)
+            crc_findings, counted = scan_archives(base, meta, sizes, stats, skip, deep=deep,
+                                                  ranks=ranks)
             findings.extend(crc_findings)
         if meta.format in _DCP_FORMATS:
             findings.extend(_stale_data_files(base, meta))
