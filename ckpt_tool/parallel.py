@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Hashable, Iterable, Sequence, TypeVar
 
-__all__ = ["Ranks", "ranks", "split_by_bytes", "under_torchrun"]
+__all__ = ["Ranks", "ranks", "split_by_bytes", "under_torchrun", "JobProgress"]
 
 T = TypeVar("T", bound=Hashable)
 
@@ -69,6 +69,43 @@ class Ranks:
         flag = torch.tensor([0 if ok else 1])
         dist.all_reduce(flag)
         return int(flag.item()) == 0
+
+
+class JobProgress:
+    """Forwards bytes written to a progress sink; under torchrun the sink shows what every
+    rank wrote (a counter in the job's store: one cheap ``add`` per piece)."""
+
+    _instances = 0  # every rank creates them in the same order: the same key per operation
+
+    def __init__(self, progress: Any, r: Ranks):
+        self.progress = progress
+        self.local = 0
+        self._seen = 0
+        self._store = None
+        if progress is not None and r.world > 1:
+            import torch.distributed.distributed_c10d as c10d
+
+            JobProgress._instances += 1
+            self._store = c10d._get_default_store()
+            self._key = f"ckpt/progress/{JobProgress._instances}"
+
+    def update(self, nbytes: int, tensors_done: int = 0) -> None:
+        self.local += nbytes
+        if self.progress is None:
+            return
+        if self._store is None:
+            self.progress.update(nbytes, tensors_done)
+            return
+        self._forward(int(self._store.add(self._key, int(nbytes))), tensors_done)
+
+    def catch_up(self, tensors_done: int = 0) -> None:
+        """After a barrier: add the other ranks' last pieces to the sink."""
+        if self._store is not None:
+            self._forward(int(self._store.add(self._key, 0)), tensors_done)
+
+    def _forward(self, total: int, tensors_done: int) -> None:
+        self.progress.update(max(0, total - self._seen), tensors_done)
+        self._seen = max(self._seen, total)
 
 
 def ranks() -> Ranks:

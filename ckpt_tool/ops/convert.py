@@ -20,6 +20,7 @@ from ckpt_tool.ops._convert_plan import ConvertOptions, ConvertPlan, plan_conver
 from ckpt_tool.ops._raw_source import RawSource, raw_source_applies
 from ckpt_tool.ops._source import ReaderSource
 from ckpt_tool.ops._staging import check_output_target, staged_output_ranks
+from ckpt_tool.parallel import JobProgress
 from ckpt_tool.parallel import ranks as current_ranks
 
 __all__ = ["ConvertResult", "convert", "SINGLE_FILE_TARGETS", "Progress"]
@@ -87,12 +88,10 @@ def convert(src: str | Path, dst: str | Path, options: ConvertOptions, *, trust:
         notes = list(plan.notes)
         if progress is not None:
             progress.start(plan.target.total_bytes, len(plan.target.tensors))
-        written = [0, 0]
+        job_progress = JobProgress(progress, r)
 
         def on_bytes(nbytes: int) -> None:
-            written[0] += nbytes
-            if progress is not None:
-                progress.update(nbytes, source.tensors_done)
+            job_progress.update(nbytes, source.tensors_done)
 
         # safetensors keeps only scalars of the common state: the summary has them (and
         # loading the full common state would import torch for nothing)
@@ -113,10 +112,12 @@ def convert(src: str | Path, dst: str | Path, options: ConvertOptions, *, trust:
             if r.is_main or writer_cls.supports_ranks:
                 notes += writer_cls(staging, wopts).write(request)
             r.barrier()
+            job_progress.catch_up(source.tensors_done)
             if verify and r.is_main:
                 single = file_name or ("model.pt" if options.to == "torch" else "")
                 _verify(staging / single if single else staging, trust=trust)
-    total = sum(r.gather(written[0]) or [0]) if r.world > 1 else written[0]
+    mine = job_progress.local
+    total = r.broadcast(sum(r.gather(mine) or [0])) if r.world > 1 else mine
     return ConvertResult(
         source=str(meta.root), source_format=meta.format, target=str(out), format=options.to,
         tensors=len(plan.target.tensors), objects=len(plan.target.objects), nbytes=total,

@@ -21,6 +21,7 @@ from ckpt_tool.formats.writer import WriteRequest, WriterOptions, writer_for
 from ckpt_tool.ops._reshard_io import (PaddedSource, stacked_view_if_legacy, updated_args,
                                        write_legacy_ranks)
 from ckpt_tool.ops._staging import check_output_target, staged_output_ranks
+from ckpt_tool.parallel import JobProgress
 from ckpt_tool.parallel import ranks as current_ranks
 
 __all__ = ["ReshardRequest", "ReshardResult", "reshard"]
@@ -115,12 +116,8 @@ def reshard(src: str | Path, dst: str | Path | None, req: ReshardRequest, *,
             return result
         target = plan.target_meta
         source = PaddedSource(reader, target, fill=req.vocab_fill)
-        written = [0]
-
-        def on_bytes(n: int) -> None:
-            written[0] += n
-            if progress is not None:
-                progress.update(n, 0)
+        job_progress = JobProgress(progress, r)
+        on_bytes = job_progress.update
 
         if progress is not None:
             progress.start(target.total_bytes, len(target.tensors))
@@ -140,10 +137,12 @@ def reshard(src: str | Path, dst: str | Path | None, req: ReshardRequest, *,
                     source_description=f"ckpt reshard of {meta.root}")
                 result.notes += writer_for("torch_dist")(staging, WriterOptions()).write(request)
             r.barrier()
+            job_progress.catch_up()
             if verify and r.is_main:
                 _verify(staging, trust=trust)
     result.written = True
-    result.nbytes = sum(r.gather(written[0]) or [0]) if r.world > 1 else written[0]
+    mine = job_progress.local
+    result.nbytes = r.broadcast(sum(r.gather(mine) or [0])) if r.world > 1 else mine
     result.seconds = time.perf_counter() - start
     return result
 

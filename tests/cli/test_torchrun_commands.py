@@ -98,3 +98,43 @@ def test_validate_deep_splits_files_and_reports_every_finding(tmp_path):
     assert damaged == ["mp_rank_00_001/model_optim_rng.pt", "mp_rank_01_001/model_optim_rng.pt"]
     proc = _torchrun("validate", "--deep", str(src), "--json")
     assert proc.returncode == 0 and json.loads(proc.stdout) == []
+
+
+PROGRESS_WORKER = r'''
+import sys
+from ckpt_tool.ops.convert import convert
+from ckpt_tool.ops.reshard import reshard, ReshardRequest
+from ckpt_tool.ops._convert_plan import ConvertOptions
+from ckpt_tool.parallel import ranks
+
+
+class Bar:
+    def start(self, total_bytes, total_tensors):
+        self.total, self.seen = total_bytes, 0
+
+    def update(self, nbytes, tensors_done):
+        self.seen += nbytes
+
+
+r = ranks()
+for name, run in (("convert", lambda p: convert(sys.argv[1], sys.argv[2] + "/c",
+                                                 ConvertOptions(to="torch_dist"), progress=p)),
+                  ("reshard", lambda p: reshard(sys.argv[1], sys.argv[2] + "/r",
+                                                 ReshardRequest(tp=1, pp=1), progress=p))):
+    bar = Bar()
+    res = run(bar)
+    assert bar.seen == bar.total == res.nbytes, (name, bar.seen, bar.total, res.nbytes)
+print(f"rank {r.rank}: progress OK")
+'''
+
+
+def test_progress_counts_every_ranks_bytes(tmp_path):
+    worker = tmp_path / "progress_worker.py"
+    worker.write_text(PROGRESS_WORKER)
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1",
+               PYTHONPATH=str(REPO), PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node=2", str(worker), str(OPTIM), str(tmp_path)],
+                          env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("progress OK") == 2
