@@ -57,6 +57,9 @@ def reshard(
     dry_run: Annotated[bool, typer.Option(
         "--dry-run", help="Also print the plan: per target rank, which source bytes it reads; "
         "write nothing.")] = False,
+    workers: Annotated[int, typer.Option(
+        "--workers", min=1, help="Target rank files written at once by I/O threads "
+        "(torch_dist targets).")] = 1,
     overwrite: OverwriteFlag = False,
     no_verify: NoVerifyFlag = False,
     json_: JsonFlag = False,
@@ -81,7 +84,8 @@ def reshard(
                          vocab_fill=vocab_fill)
     with progress_bar(f"reshard -> tp{tp} pp{pp}", enabled=not (check or dry_run)) as bar:
         result = run_reshard(src, dst, req, check=check, dry_run=dry_run, trust=trust,
-                             overwrite=overwrite, verify=not no_verify, progress=bar)
+                             overwrite=overwrite, verify=not no_verify, progress=bar,
+                             workers=workers)
     if json_:
         print_json(result.to_dict())
     else:

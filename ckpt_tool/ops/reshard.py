@@ -76,8 +76,8 @@ class ReshardResult:
 
 def reshard(src: str | Path, dst: str | Path | None, req: ReshardRequest, *,
             check: bool = False, dry_run: bool = False, trust: bool = False,
-            overwrite: bool = False, verify: bool = True, progress: Any = None
-            ) -> ReshardResult:
+            overwrite: bool = False, verify: bool = True, progress: Any = None,
+            workers: int = 1) -> ReshardResult:
     """Plan (always) and, unless ``check``/``dry_run``, write the resharded checkpoint."""
     from ckpt_tool.planning.layout import load_rules
     from ckpt_tool.planning.reshard import ReshardOptions, plan_reshard
@@ -135,7 +135,8 @@ def reshard(src: str | Path, dst: str | Path | None, req: ReshardRequest, *,
                     objects=lambda unique_key: reader.read_object(unique_key),
                     progress=on_bytes, ranks=r if r.world > 1 else None,
                     source_description=f"ckpt reshard of {meta.root}")
-                result.notes += writer_for("torch_dist")(staging, WriterOptions()).write(request)
+                wopts = WriterOptions(extra={"threads": max(1, workers)})
+                result.notes += writer_for("torch_dist")(staging, wopts).write(request)
             r.barrier()
             job_progress.catch_up()
             if verify and r.is_main:

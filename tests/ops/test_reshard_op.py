@@ -164,3 +164,11 @@ def test_moe_with_experts_and_virtual_pipeline_through_dist(tmp_path):
     state = torch.load(rank_file, weights_only=False)
     assert set(state) >= {"model0", "model1"}  # virtual pipeline chunks
     assert "decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.weight" in state["model0"]
+
+
+def test_workers_write_rank_files_in_parallel(tmp_path):
+    reshard(OPTIM, tmp_path / "one", ReshardRequest(tp=4, pp=1))
+    reshard(OPTIM, tmp_path / "many", ReshardRequest(tp=4, pp=1), workers=3)
+    _same(_tensors(tmp_path / "one"), _tensors(tmp_path / "many"))
+    assert sorted(p.name for p in (tmp_path / "many").glob("*.distcp")) == \
+        [f"__{r}_0.distcp" for r in range(4)]
