@@ -52,6 +52,10 @@ def reshard(
     vocab_fill: Annotated[str, typer.Option(
         "--vocab-fill", help="New padded vocab rows: copy (the last row, as Megatron-LM's "
         "converter) or zero.")] = "copy",
+    local_spec: Annotated[bool, typer.Option(
+        "--local-spec", help="Legacy targets: name the layer norms as a local-spec model "
+        "(--transformer-impl local) holds them (input_layernorm.*, pre_mlp_layernorm.*), "
+        "not by the fused Transformer-Engine names.")] = False,
     check: Annotated[bool, typer.Option(
         "--check", help="Only report whether the target layout can work (and why not).")] = False,
     dry_run: Annotated[bool, typer.Option(
@@ -81,7 +85,7 @@ def reshard(
                          rules=tuple(str(r) for r in rules or ()),
                          drop_optimizer=drop_optimizer,
                          make_vocab_size_divisible_by=divisible_by, vocab_size=vocab_size,
-                         vocab_fill=vocab_fill)
+                         vocab_fill=vocab_fill, local_spec=local_spec)
     with progress_bar(f"reshard -> tp{tp} pp{pp}", enabled=not (check or dry_run)) as bar:
         result = run_reshard(src, dst, req, check=check, dry_run=dry_run, trust=trust,
                              overwrite=overwrite, verify=not no_verify, progress=bar,

@@ -121,6 +121,14 @@ def _dist_name(rest: str, *, moe: bool) -> str:
     return rest
 
 
+def _local_spec_name(key: str) -> str:
+    """The fused TE norm names of a layer key as a local-spec model holds them."""
+    for local, fused in _LOCAL_TO_DIST:
+        if fused in key:
+            return key.replace(fused, local, 1)
+    return key
+
+
 class PaddedSource:
     """Reads target keys from ``reader``; rows of re-padded vocab tensors beyond the source's
     rows are zeros (``fill="zero"``) or copies of the last stored row (``"copy"``)."""
@@ -181,10 +189,14 @@ def updated_args(args: Any, updates: dict[str, Any]) -> Any:
 
 
 def write_legacy_ranks(directory: Path, plan: Any, source: PaddedSource,
-                       common: dict[str, Any], progress: Any = None, ranks: Any = None) -> None:
+                       common: dict[str, Any], progress: Any = None, ranks: Any = None,
+                       local_spec: bool = False) -> None:
     """One ``model_optim_rng.pt`` per target rank, as Megatron-LM writes them, from ``plan``.
     Under torchrun (``ranks``) each process writes its share of the rank files (balanced by
-    the bytes they read) and rank 0 the tracker file."""
+    the bytes they read) and rank 0 the tracker file. ``local_spec``: name the layer norms as
+    a local-spec (``--transformer-impl local``) model holds them (``input_layernorm.*``,
+    ``pre_mlp_layernorm.*``) instead of the fused Transformer-Engine names dist checkpoints
+    use."""
     import torch
 
     from ckpt_tool.formats._dcp_io import torch_dtype
@@ -223,6 +235,8 @@ def write_legacy_ranks(directory: Path, plan: Any, source: PaddedSource,
                     if progress is not None:
                         progress(data.numel() * data.element_size())
             for chunk, name, value in _legacy_entries(tp, local, lm, rp, plan):
+                if local_spec:
+                    name = _local_spec_name(name)
                 chunks.setdefault(chunk, OrderedDict())[name] = value
         state: dict[str, Any] = {"args": args,
                                  "checkpoint_version": common.get("checkpoint_version", 3.0)}

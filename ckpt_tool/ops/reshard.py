@@ -44,6 +44,7 @@ class ReshardRequest:
     make_vocab_size_divisible_by: int | None = None
     vocab_size: int | None = None
     vocab_fill: str = "copy"
+    local_spec: bool = False
 
 
 @dataclass
@@ -128,7 +129,8 @@ def reshard(src: str | Path, dst: str | Path | None, req: ReshardRequest, *,
         with staged_output_ranks(out, r, overwrite=overwrite) as staging:
             if to == "legacy":  # every rank writes its share of the rank files
                 write_legacy_ranks(staging, plan, source, new_common, on_bytes,
-                                   ranks=r if r.world > 1 else None)
+                                   ranks=r if r.world > 1 else None,
+                                   local_spec=req.local_spec)
             else:
                 request = WriteRequest(
                     meta=target, source=source, common=new_common,

@@ -172,3 +172,18 @@ def test_workers_write_rank_files_in_parallel(tmp_path):
     _same(_tensors(tmp_path / "one"), _tensors(tmp_path / "many"))
     assert sorted(p.name for p in (tmp_path / "many").glob("*.distcp")) == \
         [f"__{r}_0.distcp" for r in range(4)]
+
+
+def test_local_spec_names_reproduce_megatron_lm_local_files(tmp_path):
+    """The dist fixture resharded to legacy TP2PP2 with --local-spec gives the legacy fixture
+    (written from the same model with the local layer spec): every rank file, name and value."""
+    reshard(DIST, tmp_path / "o", ReshardRequest(tp=2, pp=2, to="legacy", local_spec=True))
+    want = sorted(LEGACY.glob("iter_*/mp_rank_*/model_optim_rng.pt"))
+    got = sorted((tmp_path / "o").glob("iter_*/mp_rank_*/model_optim_rng.pt"))
+    assert [p.parent.name for p in want] == [p.parent.name for p in got]
+    for a, b in zip(want, got):
+        x = {k: v for k, v in torch.load(a, weights_only=False)["model"].items()
+             if torch.is_tensor(v)}
+        y = torch.load(b, weights_only=False)["model"]
+        assert set(x) == set(y), a
+        assert all(torch.equal(x[k], y[k]) for k in x), a
