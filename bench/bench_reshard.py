@@ -11,7 +11,6 @@ a fresh process tree, imports included, page cache warm; peak RSS is the largest
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import sys
 from pathlib import Path

@@ -19,6 +19,7 @@ __all__ = [
     "TensorMeta",
     "ObjectMeta",
     "CheckpointMeta",
+    "is_optimizer_key",
 ]
 
 DTYPE_ITEMSIZE: dict[str, int] = {
@@ -28,6 +29,14 @@ DTYPE_ITEMSIZE: dict[str, int] = {
     "uint16": 2, "uint32": 4, "uint64": 8, "bool": 1,
     "complex64": 8, "complex128": 16,
 }
+
+
+_OPTIMIZER_PREFIXES = ("optimizer.", "optim.", "optimizer/", "opt_param_scheduler")
+
+
+def is_optimizer_key(key: str) -> bool:
+    """True for optimizer state (Megatron-Core ``optimizer.*``, DCP ``optim.*``, schedulers)."""
+    return key.startswith(_OPTIMIZER_PREFIXES)
 
 
 def dtype_itemsize(dtype: str) -> int:

@@ -119,3 +119,9 @@ def model_keys(state: object) -> list[str]:
     if "model" in state:
         return ["model"]
     return sorted((k for k in state if is_model_key(k)), key=lambda k: int(k[5:]))
+
+
+# Megatron-Core's local-spec TransformerLayer saves its norms under the fused TE names
+# (``sharded_state_dict_keys_map``), so dist checkpoints of local and TE models agree.
+LOCAL_TO_DIST_NAMES = (("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
+                  ("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_"))

@@ -3,220 +3,217 @@
 Layout written (what Megatron-LM's ``save_checkpoint`` writes, FORMATS.md section 4)::
 
     latest_checkpointed_iteration.txt            # the iteration, or "release"
-    iter_0000010/mp_rank_TT[_PPP]/model_optim_rng.pt
-        {"args", "checkpoint_version", "iteration", "model", ...common state}
+    iter_0000010/mp_rank_TT[_PPP[_EEE]]/model_optim_rng.pt
+        {"args", "checkpoint_version", "iteration", "model" (or "model0".."modelN"), ...}
 
-Each rank's ``model`` holds its pipeline stage's layers with stage-local numbers and its TP
-shard of each parameter (``_legacy_layout.split_rule``: vocab/column along dim 0, row along
-dim 1, SwiGLU ``[W_r; V_r]``, the rest replicated). Keys may come with global layer numbers
-(``decoder.layers.7.…``) or stacked over layers as Megatron-Core dist checkpoints store them
-(``decoder.layers.…`` with the layer axis first): both are written per layer.
+There is one way to write legacy files: the reshard plan (``planning.plan_reshard``) at the
+source's own layout, executed by :func:`write_legacy_ranks` (which ``ckpt reshard`` runs at the
+target layout) — stage-local layer
+numbers, TP shards by the layout rules, experts by ep, virtual-pipeline chunks. Keys may come
+per layer (``decoder.layers.7.…``) or stacked as Megatron-Core dist checkpoints store them.
 
 Changing TP/PP is ``ckpt reshard``'s job: ``--tp/--pp`` here must match the source's layout
-(or give one for a source without a recorded layout). Memory: one rank's share of the model.
+(or give one for a source without a recorded layout). Optimizer state is not written: legacy
+optimizer files (``distrib_optim.pt``, per-rank optimizer state dicts) depend on the training
+job's buckets and parameter groups, which a format conversion cannot rebuild.
 """
 
 from __future__ import annotations
 
+import argparse
 import re
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from ckpt_tool.errors import UsageError
-from ckpt_tool.formats._legacy_layout import (GLU, LAYER_RE, REPLICATED, rank_dir_name,
-                                              split_rule, stage_layer_offsets)
+from ckpt_tool.formats._legacy_layout import LOCAL_TO_DIST_NAMES
 from ckpt_tool.formats.writer import WriteRequest, Writer
+from ckpt_tool.model import is_optimizer_key
 
-__all__ = ["LegacyWriter"]
+__all__ = ["LegacyWriter", "write_legacy_ranks", "as_namespace", "updated_args"]
 
-_STACKED_RE = re.compile(r"^((?:.*\.)?(?:decoder|encoder)\.layers\.)([^0-9].*)$")
-_FIRST_STAGE = ("embedding.",)
-_COMMON_KEYS = ("checkpoint_version", "iteration", "num_floating_point_operations_so_far",
-                "opt_param_scheduler")
-
-
-@dataclass(frozen=True)
-class _Entry:
-    """One local (per-layer) parameter: its TP1/PP1 key, global layer, and the rectangle of the
-    target tensor it is (``offsets``/``sizes``; a stacked key's layer row is squeezed)."""
-
-    key: str
-    target_key: str
-    layer: int | None
-    offsets: tuple[int, ...]
-    sizes: tuple[int, ...]
-    squeeze: bool
+_STACKED = re.compile(r"^((?:.*\.)?(?:decoder|encoder)\.layers\.)([^0-9].*)$")
 
 
 class LegacyWriter(Writer):
     """See the module docstring."""
 
     format_name = "legacy"
+    supports_ranks = True
 
     def write(self, request: WriteRequest) -> list[str]:
-        import torch
+        from ckpt_tool.planning.feasibility import ERROR, source_layout_from
+        from ckpt_tool.planning.reshard import ReshardOptions, plan_reshard
 
-        notes: list[str] = []
         summary = self.options.extra.get("source_common_summary") or {}
-        tp, pp = self._layout(summary)
-        num_layers = self._num_layers(request, summary)
-        from ckpt_tool.ops._reshard_io import as_namespace
+        meta = replace(request.meta, common=summary or request.meta.common)
+        layout = self._layout(source_layout_from(meta, request.common), summary)
+        plan = plan_reshard(meta, layout, options=ReshardOptions(target_format="legacy",
+                                                                 drop_optimizer=True),
+                            common=request.common)
+        errors = [p for p in plan.problems if p.severity == ERROR]
+        if errors:
+            raise UsageError(f"cannot write legacy files: {errors[0].reason}",
+                             hint=errors[0].fix)
+        write_legacy_ranks(self.directory, plan, request.source, request.common,
+                           progress=request.progress, ranks=request.ranks)
+        return _notes(plan, request)
 
-        swiglu = bool((summary.get("model") or {}).get("swiglu", False)
-                      or getattr(as_namespace(request.common.get("args")), "swiglu", False))
-        entries = self._entries(request, num_layers)
-        offsets = stage_layer_offsets(num_layers, pp) if num_layers else [0]
-        per_rank = _per_rank_objects(request)
-        iteration = request.common.get("iteration")
-        iter_dir = "release" if iteration is None else f"iter_{int(iteration):07d}"
-        (self.directory / iter_dir).mkdir()
-        for p in range(pp):
-            lo = offsets[p]
-            hi = offsets[p + 1] if p + 1 < pp else (num_layers or 0)
-            stage = sorted((e for e in entries if self._on_stage(e, p, pp, lo, hi)),
-                           key=_module_order)
-            for t in range(tp):
-                model = OrderedDict()
-                for e in stage:
-                    local_key = e.key if e.layer is None else _localize(e.key, e.layer - lo)
-                    model[local_key] = self._local(request, e, t, tp, swiglu, torch)
-                state = self._rank_state(request.common, model, tp, pp, num_layers)
-                name = rank_dir_name(t, p, 0, pp, 1)
-                for field_name, unique_key in per_rank.pop(name, {}).items():
-                    state[field_name] = request.objects(unique_key)
-                rank_dir = self.directory / iter_dir / name
-                rank_dir.mkdir()
-                torch.save(state, rank_dir / "model_optim_rng.pt")
-        tracker = "release" if iteration is None else str(int(iteration))
-        (self.directory / "latest_checkpointed_iteration.txt").write_text(tracker)
-        dropped = [u for objs in per_rank.values() for u in objs.values()]
-        dropped += [o.unique_key for o in request.meta.objects
-                    if not _RANK_OBJECT_RE.match(o.unique_key)]
-        if dropped:
-            notes.append(f"dropped {len(dropped)} objects (e.g. {dropped[0]}): per-rank state "
-                         "of another layout that legacy files cannot hold (rng state is reset)")
-        return notes
-
-    def _layout(self, summary: dict[str, Any]) -> tuple[int, int]:
+    def _layout(self, source: Any, summary: dict[str, Any]) -> Any:
         par = summary.get("parallel") or {}
-        src_tp, src_pp = par.get("tp"), par.get("pp")
-        tp = self.options.tp or src_tp or 1
-        pp = self.options.pp or src_pp or 1
-        if (src_tp and tp != src_tp) or (src_pp and pp != src_pp):
+        recorded_tp, recorded_pp = par.get("tp"), par.get("pp")
+        tp = self.options.tp or recorded_tp or source.tp
+        pp = self.options.pp or recorded_pp or source.pp
+        if (recorded_tp and tp != recorded_tp) or (recorded_pp and pp != recorded_pp):
             raise UsageError(
-                f"--tp {tp} --pp {pp} differs from the source layout (tp {src_tp}, pp {src_pp})",
+                f"--tp {tp} --pp {pp} differs from the source layout (tp {recorded_tp}, "
+                f"pp {recorded_pp})",
                 hint="convert keeps the layout; use 'ckpt reshard --to legacy' to change it")
-        return int(tp), int(pp)
-
-    @staticmethod
-    def _num_layers(request: WriteRequest, summary: dict[str, Any]) -> int:
-        n = (summary.get("model") or {}).get("num_layers")
-        if n is None:
-            from ckpt_tool.ops._reshard_io import as_namespace
-
-            n = getattr(as_namespace(request.common.get("args")), "num_layers", None)
-        if n is None:
-            layers = [int(m.group(2)) for k in request.meta.tensors
-                      if (m := LAYER_RE.match(k))]
-            n = max(layers) + 1 if layers else 0
-        return int(n)
-
-    @staticmethod
-    def _entries(request: WriteRequest, num_layers: int) -> list[_Entry]:
-        out = []
-        for key, t in request.meta.tensors.items():
-            zero = (0,) * len(t.shape)
-            m = LAYER_RE.match(key)
-            if m is not None:
-                out.append(_Entry(key, key, int(m.group(2)), zero, t.shape, False))
-                continue
-            s = _STACKED_RE.match(key)
-            if s is not None and t.shape and t.shape[0] == num_layers:
-                for layer in range(num_layers):
-                    out.append(_Entry(f"{s.group(1)}{layer}.{s.group(2)}", key, layer,
-                                      (layer,) + zero[1:], (1,) + tuple(t.shape[1:]), True))
-                continue
-            out.append(_Entry(key, key, None, zero, t.shape, False))
-        return out
-
-    @staticmethod
-    def _on_stage(e: _Entry, p: int, pp: int, lo: int, hi: int) -> bool:
-        if e.layer is not None:
-            return lo <= e.layer < hi
-        if e.key.startswith(_FIRST_STAGE) or ".embedding." in e.key:
-            return p == 0
-        return p == pp - 1  # final_layernorm, output_layer and other post-process modules
-
-    @staticmethod
-    def _local(request: WriteRequest, e: _Entry, t: int, tp: int, swiglu: bool,
-               torch: Any) -> Any:
-        shape = e.sizes[1:] if e.squeeze else e.sizes
-        kind, dim = split_rule(e.key, swiglu=swiglu)
-        lead = 1 if e.squeeze else 0
-
-        def pull(rng_dim: int | None, start: int, size: int) -> Any:
-            offs, sizes = list(e.offsets), list(e.sizes)
-            if rng_dim is not None:
-                offs[rng_dim + lead] += start
-                sizes[rng_dim + lead] = size
-            piece = request.source.read(e.target_key, tuple(offs), tuple(sizes))
-            request.progress(piece.numel() * piece.element_size())
-            return piece.reshape(piece.shape[1:]) if e.squeeze else piece
-
-        if tp == 1 or kind == REPLICATED or not shape:
-            return pull(None, 0, 0).clone()
-        if kind == GLU:
-            half = shape[0] // 2
-            n = half // tp
-            return torch.cat([pull(0, t * n, n), pull(0, half + t * n, n)]).clone()
-        if shape[dim] % tp:
-            raise UsageError(f"{e.key}: dim {dim} of size {shape[dim]} does not split over "
-                             f"tp={tp}")
-        n = shape[dim] // tp
-        return pull(dim, t * n, n).clone()
-
-    @staticmethod
-    def _rank_state(common: dict[str, Any], model: dict[str, Any], tp: int, pp: int,
-                    num_layers: int) -> dict[str, Any]:
-        from ckpt_tool.ops._reshard_io import as_namespace
-
-        args = as_namespace(common.get("args"))
-        args.tensor_model_parallel_size = tp
-        args.pipeline_model_parallel_size = pp
-        if num_layers:
-            args.num_layers = getattr(args, "num_layers", None) or num_layers
-        state: dict[str, Any] = {"args": args,
-                                 "checkpoint_version": common.get("checkpoint_version", 3.0)}
-        for k in _COMMON_KEYS[1:]:
-            if k in common:
-                state[k] = common[k]
-        state["model"] = model
-        return state
+        return replace(source, tp=int(tp), pp=int(pp))
 
 
-_RANK_OBJECT_RE = re.compile(r"^(rng_state|opt_param_scheduler|optimizer)/(mp_rank_[0-9_]+)$")
+def _notes(plan: Any, request: WriteRequest) -> list[str]:
+    notes = []
+    optimizer = [k for k in plan.dropped if k in request.meta.tensors]
+    if optimizer:
+        notes.append(f"dropped {len(optimizer)} optimizer tensors (e.g. {optimizer[0]}): legacy "
+                     "optimizer files depend on the training job's buckets and parameter "
+                     "groups (resume with --no-load-optim)")
+    kept = {o.unique_key for o in plan.target_meta.objects} if plan.target_meta else set()
+    dropped = [o.unique_key for o in request.meta.objects if o.unique_key not in kept]
+    if dropped:
+        notes.append(f"dropped {len(dropped)} objects (e.g. {dropped[0]}): per-rank state "
+                     "that legacy files of this layout cannot hold")
+    return notes
 
 
-def _per_rank_objects(request: WriteRequest) -> dict[str, dict[str, str]]:
-    """Rank dir -> {state field: object unique key} for per-rank objects a legacy source had
-    (``rng_state/mp_rank_00_001``): carried over when the output has the same rank dirs."""
-    out: dict[str, dict[str, str]] = {}
-    for o in request.meta.objects:
-        m = _RANK_OBJECT_RE.match(o.unique_key)
-        if m is not None:
-            out.setdefault(m.group(2), {})[m.group(1)] = o.unique_key
+def as_namespace(args: Any) -> argparse.Namespace:
+    """A fresh ``argparse.Namespace`` from a Namespace, a dict of its fields, or None."""
+    if args is None:
+        return argparse.Namespace()
+    if isinstance(args, dict):
+        return argparse.Namespace(**args)
+    return argparse.Namespace(**vars(args))
+
+
+def updated_args(args: Any, updates: dict[str, Any]) -> Any:
+    """A copy of Megatron-LM's ``args`` Namespace with the new parallel sizes."""
+    out = as_namespace(args)
+    for k, v in updates.items():
+        if v is not None or hasattr(out, k):
+            setattr(out, k, v)
     return out
 
 
-def _module_order(e: _Entry) -> tuple[int, int, str]:
-    """Embedding first, then layers in numeric order, then the post-process modules."""
-    if e.layer is not None:
-        return (1, e.layer, e.key)
-    return (0 if e.key.startswith(_FIRST_STAGE) else 2, 0, e.key)
+def write_legacy_ranks(directory: Path, plan: Any, source: Any,
+                       common: dict[str, Any], progress: Any = None, ranks: Any = None,
+                       local_spec: bool = False) -> list[str]:
+    """One ``model_optim_rng.pt`` per target rank, as Megatron-LM writes them, from ``plan``.
+    Under torchrun (``ranks``) each process writes its share of the rank files (balanced by
+    the bytes they read) and rank 0 the tracker file. ``local_spec``: name the layer norms as
+    a local-spec (``--transformer-impl local``) model holds them (``input_layernorm.*``,
+    ``pre_mlp_layernorm.*``) instead of the fused Transformer-Engine names dist checkpoints
+    use. Returns the optimizer keys left out: a legacy ``model`` holds parameters only, and
+    legacy optimizer files depend on the training job's buckets and parameter groups."""
+
+    import torch
+
+    from ckpt_tool.formats._dcp_io import torch_dtype
+    from ckpt_tool.planning.sizes import LayerMap
+
+    meta = plan.target_meta
+    lm = LayerMap(plan.sizes.num_layers, plan.target)
+    iteration = common.get("iteration")
+    iter_dir = directory / ("release" if iteration is None else f"iter_{int(iteration):07d}")
+    iter_dir.mkdir(parents=True, exist_ok=True)
+    args = updated_args(common.get("args"), plan.args_updates)
+    same_layout = all(getattr(plan.source, f) == getattr(plan.target, f)
+                      for f in ("tp", "pp", "ep", "expert_tp", "vpp"))
+    todo = plan.ranks
+    if ranks is not None and ranks.world > 1:
+        from ckpt_tool.parallel import split_by_bytes
+
+        share = split_by_bytes([(i, max(1, rp.read_bytes())) for i, rp in enumerate(plan.ranks)],
+                               ranks.world)[ranks.rank]
+        todo = [plan.ranks[i] for i in share]
+    skipped: set[str] = set()
+    for rp in todo:
+        chunks: dict[int | None, OrderedDict] = {}
+        for tp in rp.tensors:
+            if is_optimizer_key(tp.key):
+                skipped.add(tp.key)
+                continue
+            dtype = torch_dtype(meta.tensors[tp.key].dtype)
+            local = torch.empty(tp.local_shape, dtype=dtype)
+            for pp_ in tp.pieces:
+                pc = pp_.piece
+                box = tuple(slice(o, o + s) for o, s in zip(pc.local_offsets, pc.sizes))
+                if pc.fill:
+                    row = (source.read(tp.key, (pc.fill_row, *pc.global_offsets[1:]),
+                                       (1, *pc.sizes[1:])) if pc.fill != "zero" else None)
+                    local[box] = 0 if row is None else row.expand(*pc.sizes)
+                else:
+                    data = source.read(tp.key, pc.global_offsets, pc.sizes)
+                    local[box] = data
+                    if progress is not None:
+                        progress(data.numel() * data.element_size())
+            for chunk, name, value in _legacy_entries(tp, local, lm, rp, plan):
+                if local_spec:
+                    name = _local_spec_name(name)
+                chunks.setdefault(chunk, OrderedDict())[name] = value
+        state: dict[str, Any] = {"args": args,
+                                 "checkpoint_version": common.get("checkpoint_version", 3.0)}
+        for k in ("iteration", "num_floating_point_operations_so_far", "opt_param_scheduler"):
+            if k in common:
+                state[k] = common[k]
+        rng = common.get("rng_state")
+        rank_dir = rp.file.split("/")[0]
+        if same_layout and isinstance(rng, dict) and rank_dir in rng:
+            state["rng_state"] = rng[rank_dir]  # the layout is kept: each rank its own state
+        if set(chunks) <= {None}:
+            state["model"] = chunks.get(None, OrderedDict())
+        else:
+            for vp, sd in sorted(chunks.items(), key=lambda kv: kv[0] or 0):
+                state[f"model{vp or 0}"] = sd
+        path = iter_dir / rp.file
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(state, path)
+    if ranks is None or ranks.is_main:
+        tracker = "release" if iteration is None else str(int(iteration))
+        (directory / "latest_checkpointed_iteration.txt").write_text(tracker)
+    return sorted(skipped)
 
 
-def _localize(key: str, local_layer: int) -> str:
-    m = LAYER_RE.match(key)
-    assert m is not None
-    return f"{m.group(1)}{local_layer}{m.group(3)}"
+def _legacy_entries(tp: Any, local: Any, lm: Any, rp: Any, plan: Any
+                    ) -> list[tuple[int | None, str, Any]]:
+    """``(virtual stage, name, tensor)`` for the legacy file: a stacked dist key's layer (and
+    expert) slab becomes the per-layer key with its stage-local layer (and ep-local expert)
+    number."""
+    m = _STACKED.match(tp.local_key)
+    if m is None:
+        return [(tp.model_chunk, tp.local_key, local)]
+    offsets = tp.pieces[0].piece.global_offsets
+    _pp, vp, local_layer = lm.locate(offsets[0])
+    rest = m.group(2)
+    lead = 1
+    e = _STACKED_EXPERT.match(rest)
+    if e is not None:
+        per = (plan.sizes.num_experts or 0) // max(plan.target.ep, 1)
+        local_expert = offsets[1] - rp.ep * per
+        rest, lead = f"{e.group(1)}local_experts.{local_expert}.{e.group(2)}", 2
+    name = f"{m.group(1)}{local_layer}.{rest}"
+    chunk = vp if (plan.target.vpp or 1) > 1 else None
+    return [(chunk, name, local.reshape(local.shape[lead:]).clone())]
+
+
+_STACKED_EXPERT = re.compile(r"^(.*\.experts\.)experts\.(.*)$")
+
+
+def _local_spec_name(key: str) -> str:
+    """The fused TE norm names of a layer key as a local-spec model holds them."""
+    for local, fused in LOCAL_TO_DIST_NAMES:
+        if fused in key:
+            return key.replace(fused, local, 1)
+    return key

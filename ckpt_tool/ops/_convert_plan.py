@@ -18,7 +18,8 @@ import re
 from dataclasses import dataclass, field, replace
 
 from ckpt_tool.errors import UsageError
-from ckpt_tool.model import CheckpointMeta, ChunkRef, ObjectMeta, TensorMeta, dtype_itemsize
+from ckpt_tool.model import (CheckpointMeta, ChunkRef, ObjectMeta, TensorMeta, dtype_itemsize,
+                             is_optimizer_key)
 
 __all__ = ["ConvertOptions", "ConvertPlan", "plan_convert", "parse_rename", "DTYPE_ALIASES",
            "TARGETS", "is_optimizer_key"]
@@ -29,13 +30,7 @@ DTYPE_ALIASES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16",
                  "float32": "float32", "float": "float32"}
 _FLOATS = {"float64", "float32", "float16", "bfloat16"}
 _CHUNKED_TARGETS = {"torch_dist", "dcp", "zarr"}
-_OPTIMIZER_PREFIXES = ("optimizer.", "optim.", "optimizer/", "opt_param_scheduler")
 _OPTIMIZER_COMMON = ("optimizer", "opt_param_scheduler", "optim")
-
-
-def is_optimizer_key(key: str) -> bool:
-    """True for optimizer state (Megatron-Core ``optimizer.*``, DCP ``optim.*``, schedulers)."""
-    return key.startswith(_OPTIMIZER_PREFIXES)
 
 
 @dataclass(frozen=True)

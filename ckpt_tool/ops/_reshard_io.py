@@ -9,19 +9,16 @@ Megatron-Core model); ``write_legacy_ranks`` unstacks dist keys into per-layer l
 
 from __future__ import annotations
 
-import argparse
 import math
 import re
-from collections import OrderedDict
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
+from ckpt_tool.formats._legacy_layout import LOCAL_TO_DIST_NAMES
 from ckpt_tool.formats.base import Reader
 from ckpt_tool.model import CheckpointMeta, TensorMeta
 
-__all__ = ["StackedView", "PaddedSource", "write_legacy_ranks", "updated_args",
-           "stacked_view_if_legacy"]
+__all__ = ["StackedView", "PaddedSource", "stacked_view_if_legacy"]
 
 _PER_LAYER = re.compile(r"^((?:.*\.)?(?:decoder|encoder)\.layers\.)(\d+)\.(.*)$")
 _STACKED = re.compile(r"^((?:.*\.)?(?:decoder|encoder)\.layers\.)([^0-9].*)$")
@@ -108,25 +105,13 @@ class StackedView(Reader):
 _LOCAL_EXPERT = re.compile(r"^(.*\.experts\.)local_experts\.(\d+)\.(.*)$")
 
 
-# Megatron-Core's local-spec TransformerLayer saves its norms under the fused TE names
-# (``sharded_state_dict_keys_map``), so dist checkpoints of local and TE models agree.
-_LOCAL_TO_DIST = (("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
-                  ("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_"))
 
 
 def _dist_name(rest: str, *, moe: bool) -> str:
-    for old, new in _LOCAL_TO_DIST:
+    for old, new in LOCAL_TO_DIST_NAMES:
         if rest.startswith(old) and not (moe and old.startswith("pre_mlp")):
             return new + rest[len(old):]
     return rest
-
-
-def _local_spec_name(key: str) -> str:
-    """The fused TE norm names of a layer key as a local-spec model holds them."""
-    for local, fused in _LOCAL_TO_DIST:
-        if fused in key:
-            return key.replace(fused, local, 1)
-    return key
 
 
 class PaddedSource:
@@ -168,121 +153,6 @@ class PaddedSource:
     def _read(self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Any:
         slices = tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
         return self.reader.read(key, slices or None)
-
-
-def as_namespace(args: Any) -> argparse.Namespace:
-    """A fresh ``argparse.Namespace`` from a Namespace, a dict of its fields, or None."""
-    if args is None:
-        return argparse.Namespace()
-    if isinstance(args, dict):
-        return argparse.Namespace(**args)
-    return argparse.Namespace(**vars(args))
-
-
-def updated_args(args: Any, updates: dict[str, Any]) -> Any:
-    """A copy of Megatron-LM's ``args`` Namespace with the new parallel sizes."""
-    out = as_namespace(args)
-    for k, v in updates.items():
-        if v is not None or hasattr(out, k):
-            setattr(out, k, v)
-    return out
-
-
-def write_legacy_ranks(directory: Path, plan: Any, source: PaddedSource,
-                       common: dict[str, Any], progress: Any = None, ranks: Any = None,
-                       local_spec: bool = False) -> None:
-    """One ``model_optim_rng.pt`` per target rank, as Megatron-LM writes them, from ``plan``.
-    Under torchrun (``ranks``) each process writes its share of the rank files (balanced by
-    the bytes they read) and rank 0 the tracker file. ``local_spec``: name the layer norms as
-    a local-spec (``--transformer-impl local``) model holds them (``input_layernorm.*``,
-    ``pre_mlp_layernorm.*``) instead of the fused Transformer-Engine names dist checkpoints
-    use."""
-    import torch
-
-    from ckpt_tool.formats._dcp_io import torch_dtype
-    from ckpt_tool.planning.sizes import LayerMap
-
-    meta = plan.target_meta
-    lm = LayerMap(plan.sizes.num_layers, plan.target)
-    iteration = common.get("iteration")
-    iter_dir = directory / ("release" if iteration is None else f"iter_{int(iteration):07d}")
-    iter_dir.mkdir(parents=True, exist_ok=True)
-    args = updated_args(common.get("args"), plan.args_updates)
-    same_layout = all(getattr(plan.source, f) == getattr(plan.target, f)
-                      for f in ("tp", "pp", "ep", "expert_tp", "vpp"))
-    todo = plan.ranks
-    if ranks is not None and ranks.world > 1:
-        from ckpt_tool.parallel import split_by_bytes
-
-        share = split_by_bytes([(i, max(1, rp.read_bytes())) for i, rp in enumerate(plan.ranks)],
-                               ranks.world)[ranks.rank]
-        todo = [plan.ranks[i] for i in share]
-    for rp in todo:
-        chunks: dict[int | None, OrderedDict] = {}
-        for tp in rp.tensors:
-            dtype = torch_dtype(meta.tensors[tp.key].dtype)
-            local = torch.empty(tp.local_shape, dtype=dtype)
-            for pp_ in tp.pieces:
-                pc = pp_.piece
-                box = tuple(slice(o, o + s) for o, s in zip(pc.local_offsets, pc.sizes))
-                if pc.fill:
-                    row = (source.read(tp.key, (pc.fill_row, *pc.global_offsets[1:]),
-                                       (1, *pc.sizes[1:])) if pc.fill != "zero" else None)
-                    local[box] = 0 if row is None else row.expand(*pc.sizes)
-                else:
-                    data = source.read(tp.key, pc.global_offsets, pc.sizes)
-                    local[box] = data
-                    if progress is not None:
-                        progress(data.numel() * data.element_size())
-            for chunk, name, value in _legacy_entries(tp, local, lm, rp, plan):
-                if local_spec:
-                    name = _local_spec_name(name)
-                chunks.setdefault(chunk, OrderedDict())[name] = value
-        state: dict[str, Any] = {"args": args,
-                                 "checkpoint_version": common.get("checkpoint_version", 3.0)}
-        for k in ("iteration", "num_floating_point_operations_so_far", "opt_param_scheduler"):
-            if k in common:
-                state[k] = common[k]
-        rng = common.get("rng_state")
-        rank_dir = rp.file.split("/")[0]
-        if same_layout and isinstance(rng, dict) and rank_dir in rng:
-            state["rng_state"] = rng[rank_dir]  # the layout is kept: each rank its own state
-        if set(chunks) <= {None}:
-            state["model"] = chunks.get(None, OrderedDict())
-        else:
-            for vp, sd in sorted(chunks.items(), key=lambda kv: kv[0] or 0):
-                state[f"model{vp or 0}"] = sd
-        path = iter_dir / rp.file
-        path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(state, path)
-    if ranks is None or ranks.is_main:
-        tracker = "release" if iteration is None else str(int(iteration))
-        (directory / "latest_checkpointed_iteration.txt").write_text(tracker)
-
-
-def _legacy_entries(tp: Any, local: Any, lm: Any, rp: Any, plan: Any
-                    ) -> list[tuple[int | None, str, Any]]:
-    """``(virtual stage, name, tensor)`` for the legacy file: a stacked dist key's layer (and
-    expert) slab becomes the per-layer key with its stage-local layer (and ep-local expert)
-    number."""
-    m = _STACKED.match(tp.local_key)
-    if m is None:
-        return [(tp.model_chunk, tp.local_key, local)]
-    offsets = tp.pieces[0].piece.global_offsets
-    _pp, vp, local_layer = lm.locate(offsets[0])
-    rest = m.group(2)
-    lead = 1
-    e = _STACKED_EXPERT.match(rest)
-    if e is not None:
-        per = (plan.sizes.num_experts or 0) // max(plan.target.ep, 1)
-        local_expert = offsets[1] - rp.ep * per
-        rest, lead = f"{e.group(1)}local_experts.{local_expert}.{e.group(2)}", 2
-    name = f"{m.group(1)}{local_layer}.{rest}"
-    chunk = vp if (plan.target.vpp or 1) > 1 else None
-    return [(chunk, name, local.reshape(local.shape[lead:]).clone())]
-
-
-_STACKED_EXPERT = re.compile(r"^(.*\.experts\.)experts\.(.*)$")
 
 
 def stacked_view_if_legacy(reader: Reader, target_format: str) -> Reader:

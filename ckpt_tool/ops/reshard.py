@@ -18,8 +18,8 @@ from typing import Any, Sequence
 from ckpt_tool.errors import FindingsError, UsageError
 from ckpt_tool.formats.base import open_checkpoint
 from ckpt_tool.formats.writer import WriteRequest, WriterOptions, writer_for
-from ckpt_tool.ops._reshard_io import (PaddedSource, stacked_view_if_legacy, updated_args,
-                                       write_legacy_ranks)
+from ckpt_tool.formats._write_legacy import updated_args, write_legacy_ranks
+from ckpt_tool.ops._reshard_io import PaddedSource, stacked_view_if_legacy
 from ckpt_tool.ops._staging import check_output_target, staged_output_ranks
 from ckpt_tool.parallel import JobProgress
 from ckpt_tool.parallel import ranks as current_ranks
@@ -128,9 +128,14 @@ def reshard(src: str | Path, dst: str | Path | None, req: ReshardRequest, *,
             target = _dist_objects_only(target, new_common, result.notes)
         with staged_output_ranks(out, r, overwrite=overwrite) as staging:
             if to == "legacy":  # every rank writes its share of the rank files
-                write_legacy_ranks(staging, plan, source, new_common, on_bytes,
-                                   ranks=r if r.world > 1 else None,
-                                   local_spec=req.local_spec)
+                skipped = write_legacy_ranks(staging, plan, source, new_common, on_bytes,
+                                             ranks=r if r.world > 1 else None,
+                                             local_spec=req.local_spec)
+                if skipped:
+                    result.notes.append(
+                        f"left out {len(skipped)} optimizer tensors (e.g. {skipped[0]}): "
+                        "legacy optimizer files cannot be rebuilt (resume with "
+                        "--no-load-optim)")
             else:
                 request = WriteRequest(
                     meta=target, source=source, common=new_common,

@@ -20,7 +20,6 @@ from itertools import starmap
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple, Union
 
-import numpy as np
 import torch
 
 from ..core import CheckpointingException
