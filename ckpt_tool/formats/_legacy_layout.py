@@ -54,25 +54,10 @@ def stage_layer_offsets(num_layers: int, pp_size: int, first: int | None = None,
                         last: int | None = None) -> list[int]:
     """Global index of each stage's local layer 0 (``decoder_first/last_pipeline_num_layers``
     honoured); raises ValueError when the layers do not split evenly."""
-    if pp_size <= 1:
-        return [0]
-    counts: list[int | None] = [None] * pp_size
-    rest, stages = num_layers, pp_size
-    if first is not None:
-        counts[0], rest, stages = first, rest - first, stages - 1
-    if last is not None:
-        counts[-1], rest, stages = last, rest - last, stages - 1
-    if stages:
-        if rest < 0 or rest % stages:
-            raise ValueError(f"{num_layers} layers do not split over {pp_size} pipeline stages")
-        counts = [rest // stages if c is None else c for c in counts]
-    elif rest != 0:
-        raise ValueError(f"first/last stage layer counts do not add up to {num_layers}")
-    offsets, acc = [], 0
-    for c in counts:
-        offsets.append(acc)
-        acc += int(c or 0)
-    return offsets
+    from ckpt_tool.planning.sizes import stage_layer_counts
+
+    counts = stage_layer_counts(num_layers, pp_size, first, last)
+    return [sum(counts[:p]) for p in range(len(counts))]
 
 
 def virtual_layer_offset(num_layers: int, pp_size: int, vpp_size: int, pp: int, vp: int) -> int:

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from ckpt_tool.errors import CorruptCheckpointError, UnsupportedError, UsageError
-from ckpt_tool.formats.writer import WriteRequest, Writer
+from ckpt_tool.formats.writer import WriteRequest, Writer, dropped_objects_note
 from ckpt_tool.model import TensorMeta, dtype_itemsize
 
 __all__ = ["DEFAULT_MAX_MEMORY", "slab_pieces", "pull_piece", "scalar_common", "my_share",
@@ -224,12 +224,7 @@ class SafetensorsWriter(Writer):
             notes.append(f"dropped {len(dropped)} common value(s) ({', '.join(sorted(dropped))}):"
                          " safetensors __metadata__ holds strings only"
                          + (f"; kept {', '.join(sorted(kept))} as strings" if kept else ""))
-        objects = request.meta.objects
-        if objects:
-            shown = ", ".join(o.unique_key for o in objects[:3]) + (", ..." if len(objects) > 3
-                                                                     else "")
-            notes.append(f"dropped {len(objects)} ShardedObject(s) ({shown}): safetensors holds "
-                         "tensors only")
+        notes += dropped_objects_note(request, "safetensors holds tensors only")
         return notes, metadata
 
     @staticmethod

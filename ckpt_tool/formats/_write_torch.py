@@ -41,7 +41,7 @@ from ckpt_tool.errors import UnsupportedError
 from ckpt_tool.formats._write_safetensors import (DEFAULT_MAX_MEMORY, pull_piece, slab_pieces,
                                                   tensor_bytes)
 from ckpt_tool.formats.torch_save import zip_data_offsets
-from ckpt_tool.formats.writer import WriteRequest, Writer
+from ckpt_tool.formats.writer import WriteRequest, Writer, dropped_objects_note
 from ckpt_tool.model import TensorMeta, dtype_itemsize
 
 __all__ = ["TorchSaveWriter", "weights_only_safe"]
@@ -139,12 +139,8 @@ class TorchSaveWriter(Writer):
                         "weights_only-safe ones)")
             notes.append(f"dropped {len(dropped)} common value(s) ({', '.join(sorted(dropped))})"
                          f": {why}")
-        objects = request.meta.objects
-        if objects:
-            shown = ", ".join(o.unique_key for o in objects[:3]) + (", ..." if len(objects) > 3
-                                                                     else "")
-            notes.append(f"dropped {len(objects)} ShardedObject(s) ({shown}): a torch.save "
-                         "file of full tensors has no place for them")
+        notes += dropped_objects_note(
+            request, "a torch.save file of full tensors has no place for them")
 
         path = self.directory / (self.options.file_name or "model.pt")
         budget = self.options.max_memory or DEFAULT_MAX_MEMORY

@@ -30,7 +30,8 @@ from typing import Any, Callable, Protocol
 
 from ckpt_tool.model import CheckpointMeta
 
-__all__ = ["TensorSource", "WriteRequest", "WriterOptions", "Writer", "WRITERS", "writer_for"]
+__all__ = ["TensorSource", "WriteRequest", "WriterOptions", "Writer", "WRITERS", "writer_for",
+           "dropped_objects_note"]
 
 
 class TensorSource(Protocol):
@@ -94,6 +95,15 @@ class Writer(abc.ABC):
     @abc.abstractmethod
     def write(self, request: WriteRequest) -> list[str]:
         """Write everything in ``request``; return notes on what the format could not hold."""
+
+
+def dropped_objects_note(request: WriteRequest, why: str) -> list[str]:
+    """The note a writer returns when its format has no place for ShardedObjects."""
+    objects = request.meta.objects
+    if not objects:
+        return []
+    shown = ", ".join(o.unique_key for o in objects[:3]) + (", ..." if len(objects) > 3 else "")
+    return [f"dropped {len(objects)} ShardedObject(s) ({shown}): {why}"]
 
 
 # Target format name -> "module:Class"; imported lazily so `ckpt inspect` never pays for them.

@@ -15,7 +15,8 @@ from typing import Any, Iterator
 
 from ckpt_tool.errors import UsageError
 
-__all__ = ["check_output_target", "staged_output", "fsync_tree", "STAGING_MARK"]
+__all__ = ["check_output_target", "staged_output", "staged_output_ranks", "fsync_tree",
+           "verify_output", "STAGING_MARK"]
 
 STAGING_MARK = ".ckpt-staging-"
 
@@ -134,3 +135,18 @@ def staged_output_ranks(dst: str | Path, ranks: Any, *, overwrite: bool = False,
         if ok and not all_ok:
             raise UsageError("another rank failed while writing the output",
                              hint="see that rank's error above")
+
+
+def verify_output(path: Path, *, trust: bool, what: str) -> None:
+    """Validate what was written into the staging directory; a FindingsError (so nothing is
+    renamed into place) when it has error findings. ``what``: "converted", "resharded"."""
+    from ckpt_tool.errors import FindingsError
+    from ckpt_tool.ops.validate import validate
+
+    result = validate(path, trust=trust)
+    if not result.ok:
+        first = result.errors[0]
+        raise FindingsError(
+            f"the {what} checkpoint does not validate ({len(result.errors)} errors; first: "
+            f"{first.key or first.file or ''}: {first.message})",
+            hint="this is a bug in ckpt: please report it; --no-verify skips the check")

@@ -13,13 +13,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from ckpt_tool.errors import FindingsError, UsageError
+from ckpt_tool.errors import UsageError
 from ckpt_tool.formats.base import open_checkpoint
 from ckpt_tool.formats.writer import WriteRequest, WriterOptions, writer_for
 from ckpt_tool.ops._convert_plan import ConvertOptions, ConvertPlan, plan_convert
 from ckpt_tool.ops._raw_source import RawSource, raw_source_applies
 from ckpt_tool.ops._source import ReaderSource
-from ckpt_tool.ops._staging import check_output_target, staged_output_ranks
+from ckpt_tool.ops._staging import check_output_target, staged_output_ranks, verify_output
 from ckpt_tool.parallel import JobProgress
 from ckpt_tool.parallel import ranks as current_ranks
 
@@ -115,7 +115,8 @@ def convert(src: str | Path, dst: str | Path, options: ConvertOptions, *, trust:
             job_progress.catch_up(source.tensors_done)
             if verify and r.is_main:
                 single = file_name or ("model.pt" if options.to == "torch" else "")
-                _verify(staging / single if single else staging, trust=trust)
+                verify_output(staging / single if single else staging, trust=trust,
+                              what="converted")
     mine = job_progress.local
     total = r.broadcast(sum(r.gather(mine) or [0])) if r.world > 1 else mine
     return ConvertResult(
@@ -140,16 +141,3 @@ def _full_common(reader: Any, plan: ConvertPlan) -> dict[str, Any]:
     for key in plan.dropped_common:
         common.pop(key, None)
     return common
-
-
-def _verify(path: Path, *, trust: bool) -> None:
-    """Validate what was written; a FindingsError (nothing is renamed into place) on errors."""
-    from ckpt_tool.ops.validate import validate
-
-    result = validate(path, trust=trust)
-    if not result.ok:
-        first = result.errors[0]
-        raise FindingsError(
-            f"the converted checkpoint does not validate ({len(result.errors)} errors; first: "
-            f"{first.key or first.file or ''}: {first.message})",
-            hint="this is a bug in ckpt: please report it; --no-verify skips the check")

@@ -13,14 +13,14 @@ import re
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
-from ckpt_tool.errors import FindingsError, UsageError
+from ckpt_tool.errors import UsageError
 from ckpt_tool.formats.base import open_checkpoint
 from ckpt_tool.formats.writer import WriteRequest, WriterOptions, writer_for
 from ckpt_tool.formats._write_legacy import updated_args, write_legacy_ranks
 from ckpt_tool.ops._reshard_io import PaddedSource, stacked_view_if_legacy
-from ckpt_tool.ops._staging import check_output_target, staged_output_ranks
+from ckpt_tool.ops._staging import check_output_target, staged_output_ranks, verify_output
 from ckpt_tool.parallel import JobProgress
 from ckpt_tool.parallel import ranks as current_ranks
 
@@ -147,7 +147,7 @@ def reshard(src: str | Path, dst: str | Path | None, req: ReshardRequest, *,
             r.barrier()
             job_progress.catch_up()
             if verify and r.is_main:
-                _verify(staging, trust=trust)
+                verify_output(staging, trust=trust, what="resharded")
     result.written = True
     mine = job_progress.local
     result.nbytes = r.broadcast(sum(r.gather(mine) or [0])) if r.world > 1 else mine
@@ -170,21 +170,3 @@ def _dist_objects_only(target: Any, common: dict[str, Any], notes: list[str]) ->
     if dropped:
         notes.append(f"dropped {dropped} legacy per-rank objects (rng state, optimizer)")
     return replace(target, objects=keep)
-
-
-def _verify(path: Path, *, trust: bool) -> None:
-    from ckpt_tool.ops.validate import validate
-
-    res = validate(path, trust=trust)
-    if not res.ok:
-        first = res.errors[0]
-        raise FindingsError(
-            f"the resharded checkpoint does not validate ({len(res.errors)} errors; first: "
-            f"{first.key or first.file or ''}: {first.message})",
-            hint="this is a bug in ckpt: please report it; --no-verify skips the check")
-
-
-def problems_as_lines(plan: dict[str, Any]) -> Sequence[str]:
-    """One line per problem: ``severity: reason (fix)``."""
-    return [f"{p['severity']}: {p['reason']}" + (f" (fix: {p['fix']})" if p.get("fix") else "")
-            for p in plan.get("problems", [])]
