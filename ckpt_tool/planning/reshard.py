@@ -169,6 +169,7 @@ def _resolve_rules(meta: CheckpointMeta, rules: RuleSet, source: Layout, skip: s
                    problems: list[Problem]) -> dict[str, Rule]:
     """The rule of every key not in ``skip``; an error problem for each key without one."""
     out: dict[str, Rule] = {}
+    unknown: list[str] = []
     for key, t in meta.tensors.items():
         if key in skip:
             continue
@@ -176,13 +177,27 @@ def _resolve_rules(meta: CheckpointMeta, rules: RuleSet, source: Layout, skip: s
         if rule is None and meta.format not in ("legacy",):
             rule = infer_rule_from_grid(t, source.tp)
         if rule is None:
-            problems.append(Problem(ERROR, f"no layout rule knows how {key!r} splits across "
-                                    "tensor-parallel ranks, and its chunk grid cannot tell",
-                                    "add a rule to the --rules TOML file, e.g.\n"
-                                    + example_rule(key), key=key))
+            unknown.append(key)
             continue
         out[key] = rule
+    if len(unknown) > _UNKNOWN_LISTED:  # one problem, not a page of them
+        shown = ", ".join(repr(k) for k in unknown[:3])
+        problems.append(Problem(
+            ERROR, f"no layout rule knows how {len(unknown)} keys split across tensor-parallel "
+            f"ranks, and their chunk grids cannot tell ({shown}, ...): is this a "
+            "Megatron-Core GPT-family checkpoint?",
+            "add rules to the --rules TOML file, e.g.\n" + example_rule(unknown[0]),
+            key=unknown[0]))
+        return out
+    for key in unknown:
+        problems.append(Problem(ERROR, f"no layout rule knows how {key!r} splits across "
+                                "tensor-parallel ranks, and its chunk grid cannot tell",
+                                "add a rule to the --rules TOML file, e.g.\n"
+                                + example_rule(key), key=key))
     return out
+
+
+_UNKNOWN_LISTED = 5  # more unknown keys than this are reported as one problem
 
 
 def plan_reshard(meta: CheckpointMeta, target: Layout, rules: RuleSet | None = None,
