@@ -33,6 +33,7 @@ from ._shard_math import (
     narrow_flattened_range,
 )
 from .core import CheckpointingException
+from .dict_utils import dict_list_map_inplace
 from .sharded_objects import (
     FactoryBuildFn,
     FactoryMergeFn,
@@ -59,6 +60,7 @@ __all__ = [
     "is_main_replica",
     "apply_factories",
     "apply_factory_merges",
+    "dict_list_map_inplace",
 ]
 
 

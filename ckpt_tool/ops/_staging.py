@@ -137,13 +137,17 @@ def staged_output_ranks(dst: str | Path, ranks: Any, *, overwrite: bool = False,
                              hint="see that rank's error above")
 
 
-def verify_output(path: Path, *, trust: bool, what: str) -> None:
+def verify_output(path: Path, *, trust: bool, what: str, ranks: Any = None) -> None:
     """Validate what was written into the staging directory; a FindingsError (so nothing is
-    renamed into place) when it has error findings. ``what``: "converted", "resharded"."""
+    renamed into place) when it has error findings. ``what``: "converted", "resharded".
+
+    ``ranks``: under torchrun every rank calls this; the byte scan is split over them and every
+    rank raises on the same findings."""
     from ckpt_tool.errors import FindingsError
     from ckpt_tool.ops.validate import validate
 
-    result = validate(path, trust=trust)
+    result = validate(path, trust=trust,
+                      ranks=ranks if ranks is not None and ranks.world > 1 else None)
     if not result.ok:
         first = result.errors[0]
         raise FindingsError(

@@ -113,10 +113,10 @@ def convert(src: str | Path, dst: str | Path, options: ConvertOptions, *, trust:
                 notes += writer_cls(staging, wopts).write(request)
             r.barrier()
             job_progress.catch_up(source.tensors_done)
-            if verify and r.is_main:
+            if verify:
                 single = file_name or ("model.pt" if options.to == "torch" else "")
                 verify_output(staging / single if single else staging, trust=trust,
-                              what="converted")
+                              what="converted", ranks=r)
     mine = job_progress.local
     total = r.broadcast(sum(r.gather(mine) or [0])) if r.world > 1 else mine
     return ConvertResult(

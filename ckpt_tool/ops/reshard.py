@@ -146,8 +146,8 @@ def reshard(src: str | Path, dst: str | Path | None, req: ReshardRequest, *,
                 result.notes += writer_for("torch_dist")(staging, wopts).write(request)
             r.barrier()
             job_progress.catch_up()
-            if verify and r.is_main:
-                verify_output(staging, trust=trust, what="resharded")
+            if verify:
+                verify_output(staging, trust=trust, what="resharded", ranks=r)
     result.written = True
     mine = job_progress.local
     result.nbytes = r.broadcast(sum(r.gather(mine) or [0])) if r.world > 1 else mine

@@ -138,3 +138,21 @@ def test_progress_counts_every_ranks_bytes(tmp_path):
                           env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("progress OK") == 2
+
+
+def test_verification_split_over_ranks_fails_every_rank_on_a_corrupt_byte(tmp_path):
+    sys.path.insert(0, str(REPO / "tests" / "dist_checkpointing" / "_workers"))
+    from launch import torchrun
+
+    out = tmp_path / "k"
+    convert(OPTIM, out, ConvertOptions(to="torch_dist"))
+    clean = torchrun("verify_worker.py", 2, str(out))
+    assert "rank 0: verified" in clean and "rank 1: verified" in clean, clean[-2000:]
+    last = sorted(out.glob("*.distcp"))[-1]  # scanned by one rank only
+    data = bytearray(last.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    last.write_bytes(data)
+    bad = torchrun("verify_worker.py", 2, str(out))
+    for rank in (0, 1):
+        assert f"rank {rank}: raised: the converted checkpoint does not validate" in bad, \
+            bad[-2000:]
