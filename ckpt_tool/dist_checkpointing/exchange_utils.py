@@ -20,7 +20,7 @@ import torch.distributed as dist
 from .core import CheckpointingException
 from .dict_utils import nested_values
 from .mapping import ShardedStateDict, ShardedTensor, is_main_replica
-from .utils import _is_quantized_fp8, _sharded_tensor_shard_id, _ShardId
+from .utils import _is_quantized_fp8, _sharded_tensor_shard_id, _ShardId, debug_time
 
 __all__ = [
     "ShardDistribution",
@@ -227,6 +227,7 @@ def _finish(result: Dict[_ShardId, torch.Tensor], shard_id, received: torch.Tens
 
 
 @torch.no_grad()
+@debug_time("exchange_loaded_tensors_broadcast", logger)
 def exchange_loaded_tensors_broadcast(
     loaded_tensors: Dict[_ShardId, torch.Tensor],
     unloaded_shards: Dict[_ShardId, ShardedTensor],
@@ -263,6 +264,7 @@ def exchange_loaded_tensors_broadcast(
 
 
 @torch.no_grad()
+@debug_time("exchange_loaded_tensors_gather_rounds", logger)
 def exchange_loaded_tensors_gather_rounds(
     loaded_tensors: Dict[_ShardId, torch.Tensor],
     unloaded_shards: Dict[_ShardId, ShardedTensor],

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 from enum import Enum
-from typing import TYPE_CHECKING, List, Optional, Set, Tuple, Union
+from typing import List, Optional, Set, Tuple, Union
 
 import torch
 
@@ -23,15 +23,16 @@ from .mapping import (
     ShardedObject,
     ShardedStateDict,
     ShardedTensor,
+    is_main_replica,
 )
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .strategies.base import (
-        LoadCommonStrategy,
-        LoadShardedStrategy,
-        SaveCommonStrategy,
-        SaveShardedStrategy,
-    )
+from .strategies.base import (
+    LoadCommonStrategy,
+    LoadShardedStrategy,
+    SaveCommonStrategy,
+    SaveShardedStrategy,
+    StrategyAction,
+    get_default_strategy,
+)
 
 __all__ = [
     "StrictHandling",
@@ -44,6 +45,10 @@ __all__ = [
     "validate_objects_sharding_integrity",
     "determine_global_metadata",
     "validate_sharded_objects_handling",
+    # imported names that Megatron-Core's module offers too
+    "is_main_replica",
+    "get_default_strategy",
+    "StrategyAction",
 ]
 
 logger = logging.getLogger(__name__)
@@ -197,9 +202,6 @@ def verify_checkpoint_and_load_strategy(
 
 
 def _default_load_strategy(action_name: str, backend_and_version: Tuple[str, int]):
-    # Imported here: the strategies import this module's siblings, not the reverse.
-    from .strategies.base import StrategyAction, get_default_strategy
-
     return get_default_strategy(getattr(StrategyAction, action_name), *backend_and_version)
 
 

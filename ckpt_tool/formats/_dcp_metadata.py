@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import copyreg
 import functools
 import math
 import os
@@ -84,8 +85,15 @@ def mcore_classes() -> dict[str, type]:
     for cls in (MCoreSavePlan, MCoreMetadata):
         cls.__module__ = __name__
         cls.__qualname__ = cls.__name__
+        cls.__reduce__ = _reduce_as_torch_base
     return {f"{_MCORE_TORCH}.MCoreSavePlan": MCoreSavePlan,
             f"{_MCORE_TORCH}.MCoreMetadata": MCoreMetadata}
+
+
+def _reduce_as_torch_base(self: Any) -> tuple:
+    # Pickled as the torch base class with every field, mcore_data included as an attribute:
+    # Megatron-Core and we both load that, while this stand-in has no importable class path.
+    return copyreg._reconstructor, (type(self).__bases__[0], object, None), dict(self.__dict__)
 
 
 def read_dcp_metadata(checkpoint_dir: str | os.PathLike, *, trust: bool = False,

@@ -7,6 +7,9 @@ and the I/O; these classes only say *what* to write or read:
   at its global offset (prepended axes become leading size-1 axes of the chunk);
 - every ShardedObject is a bytes item under its ``unique_key`` holding ``torch.save([data])``;
 - ``Metadata.all_local_plans`` carries the rank-local plans, as Megatron-Core >= 0.11 writes.
+
+These are our strategy's internals. Megatron-Core's own planners, which work on the state dicts
+of :func:`~.torch.mcore_to_pyt_state_dict`, are :mod:`._mcore_planners`.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import math
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
@@ -36,6 +39,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from ..core import CheckpointingException
+from .cached_metadata_filesystem_reader import CachedMetadataFileSystemReader
 
 Box = Tuple[Tuple[int, ...], Tuple[int, ...]]  # (offsets, sizes)
 
@@ -79,7 +83,7 @@ class WriteTable:
         return items
 
 
-class McoreSavePlanner(DefaultSavePlanner):
+class TableSavePlanner(DefaultSavePlanner):
     """Writes a :class:`WriteTable` on every rank (no coordinator-only items, no flattening)."""
 
     def __init__(self, table: WriteTable):
@@ -140,25 +144,6 @@ class McoreFileSystemWriter(FileSystemWriter):
         return fut
 
 
-class SafeFileSystemReader(FileSystemReader):
-    """DCP's reader with ``.metadata`` unpickled through the allowlist (never plain pickle)."""
-
-    def __init__(self, path, trust: bool = False):
-        super().__init__(path)
-        self.trust = trust
-        self._metadata: Optional[Metadata] = None
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        if kwargs.get("rank") is not None:
-            raise FileNotFoundError("per-rank metadata is not used by torch_dist checkpoints")
-        if self._metadata is None:
-            from ckpt_tool.formats._dcp_metadata import read_dcp_metadata
-
-            self._metadata = read_dcp_metadata(self.path, trust=self.trust)
-        self._metadata.storage_meta.load_id = self.load_id
-        return self._metadata
-
-
 class TensorRequest:
     """One requested region of a saved tensor and where its values go.
 
@@ -208,7 +193,7 @@ class TensorRequest:
         self.buffer = None
 
 
-class McoreLoadPlanner(DefaultLoadPlanner):
+class RequestLoadPlanner(DefaultLoadPlanner):
     """Reads the requested tensor regions and objects from a ``torch_dist`` checkpoint.
 
     Args:
@@ -310,3 +295,10 @@ class McoreLoadPlanner(DefaultLoadPlanner):
             src = self._primary[(req.key, req.offsets, tuple(req.target.shape))]
             if src is not req:
                 req.target.copy_(src.target)
+
+
+# Earlier names, kept for existing callers. Not Megatron-Core's MCoreSavePlanner/MCoreLoadPlanner
+# (different arguments): those are in ._mcore_planners.
+McoreSavePlanner = TableSavePlanner
+McoreLoadPlanner = RequestLoadPlanner
+SafeFileSystemReader = CachedMetadataFileSystemReader

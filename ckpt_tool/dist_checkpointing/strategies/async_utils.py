@@ -31,6 +31,7 @@ import torch
 import torch.multiprocessing as mp
 
 from ..core import CheckpointingException
+from ..utils import debug_time
 
 __all__ = ["AsyncRequest", "AsyncCaller", "TemporalAsyncCaller", "PersistentAsyncCaller",
            "AsyncCallsQueue"]
@@ -387,14 +388,15 @@ class AsyncCallsQueue:
                 break
             call_idx, _, async_request = self.async_calls.popleft()
             self._raise_on_any_failure(call_idx, caller.take_failure(), no_dist)
-            for fn in async_request.finalize_fns:
-                fn()
-            if not no_dist and _dist_ready():
-                ten = torch.tensor([call_idx], dtype=torch.int, device=collective_device())
-                torch.distributed.all_reduce(ten, op=torch.distributed.ReduceOp.MAX)
-                if int(ten.item()) != call_idx:
-                    raise CheckpointingException(
-                        "Unmatched async calls: not all ranks take part in async finalization")
+            with debug_time("finalize", logger):
+                for fn in async_request.finalize_fns:
+                    fn()
+                if not no_dist and _dist_ready():
+                    ten = torch.tensor([call_idx], dtype=torch.int, device=collective_device())
+                    torch.distributed.all_reduce(ten, op=torch.distributed.ReduceOp.MAX)
+                    if int(ten.item()) != call_idx:
+                        raise CheckpointingException("Unmatched async calls: not all ranks "
+                                                     "take part in async finalization")
             finalized.append(call_idx)
         return finalized
 

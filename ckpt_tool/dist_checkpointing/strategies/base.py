@@ -16,7 +16,7 @@ from typing import Any, Dict, Tuple, Union
 
 from ..core import CheckpointingException
 from ..mapping import ShardedStateDict, StateDict
-from .async_utils import AsyncRequest
+from .async_utils import AsyncCallsQueue, AsyncRequest
 
 __all__ = [
     "StrategyAction",
@@ -30,6 +30,7 @@ __all__ = [
     "SaveCommonStrategy",
     "SaveShardedStrategy",
     "AsyncSaveShardedStrategy",
+    "async_calls",
 ]
 
 
@@ -44,6 +45,10 @@ class StrategyAction(Enum):
 
 # action value -> {(backend, version): strategy instance}
 default_strategies: Dict[str, Dict[Tuple[str, int], Any]] = {a.value: {} for a in StrategyAction}
+
+# A module-wide queue, as in Megatron-Core (which defines but does not use it). Creating it
+# starts nothing: worker processes come with the first scheduled request.
+async_calls = AsyncCallsQueue()
 
 # modules whose import registers the default strategies of a backend (imported on demand, so
 # e.g. tensorstore/zarr are only imported when a zarr checkpoint is met)

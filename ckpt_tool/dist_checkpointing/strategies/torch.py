@@ -4,6 +4,12 @@ Built on :mod:`torch.distributed.checkpoint` (its file format, read planning and
 planners in :mod:`._dcp_planner` translate ShardedTensors/ShardedObjects into DCP items.
 Checkpoints written here load in Megatron-Core and vice versa; loads read only the requested
 local regions, so a checkpoint can be loaded at another parallel layout.
+
+Megatron-Core's building blocks are here too, for code written against them:
+``mcore_to_pyt_state_dict`` (ShardedTensors as DCP-checkpointable values),
+``MCoreSavePlanner``/``MCoreLoadPlanner`` (plain ``torch.distributed.checkpoint`` save/load of
+such state dicts), ``CachedMetadataFileSystemReader`` and the ``MCoreMetadata``/``MCoreSavePlan``
+classes that Megatron-Core <= 0.15 pickled into ``.metadata``.
 """
 
 from __future__ import annotations
@@ -21,9 +27,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
+from ckpt_tool.formats._dcp_metadata import mcore_classes
+
 from ..core import CheckpointingException
 from ..dict_utils import dict_list_map_outplace, nested_values
 from ..mapping import (
+    ShardedBase,
     ShardedObject,
     ShardedStateDict,
     ShardedTensor,
@@ -32,11 +41,16 @@ from ..mapping import (
 )
 from ._dcp_planner import (
     McoreFileSystemWriter,
-    McoreLoadPlanner,
-    McoreSavePlanner,
-    SafeFileSystemReader,
+    RequestLoadPlanner,
+    TableSavePlanner,
     TensorRequest,
     WriteTable,
+)
+from ._mcore_planners import MCoreLoadPlanner, MCoreSavePlanner
+from ._pyt_state_dict import (
+    flatten_state_dict,
+    mcore_to_pyt_state_dict,
+    sharded_tensor_to_torch_sharded_tensor,
 )
 from .async_utils import AsyncRequest
 from .base import (
@@ -45,6 +59,8 @@ from .base import (
     StrategyAction,
     register_default_strategy,
 )
+from .cached_metadata_filesystem_reader import CachedMetadataFileSystemReader
+from .checkpointable import CheckpointableShardedTensor, LocalShardsContainer
 from .filesystem_async import FileSystemWriterAsync
 from .state_dict_saver import save_state_dict_async_finalize, save_state_dict_async_plan
 
@@ -52,9 +68,26 @@ __all__ = [
     "TorchDistSaveShardedStrategy",
     "TorchDistLoadShardedStrategy",
     "register_default_torch_strategies",
+    "MCoreSavePlanner",
+    "MCoreLoadPlanner",
+    "MCoreMetadata",
+    "MCoreSavePlan",
+    "CachedMetadataFileSystemReader",
+    "CheckpointableShardedTensor",
+    "LocalShardsContainer",
+    "flatten_state_dict",
+    "mcore_to_pyt_state_dict",
+    "sharded_tensor_to_torch_sharded_tensor",
+    "ShardedBase",  # importable from here as in Megatron-Core
 ]
 
 logger = logging.getLogger(__name__)
+
+# What Megatron-Core <= 0.15 pickled into .metadata (a DCP Metadata / SavePlan with
+# ``mcore_data``); reading such a file gives instances of these (see formats._dcp_metadata).
+_STAND_INS = {cls.__name__: cls for cls in mcore_classes().values()}
+MCoreMetadata = _STAND_INS["MCoreMetadata"]
+MCoreSavePlan = _STAND_INS["MCoreSavePlan"]
 
 _METADATA_FNAME = ".metadata"
 
@@ -135,7 +168,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Detected an existing checkpoint")
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.save({}, storage_writer=writer, planner=McoreSavePlanner(table),
+            dcp.save({}, storage_writer=writer, planner=TableSavePlanner(table),
                      no_dist=not _dist_ready())
 
     def async_save(self, sharded_state_dict: ShardedStateDict,
@@ -159,7 +192,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             warnings.filterwarnings("ignore", message="Detected an existing checkpoint")
             (ret, central_plan, local_plan, self.validated_cache_reuse,
              self.validated_loaded_metadata_reuse) = save_state_dict_async_plan(
-                {}, writer, None, 0, planner=McoreSavePlanner(table),
+                {}, writer, None, 0, planner=TableSavePlanner(table),
                 cached_ckpt_structure=cached)
         writer, global_metadata, dist_wrapper = ret
         if self.use_cached_ckpt_structure:
@@ -230,10 +263,10 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             target = _chunk_view(sh, sh.data.detach())
             requests[id(sh)] = TensorRequest(sh.key, tuple(sh.global_offset), target)
 
-        reader = SafeFileSystemReader(str(checkpoint_dir), trust=self.trust)
-        planner = McoreLoadPlanner(list(requests.values()),
-                                   sorted({o.unique_key for o in objects.values()}),
-                                   shape_checked, self._load_object)
+        reader = CachedMetadataFileSystemReader(str(checkpoint_dir), trust=self.trust)
+        planner = RequestLoadPlanner(list(requests.values()),
+                                     sorted({o.unique_key for o in objects.values()}),
+                                     shape_checked, self._load_object)
         planner.check(reader.read_metadata())
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -250,7 +283,8 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         return dict_list_map_outplace(result, sharded_state_dict)
 
     def _read_metadata(self, checkpoint_dir: Union[str, Path]):
-        return SafeFileSystemReader(str(checkpoint_dir), trust=self.trust).read_metadata()
+        reader = CachedMetadataFileSystemReader(str(checkpoint_dir), trust=self.trust)
+        return reader.read_metadata()
 
     def load_tensors_metadata(self, checkpoint_dir: Union[str, Path], metadata=None):
         """Every saved tensor as a data-less ShardedTensor (global shape, dtype, meta device).
