@@ -15,7 +15,7 @@ if importlib.util.find_spec("megatron.core") is None:
 pytestmark = pytest.mark.interop
 
 MODULES = ["", ".mapping", ".serialization", ".core", ".dict_utils", ".utils", ".optimizer",
-           ".strategies", ".strategies.base", ".strategies.torch", ".strategies.zarr",
+           ".strategies", ".strategies.base", ".strategies.torch",
            ".strategies.async_utils", ".strategies.state_dict_saver",
            ".strategies.filesystem_async", ".strategies.fully_parallel", ".strategies.common",
            ".strategies.cached_metadata_filesystem_reader", ".strategies.checkpointable",
