@@ -9,6 +9,7 @@ from typing import Callable, TypeVar
 
 import typer
 
+from ckpt_tool.cli._startup import resume_gc
 from ckpt_tool.errors import CkptError
 
 __all__ = ["handle_errors", "state"]
@@ -54,6 +55,7 @@ def handle_errors(fn: F) -> F:
 
     @functools.wraps(fn)
     def wrapper(*args: object, **kwargs: object) -> object:
+        resume_gc()
         try:
             return fn(*args, **kwargs)
         except (typer.Exit, typer.Abort):

@@ -1,4 +1,9 @@
-"""The one output helper: data to stdout (JSON or Rich), messages and progress to stderr."""
+"""The one output helper: data to stdout (JSON or Rich), messages and progress to stderr.
+
+Rich is imported only when something is rendered with it (a table, a tree, a progress bar):
+``--json`` output and one-line messages are plain text, so they start faster and print
+brackets in paths and verdicts (``[keys only]``) literally instead of reading them as markup.
+"""
 
 from __future__ import annotations
 
@@ -6,14 +11,39 @@ import json
 import sys
 from typing import Any
 
-from rich.console import Console
-
 __all__ = ["stdout", "stderr", "print_json", "message", "human_bytes", "quiet_unless_main_rank"]
 
 # Piped output is read by people too (``| less``): don't squeeze tables to 80 columns there.
 _PIPE_WIDTH = 200
-stdout = Console(soft_wrap=True, width=None if sys.stdout.isatty() else _PIPE_WIDTH)
-stderr = Console(stderr=True, soft_wrap=True)
+_quiet = [False]  # messages dropped (a torchrun rank other than 0)
+
+
+class _LazyConsole:
+    """A ``rich.console.Console`` built on first use (attribute access forwards to it)."""
+
+    def __init__(self, *, to_stderr: bool) -> None:
+        self._to_stderr = to_stderr
+        self._console: Any = None
+
+    @property
+    def console(self) -> Any:
+        """The Rich console itself (created now if it does not exist yet)."""
+        if self._console is None:
+            from rich.console import Console
+
+            if self._to_stderr:
+                self._console = Console(stderr=True, soft_wrap=True, quiet=_quiet[0])
+            else:
+                self._console = Console(soft_wrap=True,
+                                        width=None if sys.stdout.isatty() else _PIPE_WIDTH)
+        return self._console
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.console, name)
+
+
+stdout = _LazyConsole(to_stderr=False)
+stderr = _LazyConsole(to_stderr=True)
 
 
 def print_json(data: Any) -> None:
@@ -23,8 +53,10 @@ def print_json(data: Any) -> None:
 
 
 def message(text: str) -> None:
-    """A message for people, on stderr."""
-    stderr.print(text, highlight=False)
+    """A message for people, on stderr, as plain text (no markup, no highlighting)."""
+    if not _quiet[0]:
+        sys.stderr.write(text + "\n")
+        sys.stderr.flush()
 
 
 def quiet_unless_main_rank() -> None:
@@ -38,7 +70,9 @@ def quiet_unless_main_rank() -> None:
         return
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, sys.stdout.fileno())
-    stderr.quiet = True
+    _quiet[0] = True
+    if stderr._console is not None:
+        stderr._console.quiet = True
 
 
 def human_bytes(n: int | float) -> str:

@@ -1,7 +1,5 @@
 """Commands that are announced in ``ckpt --help`` but not built yet: they say so and exit 2."""
 
-from __future__ import annotations
-
 import typer
 
 from ckpt_tool.cli._errors import handle_errors

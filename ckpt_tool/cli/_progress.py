@@ -51,5 +51,5 @@ def progress_bar(description: str, *, enabled: bool = True) -> Iterator[object]:
     with Progress(TextColumn("{task.description}"), BarColumn(),
                   DownloadColumn(binary_units=True), TransferSpeedColumn(),
                   TextColumn("{task.fields[tensors]}"), TimeRemainingColumn(),
-                  console=stderr, transient=True) as bar:
+                  console=stderr.console, transient=True) as bar:
         yield _RichProgress(bar, description)

@@ -1,15 +1,17 @@
 """Root of the ``ckpt`` command: global options and command registration."""
 
-from __future__ import annotations
-
 from typing import Annotated, Optional
 
-import typer
+from ckpt_tool.cli._startup import pause_gc
 
-from ckpt_tool import __version__
-from ckpt_tool.cli._errors import state
-from ckpt_tool.cli._output import quiet_unless_main_rank
-from ckpt_tool.cli._pending import register_pending
+pause_gc()  # before typer: see _startup
+
+import typer  # noqa: E402
+
+from ckpt_tool import __version__  # noqa: E402
+from ckpt_tool.cli._errors import state  # noqa: E402
+from ckpt_tool.cli._output import quiet_unless_main_rank  # noqa: E402
+from ckpt_tool.cli._pending import register_pending  # noqa: E402
 
 app = typer.Typer(
     name="ckpt",

@@ -1,7 +1,5 @@
 """``ckpt convert SRC DST --to FORMAT``: rewrite a checkpoint in another format, streaming."""
 
-from __future__ import annotations
-
 from pathlib import Path
 from typing import Annotated, List, Optional
 

@@ -3,8 +3,6 @@
 Exit codes: 0 identical (within ``--atol``/``--rtol``), 1 different, 2 an input cannot be read.
 """
 
-from __future__ import annotations
-
 from pathlib import Path
 from typing import Annotated, Any, List, Optional
 

@@ -1,7 +1,5 @@
 """``ckpt inspect PATH``: a checkpoint's tensors, objects and common state (metadata only)."""
 
-from __future__ import annotations
-
 from typing import Annotated, Any, Optional
 
 import typer

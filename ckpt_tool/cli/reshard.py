@@ -1,7 +1,5 @@
 """``ckpt reshard SRC DST --tp N --pp M [--ep E]``: a checkpoint ready to resume at another layout."""
 
-from __future__ import annotations
-
 from pathlib import Path
 from typing import Annotated, Any, List, Optional
 

@@ -5,8 +5,6 @@ checkpoint, an expectation not met), 2 the input cannot be read at all (missing 
 format, unsafe pickle without ``--trust``).
 """
 
-from __future__ import annotations
-
 from pathlib import Path
 from typing import Annotated, Any, Optional
 

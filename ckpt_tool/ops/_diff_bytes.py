@@ -11,10 +11,9 @@ covers in B's unchunked tensor (and the reverse), and compares bytes:
   item, located in place by ``formats._dcp_raw`` (optional: without it, such pieces are left
   to the element-wise path).
 
-Bytes are compared with ``memcmp`` over two mmap windows of at most ``_BLOCK`` bytes that are
-unmapped at once (peak RSS ~ two windows), or through two reused buffers where no C library
-can be called. A piece whose bytes differ is not a difference yet: the element-wise path
-(``_diff_values``) decides (``-0.0 == 0.0``, NaN payloads, tolerances).
+The byte ranges, ordered by A's file and offset, go to ``_diff_windows.compare_all`` (bounded
+mmap windows, a few threads, ``memcmp``). A piece whose bytes differ is not a difference yet:
+the element-wise path (``_diff_values``) decides (``-0.0 == 0.0``, NaN payloads, tolerances).
 """
 
 from __future__ import annotations
@@ -22,13 +21,13 @@ from __future__ import annotations
 import itertools
 import math
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 from ckpt_tool.model import CheckpointMeta, ChunkRef, TensorMeta, dtype_itemsize
+from ckpt_tool.ops._diff_windows import Spec, compare_all, memcmp
 
 __all__ = ["fast_equal", "memcmp", "Box"]
 
-_BLOCK = 16 << 20  # byte comparison window
 _MAX_RUNS = 4096  # most byte runs compared for one chunk inside an unchunked tensor
 
 Box = tuple[tuple[int, int], ...]
@@ -99,101 +98,6 @@ def _raw_range(base: Path, t: TensorMeta, c: ChunkRef) -> tuple[Path, int, int] 
     return base / c.file, c.byte_offset + start + first * size, c.numel * size
 
 
-def memcmp() -> Any:
-    """libc ``memcmp(a, b, n)`` through ctypes, or None where there is no C library handle."""
-    try:
-        import ctypes
-
-        f = ctypes.CDLL(None).memcmp
-        f.restype, f.argtypes = ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
-        return f
-    except (OSError, AttributeError, TypeError):  # no C library handle (Windows): read()
-        return None
-
-
-class _Bytes:
-    """Equal-length byte ranges of two files compared without copies: ``memcmp`` over two
-    mmap windows of at most ``_BLOCK`` bytes (unmapped at once, so RSS stays ~2 windows),
-    or ``readinto`` two reused buffers where there is no C library to call."""
-
-    def __init__(self) -> None:
-        self.memcmp = memcmp()
-        self.buf = (bytearray(_BLOCK), bytearray(_BLOCK)) if self.memcmp is None else None
-        self.files: dict[tuple[int, Path], Any] = {}  # one handle per side, even for A == B
-
-    def _f(self, side: int, path: Path) -> Any:
-        f = self.files.get((side, path))
-        if f is None:
-            if len(self.files) >= 64:
-                self.files.pop(next(iter(self.files))).close()
-            f = self.files[side, path] = open(path, "rb", buffering=0)
-        return f
-
-    def equal(self, pa: Path, oa: int, pb: Path, ob: int, length: int) -> bool:
-        """``length`` bytes at ``oa`` of ``pa`` equal those at ``ob`` of ``pb``."""
-        return self.equal_runs(pa, oa, [(0, length)], pb, ob)
-
-    def equal_runs(self, pa: Path, oa: int, runs: list[tuple[int, int]], pb: Path,
-                   ob: int) -> bool:
-        """The runs ``(start, n)`` at ``oa + start`` of ``pa``, in order, equal the bytes
-        from ``ob`` of ``pb`` (one contiguous range); compared in windows of ``_BLOCK``."""
-        fa, fb = self._f(0, pa), self._f(1, pb)
-        cut = [(st + i, min(_BLOCK, n - i)) for st, n in runs for i in range(0, n, _BLOCK)]
-        try:
-            group: list[tuple[int, int]] = []
-            for st, n in cut:
-                if group and st + n - group[0][0] > _BLOCK:
-                    if not self._group(fa, oa, group, fb, ob):
-                        return False
-                    ob += sum(k for _, k in group)
-                    group = []
-                group.append((st, n))
-            return not group or self._group(fa, oa, group, fb, ob)
-        except (OSError, ValueError):  # short file: the element-wise path reports it properly
-            return False
-
-    def _group(self, fa: Any, oa: int, group: list[tuple[int, int]], fb: Any, ob: int) -> bool:
-        import mmap
-
-        total = sum(n for _, n in group)
-        if self.memcmp is None:
-            ba, bb = self.buf
-            for st, n in group:
-                fa.seek(oa + st)
-                fb.seek(ob)
-                with memoryview(ba) as ma, memoryview(bb) as mb:
-                    if fa.readinto(ma[:n]) != n or fb.readinto(mb[:n]) != n:
-                        return False
-                if not (ba == bb if n == _BLOCK else ba[:n] == bb[:n]):
-                    return False
-                ob += n
-            return True
-        import ctypes
-
-        g = mmap.ALLOCATIONGRANULARITY
-        start_a = oa + group[0][0]
-        pa, pb = start_a % g, ob % g
-        span = group[-1][0] + group[-1][1] - group[0][0]
-        # ACCESS_COPY: a private map ctypes may address; nothing is ever written to it.
-        with mmap.mmap(fa.fileno(), span + pa, offset=start_a - pa,
-                       access=mmap.ACCESS_COPY) as ma, \
-                mmap.mmap(fb.fileno(), total + pb, offset=ob - pb, access=mmap.ACCESS_COPY) as mb:
-            ca, cb = ctypes.c_char.from_buffer(ma), ctypes.c_char.from_buffer(mb)
-            try:
-                xa, xb = ctypes.addressof(ca) + pa - group[0][0], ctypes.addressof(cb) + pb
-                for st, n in group:
-                    if self.memcmp(xa + st, xb, n):
-                        return False
-                    xb += n
-                return True
-            finally:
-                del ca, cb
-
-    def close(self) -> None:
-        for f in self.files.values():
-            f.close()
-
-
 def _box_runs(shape: tuple[int, ...], box: ChunkRef, size: int) -> list[tuple[int, int]] | None:
     """Byte runs ``(start, n)`` of ``box`` inside a C-order tensor of ``shape``, in order; None
     when there would be more than ``_MAX_RUNS``."""
@@ -237,29 +141,55 @@ def fast_equal(pairs: list[tuple[str, TensorMeta, TensorMeta]], ma: CheckpointMe
         for cb in by_box.values() if wa is not None and wb is None else ():
             todo.append((str(wa.file), wa.byte_offset or 0, name, ta, wa, tb, cb))
     todo.sort(key=lambda t: (t[0], t[1]))
+    base_a, base_b = _base(ma), _base(mb)
     equal: dict[str, set[Box]] = {}
-    cmp, base_a, base_b = _Bytes(), _base(ma), _base(mb)
-    try:
-        for _, _, name, ta, ca, tb, cb in todo:
-            size = dtype_itemsize(ta.dtype)
-            part = cb if ca.sizes == ta.shape and cb.sizes != ta.shape else ca
-            if ca.offsets == cb.offsets and ca.sizes == cb.sizes:
-                same = _same_item(ta, ca, tb, cb) and cmp.equal(
-                    base_a / str(ca.file), int(ca.byte_offset or 0), base_b / str(cb.file),
-                    int(cb.byte_offset or 0), int(ca.byte_length or 0))
-                if not same and ta.stored_shape is None:
-                    xa, xb = _raw_range(base_a, ta, ca), _raw_range(base_b, tb, cb)
-                    same = bool(xa and xb and xa[2] == xb[2] and cmp.equal(*xa[:2], *xb))
-            else:
-                xa, xb = _raw_range(base_a, ta, ca), _raw_range(base_b, tb, cb)
-                runs = _box_runs(ta.shape, part, size)
-                same = bool(xa and xb and runs is not None) and (
-                    cmp.equal_runs(xa[0], xa[1], runs, xb[0], xb[1]) if part is cb
-                    else cmp.equal_runs(xb[0], xb[1], runs, xa[0], xa[1]))
-            if same:
-                equal.setdefault(name, set()).add(
-                    tuple((o, o + s) for o, s in zip(part.offsets, part.sizes)))
-                tick(2 * part.numel * size, None)
-    finally:
-        cmp.close()
+
+    def proven(i: int) -> None:
+        _, _, name, ta, ca, tb, cb = todo[i]
+        part = cb if ca.sizes == ta.shape and cb.sizes != ta.shape else ca
+        equal.setdefault(name, set()).add(
+            tuple((o, o + s) for o, s in zip(part.offsets, part.sizes)))
+        tick(2 * part.numel * dtype_itemsize(ta.dtype), None)
+
+    # First whole items where both sides store a box alike, else raw elements; then raw
+    # elements of the whole items whose bytes differ (another encoding of the same values).
+    first = [_spec(base_a, base_b, t, whole=True) for t in todo]
+    again = [i for i, ok in enumerate(_run(first, proven)) if not ok and first[i] is not None
+             and first[i][1] and todo[i][3].stored_shape is None]
+    second = [_spec(base_a, base_b, todo[i], whole=False) for i in again]
+    _run(second, lambda k: proven(again[k]))
     return equal
+
+
+def _spec(base_a: Path, base_b: Path, t: tuple, whole: bool) -> tuple[Spec, bool] | None:
+    """The bytes to compare for one pair of chunks, and whether they are whole items."""
+    _, _, _, ta, ca, tb, cb = t
+    if ca.offsets == cb.offsets and ca.sizes == cb.sizes:
+        if whole and _same_item(ta, ca, tb, cb):
+            return ((base_a / str(ca.file), int(ca.byte_offset or 0),
+                     [(0, int(ca.byte_length or 0))], base_b / str(cb.file),
+                     int(cb.byte_offset or 0)), True)
+        if ta.stored_shape is not None:
+            return None
+        xa, xb = _raw_range(base_a, ta, ca), _raw_range(base_b, tb, cb)
+        if not (xa and xb and xa[2] == xb[2]):
+            return None
+        return (xa[0], xa[1], [(0, xa[2])], xb[0], xb[1]), False
+    part = cb if ca.sizes == ta.shape and cb.sizes != ta.shape else ca
+    xa, xb = _raw_range(base_a, ta, ca), _raw_range(base_b, tb, cb)
+    runs = _box_runs(ta.shape, part, dtype_itemsize(ta.dtype))
+    if not (xa and xb and runs is not None):
+        return None
+    spec = (xa[0], xa[1], runs, xb[0], xb[1]) if part is cb else (xb[0], xb[1], runs, xa[0],
+                                                                   xa[1])
+    return spec, False
+
+
+def _run(specs: list[tuple[Spec, bool] | None], done: Callable[[int], None]) -> list[bool]:
+    """``compare_all`` over the specs there are; False where there is none."""
+    index = [i for i, s in enumerate(specs) if s is not None]
+    ok = compare_all([specs[i][0] for i in index], lambda k: done(index[k]))
+    out = [False] * len(specs)
+    for i, v in zip(index, ok):
+        out[i] = v
+    return out

@@ -142,3 +142,41 @@ def test_identical_copy_is_compared_without_torch(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout.split()
     assert out == ["True", "17", "False"]
+
+
+def test_messages_are_plain_text(tmp_path):
+    """The verdict is printed as is: brackets in it ('[keys only]', a directory named like a
+    Rich tag) are not read as markup."""
+    copy = Path(shutil.copytree(MCORE, tmp_path / "run[red]" / "iter_0000010"))
+    result = runner.invoke(app, ["diff", "--keys-only", str(MCORE), str(copy)])
+    assert result.exit_code == 0
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.endswith("no differences [keys only]") and "run[red]" in line
+
+
+def test_program_start_up_json_path():
+    """As the ``ckpt`` program: ``--json`` output without Rich or torch imported; the
+    start-up objects are frozen out of the GC, which runs again for the command."""
+    code = ("import gc, runpy, sys\n"
+            f"sys.argv = ['ckpt', 'diff', '--json', {str(MCORE)!r}, {str(MCORE)!r}]\n"
+            "try:\n"
+            "    runpy.run_module('ckpt_tool', run_name='__main__', alter_sys=True)\n"
+            "except SystemExit as e:\n"
+            "    code = e.code\n"
+            "print(code, 'rich' in sys.modules, 'torch' in sys.modules, gc.isenabled(),\n"
+            "      gc.get_freeze_count() > 1000, file=sys.stderr)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert json.loads(out.stdout)["identical"] is True
+    assert out.stderr.split()[-5:] == ["0", "False", "False", "True", "True"], out.stderr
+
+
+def test_library_import_leaves_the_gc_alone():
+    """This module imported the app (pytest is not the program): the GC was not touched."""
+    import gc
+
+    from ckpt_tool.cli import _startup
+
+    assert gc.isenabled() and not _startup._paused[0]
+    _startup.pause_gc()  # not the program (pytest is): nothing happens
+    assert gc.isenabled() and not _startup._paused[0]

@@ -16,8 +16,8 @@ from safetensors.torch import save_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "formats"))
 from _builders import split_grid, write_mcore_dist  # noqa: E402
 
-import ckpt_tool.ops._diff_bytes as diff_bytes  # noqa: E402
 import ckpt_tool.ops._diff_values as diff_values  # noqa: E402
+import ckpt_tool.ops._diff_windows as diff_windows  # noqa: E402
 from ckpt_tool.errors import CkptError, UsageError  # noqa: E402
 from ckpt_tool.formats.base import open_checkpoint  # noqa: E402
 from ckpt_tool.ops.diff import diff, parse_rename  # noqa: E402
@@ -120,9 +120,9 @@ def test_modified_values_every_tensor_listed(mcore_copy):
 
 def test_without_memcmp_the_same_results(mcore_copy, monkeypatch):
     """Where no C library can be called, bytes are compared through read buffers."""
-    monkeypatch.setattr(diff_bytes, "memcmp", lambda: None)
+    monkeypatch.setattr(diff_windows, "memcmp", lambda: None)
     monkeypatch.setattr(diff_values, "_MEMCMP", None)
-    monkeypatch.setattr(diff_bytes, "_BLOCK", 4096)  # several windows per item
+    monkeypatch.setattr(diff_windows, "_BLOCK", 4096)  # several windows per item
     r = diff(MCORE, mcore_copy)
     assert r.identical and r.stats["tensors_equal_bytes"] == 17
     poke(mcore_copy, "output_layer.weight", (64, 0), (63, 63), 3.0)
@@ -182,7 +182,7 @@ def test_safetensors_and_torch_save_exports_are_equal(tmp_path):
 @pytest.mark.parametrize("block", [4096, 1 << 16])
 def test_small_windows_over_runs(tmp_path, monkeypatch, block):
     """Chunks compared against rows of an unchunked tensor, in many small mmap windows."""
-    monkeypatch.setattr(diff_bytes, "_BLOCK", block)
+    monkeypatch.setattr(diff_windows, "_BLOCK", block)
     sd = _export(tmp_path)
     save_file(sd, tmp_path / "model.safetensors")
     r = diff(tmp_path / "model.safetensors", MCORE)
