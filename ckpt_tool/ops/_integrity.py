@@ -2,39 +2,43 @@
 
 * Every ``torch.save`` archive the checkpoint stores -- each DCP item of a ``.distcp`` file,
   each whole Megatron-LM legacy rank file / torch.save file -- has the CRC32 of every zip
-  record checked (``torch.load`` does not), over a read-only mmap; the records are parsed by
-  ``formats._dcp_raw`` (no copies). Archives it cannot follow go through ``zipfile``
-  (:func:`check_zip_item`) for the verdict and its message.
-* With ``deep``, the same pass counts NaN/Inf of every tensor chunk on its zero-copy view
-  (exponent bits tested with numpy: torch is not imported), slab by slab right after the
-  slab's CRC (while it is in cache), small tensors in batches; chunks it cannot read in place
-  are left to the reader (``validate._deep``).
+  record checked (``torch.load`` does not), over a read-only mmap (no copies).
+* With ``deep``, the same pass counts NaN/Inf of every tensor chunk in place (exponent bits
+  tested with numpy: torch is not imported), right after its CRC (while it is in cache);
+  chunks it cannot read in place are left to the reader (``validate._deep``).
 * ``integrity.json`` sha256 digests.
 
-Files (and runs of items or records of big files) are spread over worker threads: the CRC
-(ISA-L's, ~12 GB/s per core; zlib's ~2 GB/s without ``isal``) and numpy release the GIL, so
-CRC and counting scale with the cores.
+DCP items -- thousands of small ``torch.save`` zips -- are checked in bulk, a batch of files at
+a time (``_scan_vector``: a fixed number of numpy operations per batch, one CRC call per
+record, small tensors counted a megabyte at a time); whole-file archives, and any item the bulk
+path does not prove plain, go through the per-item path (``_scan_item``), which gives every
+verdict and message. Batches (and runs of records of big files) are spread over worker
+threads: the CRC (ISA-L's, ~12 GB/s per core; zlib's ~2 GB/s without ``isal``), the mapping of
+files and numpy release the GIL.
 """
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
+import math
 import mmap
 import os
-import threading
-import zipfile
-from ckpt_tool._crc import crc32
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
-from ckpt_tool.formats._dcp_raw import (BoundedReader, NotSimple, ZipRecord, as_tensor,
-                                        check_zip_item, raw_item, zip_records)
+import numpy as np
+
+from ckpt_tool.formats._dcp_raw import BoundedReader, NotSimple, ZipRecord, check_zip_item, \
+    zip_records
 from ckpt_tool.model import CheckpointMeta
-from ckpt_tool.ops._checks import (Finding, NonfiniteBatch, count_slabs, crc32_counting, error,
-                                   nonfinite, warning)
+from ckpt_tool.ops._checks import Finding, error, warning
+from ckpt_tool.ops._mapping import map_ranges
+from ckpt_tool.ops._scan_item import Archive, Items, Out, Raw, Unit, check_slowly, scan_unit
+from ckpt_tool.ops._scan_vector import scan_items
 
 __all__ = ["BoundedReader", "check_zip_item", "scan_archives", "check_integrity_json"]
 
@@ -42,64 +46,13 @@ _ZIP_LAYOUTS = ("torch_save", "flat")
 _WHOLE_FILE_FORMATS = ("legacy", "torch")  # whole files that are torch.save zips
 _BLOCK = 1 << 20  # sha256 reads
 _SLAB = 4 << 20  # CRC and NaN/Inf counting alternate on slabs this big
-_SMALL = 256 << 10  # smaller tensors are counted in batches (NonfiniteBatch)
+_SMALL = 256 << 10  # smaller tensors are counted in batches
 _UNIT_BYTES = 256 << 20  # a big file's items are split into runs of about this many bytes
 _MAX_WORKERS = 16
-_local = threading.local()  # a NonfiniteBatch per worker thread
-
-
-@dataclass(frozen=True)
-class _Archive:
-    """A torch.save archive at ``[offset, offset+length)``: a DCP item (``what`` = "chunk
-    [..]" or "object") or a whole file (``what`` = "file"); ``count``: deep-count the tensor
-    of this DCP item for ``key`` (it must hold ``numel`` elements)."""
-
-    offset: int
-    length: int
-    key: str | None
-    what: str
-    count: bool = False
-    numel: int = -1
-
-
-@dataclass(frozen=True)
-class _Raw:
-    """A chunk stored as plain little-endian elements inside a whole-file archive (legacy)."""
-
-    offset: int
-    length: int
-    dtype: str
-    key: str
-
-
-@dataclass
-class _Unit:
-    """Work for one thread: archives of one file (or, for a big whole-file archive, a run of
-    its ``records``; ``part`` > 0 for all but the first run)."""
-
-    file: str
-    archives: list[_Archive] = field(default_factory=list)
-    raws: list[_Raw] = field(default_factory=list)
-    count_raws: bool = False
-    records: list[ZipRecord] | None = None
-    part: int = 0
-
-
-@dataclass
-class _Out:
-    findings: list[Finding] = field(default_factory=list)
-    counts: dict[str, list[int]] = field(default_factory=dict)  # key -> [nan, inf, chunks]
-    uncounted: set[str] = field(default_factory=set)
-    checked: int = 0
-    batch: Any = None
-
-    def add(self, key: str, nan: int, inf: int) -> None:
-        c = self.counts.setdefault(key, [0, 0, 0])
-        c[0], c[1], c[2] = c[0] + nan, c[1] + inf, c[2] + 1
-
-
-def _box(offsets: tuple[int, ...], sizes: tuple[int, ...]) -> str:
-    return "[" + ", ".join(f"{o}:{o + s}" for o, s in zip(offsets, sizes)) + "]"
+_ALIGN = mmap.ALLOCATIONGRANULARITY  # where a mapping of part of a file may start
+_BATCH_UNITS = 32  # DCP files checked in bulk together (each mapped meanwhile) ...
+_BATCH_BYTES = 64 << 20  # ... up to about this many bytes (batches are the threads' work)
+_THREAD_BYTES = 1 << 20  # a worker thread per this many bytes per archive or raw chunk
 
 
 def _record_runs(path: Path) -> list[list[ZipRecord]] | None:
@@ -123,191 +76,173 @@ def _record_runs(path: Path) -> list[list[ZipRecord]] | None:
 
 
 def _plan(base: Path, meta: CheckpointMeta, sizes: dict[str, int | None],
-          skip_objects: set[str], deep: bool) -> list[_Unit]:
-    whole = meta.format in _WHOLE_FILE_FORMATS
-    files: dict[str, _Unit] = {}
+          skip_objects: set[str], deep: bool) -> list[Unit]:
+    """The work, file by file in name order: a DCP file's items (runs of about
+    ``_UNIT_BYTES`` of a big file), or a whole-file archive (a big one's records in runs)."""
+    if meta.format in _WHOLE_FILE_FORMATS:
+        return _plan_files(base, meta, sizes, deep)
+    return _plan_items(meta, sizes, skip_objects, deep)
+
+
+def _plan_files(base: Path, meta: CheckpointMeta, sizes: dict[str, int | None],
+                deep: bool) -> list[Unit]:
+    files: dict[str, Unit] = {}
     for key, t in meta.tensors.items():
         for c in t.chunks:
-            if not c.file or c.transforms or c.byte_offset is None or c.byte_length is None:
-                continue
-            if whole and c.layout == "raw":
-                files.setdefault(c.file, _Unit(c.file, count_raws=deep)).raws.append(
-                    _Raw(c.byte_offset, c.byte_length, t.dtype, key))
-            elif not whole and c.layout in _ZIP_LAYOUTS:
-                files.setdefault(c.file, _Unit(c.file)).archives.append(_Archive(
-                    c.byte_offset, c.byte_length, key, f"chunk {_box(c.offsets, c.sizes)}",
-                    deep, c.numel))
+            if c.file and not c.transforms and c.layout == "raw" and c.byte_offset is not None \
+                    and c.byte_length is not None:
+                files.setdefault(c.file, Unit(c.file, count_raws=deep)).raws.append(
+                    Raw(c.byte_offset, c.byte_length, t.dtype, key))
     for o in meta.objects:
-        if not o.file:
-            continue
-        if whole:
-            files.setdefault(o.file, _Unit(o.file, count_raws=deep))
-        elif o.unique_key not in skip_objects and o.byte_offset is not None \
-                and o.byte_length is not None:
-            files.setdefault(o.file, _Unit(o.file)).archives.append(
-                _Archive(o.byte_offset, o.byte_length, o.unique_key, "object"))
+        if o.file:
+            files.setdefault(o.file, Unit(o.file, count_raws=deep))
     units = []
     for name in sorted(files):
         u, size = files[name], sizes.get(name)
         if size is None:
             continue  # reported by check_storage
-        if whole:
-            u.archives.append(_Archive(0, size, None, "file"))
-            runs = _record_runs(base / name) if size > _UNIT_BYTES else None
-            if runs is None or len(runs) == 1:
-                units.append(u)
-                continue
-            for i, run in enumerate(runs):  # a big file: its records over several threads
-                lo, hi = run[0].start, run[-1].start + run[-1].size
-                units.append(_Unit(name, u.archives, [r for r in u.raws if lo <= r.offset < hi],
-                                   u.count_raws, run, i))
+        u.archives.append(Archive(0, size, None, "file"))
+        u.nbytes = size
+        runs = _record_runs(base / name) if size > _UNIT_BYTES else None
+        if runs is None or len(runs) == 1:
+            units.append(u)
             continue
-        u.archives.sort(key=lambda a: a.offset)
-        run: list[_Archive] = []
-        run_bytes = 0
-        for a in u.archives:
-            run.append(a)
-            run_bytes += a.length
-            if run_bytes >= _UNIT_BYTES:
-                units.append(_Unit(name, run))
-                run, run_bytes = [], 0
-        if run:
-            units.append(_Unit(name, run))
+        for i, run in enumerate(runs):  # a big file: its records over several threads
+            lo, hi = run[0].start, run[-1].start + run[-1].size
+            units.append(Unit(name, u.archives, [r for r in u.raws if lo <= r.offset < hi],
+                              u.count_raws, run, i, nbytes=sum(r.size for r in run)))
     return units
 
 
-def _bad_crc(rec: ZipRecord, got: int) -> str:
-    return f"Bad CRC-32 for file {rec.name!r} (computed {got:08x}, recorded {rec.crc:08x})"
+def _plan_items(meta: CheckpointMeta, sizes: dict[str, int | None], skip_objects: set[str],
+                deep: bool) -> list[Unit]:
+    """DCP items, gathered column-wise (thousands of them: no object per item)."""
+    files: dict[str, int] = {}
+    cols: tuple[list[Any], ...] = ([], [], [], [], [], [])  # file, offset, length, kid, numel
+    file, offset, length, kid, numel, refs = (x.append for x in cols)  # ... and the chunk
+    prod = math.prod
+    for k, t in enumerate(meta.tensors.values()):
+        for c in t.chunks:
+            o, n, name = c.byte_offset, c.byte_length, c.file
+            if o is None or n is None or not name or c.transforms or c.layout not in _ZIP_LAYOUTS:
+                continue
+            f = files.get(name)
+            if f is None:
+                f = files[name] = len(files)
+            file(f)
+            offset(o)
+            length(n)
+            kid(k)
+            numel(prod(c.sizes) if deep else -1)
+            refs(c)
+    for o in meta.objects:  # (the objects' items)
+        if o.file and o.unique_key not in skip_objects and o.byte_offset is not None \
+                and o.byte_length is not None:
+            file(files.setdefault(o.file, len(files)))
+            offset(o.byte_offset)
+            length(o.byte_length)
+            kid(-1)
+            numel(-1)
+            refs(o.unique_key)
+    names = sorted(files)
+    rank = np.empty(len(names), np.int64)
+    rank[[files[n] for n in names]] = np.arange(len(names))
+    f_rank = rank[np.array(cols[0], dtype=np.int64)]
+    order = np.lexsort((np.array(cols[1], dtype=np.int64), f_rank))
+    f_rank, off, ln, kids, numels = (np.asarray(x, dtype=np.int64)[order]
+                                     for x in (f_rank, *cols[1:5]))
+    chunks = [cols[5][i] for i in order.tolist()]
+    cut = np.searchsorted(f_rank, np.arange(len(names) + 1)).tolist()
+    cum = np.concatenate([[0], np.cumsum(ln)])
+    cum_l = cum.tolist()
+    items = Items(off, ln, kids, numels, chunks, list(meta.tensors), deep)
+    units = []
+    for r, name in enumerate(names):
+        if sizes.get(name) is None:
+            continue  # reported by check_storage
+        start, stop = cut[r], cut[r + 1]
+        while start < stop:  # runs of about _UNIT_BYTES
+            end = stop if cum_l[stop] - cum_l[start] < _UNIT_BYTES else min(stop, int(
+                np.searchsorted(cum, cum_l[start] + _UNIT_BYTES)))
+            units.append(Unit(name, items=items, lo=start, hi=end,
+                              nbytes=cum_l[end] - cum_l[start]))
+            start = end
+    return units
 
 
-def _records(f: Any, item: memoryview, a: _Archive, u: _Unit, out: _Out
-             ) -> list[ZipRecord] | None:
-    """The archive's records, or None after ``zipfile`` gave its verdict on an archive the
-    raw parser cannot follow (or when a whole file is not a zip: the reader reports that)."""
+def _scan_batch(base: Path, units: list[Unit], sizes: dict[str, int | None]) -> list[Out]:
+    """The results of DCP-item units (the bulk counts first, then the per-item findings in
+    unit order): most items checked in bulk (``_scan_vector.scan_items``) over one mapping of
+    all their files, the others -- and files that cannot be mapped -- by the per-item path
+    (``_scan_item``)."""
+    items = units[0].items
+    per_unit = [u.hi - u.lo for u in units]  # each unit has items
+    unit = np.repeat(np.arange(len(units)), per_unit)
+    if all(a.hi == b.lo for a, b in zip(units, units[1:])):  # consecutive: a slice
+        index: Any = slice(units[0].lo, units[-1].hi)
+    else:
+        index = np.concatenate([np.arange(u.lo, u.hi) for u in units])
+    off, ln, kid, numel = (x[index] for x in (items.offset, items.length, items.kid,
+                                              items.numel))
+    size = np.array([int(sizes[u.file] or 0) for u in units], dtype=np.int64)
+    inside = (off >= 0) & (off + ln <= size[unit])  # else: reported by check_storage
+    firsts = np.cumsum(per_unit) - per_unit
+    lo = np.minimum.reduceat(np.where(inside, off, np.iinfo(np.int64).max), firsts)
+    hi = np.maximum.reduceat(np.where(inside, off + ln, -1), firsts)
+    todo = np.flatnonzero(hi >= 0).tolist()
+    lo = np.where(hi >= 0, lo, 0) // _ALIGN * _ALIGN
+    regions = map_ranges([(base / units[i].file, int(lo[i]), int(hi[i])) for i in todo])
+    bulk, outs = Out(), [None] * len(units)
     try:
-        records = zip_records(item)
-        if records and all(r.stored for r in records):
-            return records
-    except NotSimple:
-        pass
-    if a.count:
-        out.uncounted.add(str(a.key))
-    if a.what == "file" and not zipfile.is_zipfile(f):
-        return None
-    why = check_zip_item(f, a.offset, a.length)
-    if why is not None:
-        out.findings.append(error(f"{a.what} at bytes [{a.offset}, {a.offset + a.length}): "
-                                  f"{why}", key=a.key, file=u.file))
-    return None
-
-
-def _tensor(item: memoryview, records: list[ZipRecord], a: _Archive) -> Any:
-    """The DCP item's RawItem when it is to be counted in place, else None."""
-    if not a.count:
-        return None
-    try:
-        raw = raw_item(item, records)
-    except NotSimple:
-        return None
-    return raw if raw.numel == a.numel else None  # a mismatch: the reader reports it
-
-
-def _check_archive(f: Any, item: memoryview, a: _Archive, u: _Unit, out: _Out) -> None:
-    out.checked += u.part == 0
-    records = _records(f, item, a, u, out) if u.records is None else u.records
-    if records is None:
-        return
-    raw = _tensor(item, records, a)
-    span = None if raw is None else raw.dense_span()
-    counts: tuple[int, int] | None = None
-    batched = False
-    for r in records:
-        with item[r.start:r.start + r.size] as rec:
-            if span is not None and r is raw.record:
-                lo, hi = span[0] * raw.itemsize, span[1] * raw.itemsize
-                if hi - lo <= _SMALL:
-                    crc = crc32(rec)
-                    with rec[lo:hi] as data:
-                        out.batch.add(str(a.key), data, raw.dtype)
-                    batched = True
-                else:
-                    crc, counts = crc32_counting(rec, (lo, hi), raw.dtype, _SLAB)
-            else:
-                crc = crc32(rec)
-        if crc != r.crc:
-            bad = f"damaged torch.save archive ({_bad_crc(r, crc)})"
-            if a.what != "file":
-                out.findings.append(error(f"{a.what} at bytes [{a.offset}, "
-                                          f"{a.offset + a.length}): {bad}", key=a.key,
-                                          file=u.file))
-                break
-            keys = sorted({x.key for x in u.raws if r.start <= x.offset < r.start + r.size})
-            out.findings.append(error(f"zip record {r.name} at bytes [{r.start}, "
-                                      f"{r.start + r.size}): {bad}",
-                                      key=keys[0] if keys else None, file=u.file))
-    if raw is not None and span is None:  # a strided view that skips or repeats elements
-        try:
-            t = as_tensor(raw)
-            counts = nonfinite(t)
-            del t
-        except Exception:  # noqa: BLE001 - left to the reader, which reports it
-            counts = None
-    if a.count and not batched:
-        if counts is None:
-            out.uncounted.add(str(a.key))
-        else:
-            out.add(str(a.key), *counts)
-    if raw is not None:
-        try:
-            raw.data.release()
-        except BufferError:
-            pass
-
-
-def _scan_unit(base: Path, u: _Unit, size: int) -> _Out:
-    out = _Out()
-    try:
-        f = open(base / u.file, "rb")
-    except OSError as exc:
-        out.findings.append(error(f"cannot open data file ({exc.strerror})", file=u.file))
-        return out
-    with f:
-        if size == 0:
-            return out
-        try:
-            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        except (OSError, ValueError) as exc:
-            out.findings.append(error(f"cannot map data file ({exc})", file=u.file))
-            return out
-        try:
-            mapped.madvise(mmap.MADV_SEQUENTIAL)
-        except (AttributeError, OSError):
-            pass
-        view = memoryview(mapped)
-        out.batch = getattr(_local, "batch", None) or NonfiniteBatch(out.add)
-        _local.batch, out.batch.done = None, out.add  # back to the thread once flushed
-        try:
-            for a in u.archives:
-                if 0 <= a.offset and a.offset + a.length <= size:  # else: check_storage
-                    with view[a.offset:a.offset + a.length] as item:
-                        _check_archive(f, item, a, u, out)
-            for r in u.raws if u.count_raws else ():
-                if r.offset < 0 or r.offset + r.length > size:
-                    continue  # never counted: the reader reports it
-                with view[r.offset:r.offset + r.length] as data:
-                    if r.length <= _SMALL:
-                        out.batch.add(r.key, data, r.dtype)
-                    else:
-                        out.add(r.key, *count_slabs(data, r.dtype, _SLAB))
-            out.batch.flush()
-            _local.batch = out.batch
-        finally:
-            view.release()
+        for region, at in regions:
+            mine = [(i, place - int(lo[i])) for i, place in zip(todo, at) if place is not None]
+            shift = np.zeros(len(units), np.int64)
+            shift[[i for i, _ in mine]] = [d for _, d in mine]
+            sel = np.flatnonzero(inside & np.isin(unit, [i for i, _ in mine]))
+            count = (kid[sel] >= 0) & items.deep
+            done, nan, inf = scan_items(region, off[sel] + shift[unit[sel]], ln[sel], count,
+                                        numel[sel], small=_SMALL, slab=_SLAB)
+            bulk.checked += int(done.sum())
+            bulk.add_bulk(kid[sel][count & done], nan[count & done], inf[count & done])
+            for i, _ in mine:
+                outs[i] = Out()
+            if not done.all():
+                _slowly(base, units, region, sel[~done], unit, firsts, shift, outs)
+    finally:
+        for region, _ in regions:
             try:
-                mapped.close()
-            except BufferError:
+                region.close()
+            except BufferError:  # a view still held (by the per-item path): unmapped later
                 pass
-    return out
+    return [bulk] + [out if out is not None else scan_unit(base, u, int(s), _SMALL, _SLAB)
+                     for u, out, s in zip(units, outs, size.tolist())
+                     if out is None or out.findings or out.counts or out.uncounted or out.checked]
+
+
+def _slowly(base: Path, units: list[Unit], region: Any, left: np.ndarray, unit: np.ndarray,
+            firsts: np.ndarray, shift: np.ndarray, outs: list[Any]) -> None:
+    """The per-item path for the items ``left`` (indices into the batch's items; ``unit[i]``
+    their unit, whose first item is ``firsts[unit]``) that the bulk path left, by unit."""
+    with memoryview(region) as view:
+        for i in sorted(set(unit[left].tolist())):
+            u = units[i]
+            archives = [u.items.archive(u.lo + j - int(firsts[i]))
+                        for j in left[unit[left] == i].tolist()]
+            check_slowly(base, view, int(shift[i]), archives, u, outs[i], _SMALL, _SLAB)
+
+
+@contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Python's cycle collector paused: the scan makes tens of thousands of short-lived
+    containers (freed by reference counting, no cycles), and each collection would walk them
+    again (~5% of the time of a scan of small items)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _workers() -> int:
@@ -318,8 +253,47 @@ def _workers() -> int:
     return max(1, min(_MAX_WORKERS, n))
 
 
-def _unit_bytes(u: Any) -> int:
-    return sum(r.size for r in u.records) if u.records else sum(a.length for a in u.archives)
+def _whole(u: Unit) -> bool:
+    """Whether the unit is (a run of records of) a whole-file archive, not DCP items."""
+    return u.items is None
+
+
+def _run(base: Path, units: list[Unit], sizes: dict[str, int | None]) -> list[Out]:
+    """The results (findings in unit order): DCP-item units in batches (:func:`_scan_batch`),
+    whole-file archives one unit at a time, over worker threads."""
+    jobs: list[list[int]] = []
+    batch: list[int] = []
+    batch_bytes = 0
+    for i, u in enumerate(units):
+        if _whole(u):
+            jobs.append([i])
+            continue
+        batch.append(i)
+        batch_bytes += u.nbytes
+        if len(batch) == _BATCH_UNITS or batch_bytes >= _BATCH_BYTES:
+            jobs.append(batch)
+            batch, batch_bytes = [], 0
+    if batch:
+        jobs.append(batch)
+
+    def one(job: list[int]) -> list[Out]:
+        u = units[job[0]]
+        if _whole(u):
+            return [scan_unit(base, u, int(sizes[u.file] or 0), _SMALL, _SLAB)]
+        return _scan_batch(base, [units[i] for i in job], sizes)
+
+    # Every CRC call and numpy operation releases the GIL and takes it back: threads pay off
+    # only when each of those works on enough bytes; on small items, hand-offs of the GIL
+    # between threads cost more than they save.
+    pieces = sum(u.hi - u.lo if u.items else len(u.archives) + len(u.raws) for u in units)
+    nbytes = sum(u.nbytes for u in units)
+    workers = max(1, min(_workers(), len(jobs), round(nbytes / max(pieces, 1) / _THREAD_BYTES)))
+    if workers > 1:  # the CRC and numpy release the GIL on the bytes
+        with ThreadPoolExecutor(workers, thread_name_prefix="ckpt-scan") as pool:
+            parts = list(pool.map(one, jobs))
+    else:
+        parts = [one(job) for job in jobs]
+    return [r for part in parts for r in part]
 
 
 def scan_archives(base: Path, meta: CheckpointMeta, sizes: dict[str, int | None],
@@ -336,39 +310,45 @@ def scan_archives(base: Path, meta: CheckpointMeta, sizes: dict[str, int | None]
 
     job = ranks or Ranks()  # only when every rank of the job runs this scan
     if job.world > 1:  # under torchrun each rank scans its share of the bytes
-        share = set(split_by_bytes([(i, max(1, _unit_bytes(u))) for i, u in enumerate(units)],
+        share = set(split_by_bytes([(i, max(1, u.nbytes)) for i, u in enumerate(units)],
                                    job.world)[job.rank])
         units = [u for i, u in enumerate(units) if i in share]
-    # Python's per-archive work holds the GIL (~30 us); only the bytes (CRC, counting) run in
-    # parallel: more threads than the bytes can keep busy only contend for the GIL.
-    n = sum(len(u.archives) for u in units)
-    nbytes = sum(sum(r.size for r in u.records) if u.records else
-                 sum(a.length for a in u.archives) for u in units)
-    workers = max(1, min(_workers(), len(units), round(nbytes / 2e9 / max(n * 30e-6, 1e-9))))
-    if workers > 1:  # the CRC and numpy release the GIL on the bytes
-        with ThreadPoolExecutor(workers, thread_name_prefix="ckpt-scan") as pool:
-            results = list(pool.map(
-                lambda u: _scan_unit(base, u, int(sizes[u.file] or 0)), units))
-    else:
-        results = [_scan_unit(base, u, int(sizes[u.file] or 0)) for u in units]
+    with _gc_paused():
+        results = _run(base, units, sizes)
     if job.world > 1:  # every rank gets every result: the verdict is the same everywhere
-        plain = [_Out(r.findings, {k: [int(x) for x in v] for k, v in r.counts.items()},
-                      set(r.uncounted), int(r.checked)) for r in results]  # picklable
+        plain = [Out(r.findings, {k: [int(x) for x in v] for k, v in r.counts.items()},
+                     set(r.uncounted), int(r.checked), None, r.bulk)
+                 for r in results]  # picklable
         parts = job.gather(plain)
         results = job.broadcast([x for part in parts for x in part] if parts else None)
     findings: list[Finding] = []
-    counts: dict[str, list[int]] = {}
-    uncounted: set[str] = set()
     for r in results:
         findings.extend(r.findings)
-        uncounted |= r.uncounted
-        for k, (n, i, c) in r.counts.items():
-            acc = counts.setdefault(k, [0, 0, 0])
-            acc[0], acc[1], acc[2] = acc[0] + n, acc[1] + i, acc[2] + c
     stats["zip_items_checked"] = sum(r.checked for r in results)
-    counted = {k: (n, i) for k, (n, i, c) in counts.items()
-               if k not in uncounted and c == len(meta.tensors[k].chunks)}
-    return findings, counted
+    return findings, _counted(meta, results)
+
+
+def _counted(meta: CheckpointMeta, results: list[Out]) -> dict[str, tuple[int, int]]:
+    """``{key: (NaN, Inf)}`` of the tensors whose every chunk was counted."""
+    keys = list(meta.tensors)
+    kid, nan, inf = (np.concatenate([np.asarray(r.bulk[j], dtype=np.int64) for r in results
+                                     if r.bulk is not None] + [np.zeros(0, np.int64)])
+                     for j in range(3))
+    total = np.stack([np.bincount(kid, weights=nan, minlength=len(keys)),
+                      np.bincount(kid, weights=inf, minlength=len(keys)),
+                      np.bincount(kid, minlength=len(keys))]).astype(np.int64)
+    uncounted: set[str] = set()
+    if any(r.counts or r.uncounted for r in results):
+        index = {k: i for i, k in enumerate(keys)}
+        for r in results:
+            uncounted |= r.uncounted
+            for k, v in r.counts.items():
+                total[:, index[k]] += v
+    chunks = np.array([len(t.chunks) for t in meta.tensors.values()], dtype=np.int64)
+    done = np.flatnonzero((total[2] == chunks) & (total[2] > 0))
+    return {keys[i]: (n, f) for i, n, f in zip(done.tolist(), total[0, done].tolist(),
+                                                total[1, done].tolist())
+            if keys[i] not in uncounted}
 
 
 def _sha256(path: Path) -> str:

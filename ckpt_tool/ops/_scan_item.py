@@ -1,0 +1,290 @@
+"""The per-item path of ``validate``'s integrity pass (``_integrity``), and its work units.
+
+Each ``torch.save`` archive is parsed on its own by ``formats._dcp_raw`` over a read-only mmap
+(no copies): the CRC32 of every zip record checked and, with ``deep``, the NaN/Inf of its
+tensor counted on the zero-copy view, slab by slab right after the slab's CRC, small tensors in
+batches (``NonfiniteBatch``). Archives the raw parser cannot follow go through ``zipfile``
+(:func:`check_zip_item`) for the verdict and its message. Whole-file archives (Megatron-LM
+legacy rank files, torch.save files) always take this path; DCP items take it when the bulk
+path (``_scan_vector``) leaves them, which gives the same findings, only more slowly.
+"""
+
+from __future__ import annotations
+
+import mmap
+import threading
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from ckpt_tool._crc import crc32
+from ckpt_tool.formats._dcp_raw import (NotSimple, ZipRecord, as_tensor, check_zip_item,
+                                        raw_item, zip_records)
+from ckpt_tool.ops._checks import (Finding, NonfiniteBatch, count_slabs, crc32_counting, error,
+                                   nonfinite)
+
+__all__ = ["Archive", "Raw", "Items", "Unit", "Out", "scan_unit", "check_slowly"]
+
+_local = threading.local()  # a NonfiniteBatch per worker thread
+
+
+class Archive(NamedTuple):
+    """A torch.save archive at ``[offset, offset+length)``: the DCP item of ``chunk`` (a
+    ``ChunkRef``; ``kind`` "chunk") or of an object, or a whole file (``kind`` "file");
+    ``count``: deep-count the tensor of this DCP item for ``key`` (``numel`` elements; ``kid``
+    the key's index in ``meta.tensors``)."""
+
+    offset: int
+    length: int
+    key: str | None
+    kind: str  # "chunk", "object" or "file"
+    chunk: Any = None
+    count: bool = False
+    numel: int = -1
+    kid: int = -1
+
+    @property
+    def what(self) -> str:
+        """How findings name it: "chunk [..]", "object" or "file"."""
+        if self.kind == "chunk":
+            return f"chunk {_box(self.chunk.offsets, self.chunk.sizes)}"
+        return self.kind
+
+
+@dataclass(frozen=True)
+class Raw:
+    """A chunk stored as plain little-endian elements inside a whole-file archive (legacy)."""
+
+    offset: int
+    length: int
+    dtype: str
+    key: str
+
+
+@dataclass
+class Items:
+    """DCP items column-wise (numpy arrays), file by file and by offset: ``kid`` the tensor's
+    index in ``keys`` (its chunk ``refs[i]``), or -1 for an object (its unique key
+    ``refs[i]``); ``numel``: elements of the chunk; tensors are counted when ``deep``."""
+
+    offset: Any
+    length: Any
+    kid: Any
+    numel: Any
+    refs: list[Any]
+    keys: list[str]
+    deep: bool
+
+    def archive(self, i: int) -> Archive:
+        """Item ``i`` for the per-item path."""
+        k, ref = int(self.kid[i]), self.refs[i]
+        if k < 0:
+            return Archive(int(self.offset[i]), int(self.length[i]), ref, "object")
+        return Archive(int(self.offset[i]), int(self.length[i]), self.keys[k], "chunk", ref,
+                       self.deep, int(self.numel[i]), k)
+
+
+@dataclass
+class Unit:
+    """Work for one thread: DCP items ``[lo, hi)`` of ``items``, all of one file (a run of
+    them in a big file), or ``archives`` of one file (for a big whole-file archive, a run of
+    its ``records``; ``part`` > 0 for all but the first run); ``nbytes``: their bytes."""
+
+    file: str
+    archives: list[Archive] = field(default_factory=list)
+    raws: list[Raw] = field(default_factory=list)
+    count_raws: bool = False
+    records: list[ZipRecord] | None = None
+    part: int = 0
+    items: Items | None = None
+    lo: int = 0
+    hi: int = 0
+    nbytes: int = 0
+
+
+@dataclass
+class Out:
+    """What a unit (or a batch of units) found: ``counts`` and ``uncounted`` by key from the
+    per-item path, ``bulk`` from the bulk path; ``checked``, the archives checked."""
+
+    findings: list[Finding] = field(default_factory=list)
+    counts: dict[str, list[int]] = field(default_factory=dict)  # key -> [nan, inf, chunks]
+    uncounted: set[str] = field(default_factory=set)
+    checked: int = 0
+    batch: Any = None
+    bulk: tuple[Any, Any, Any] | None = None  # arrays: kid, nan, inf of chunks counted in bulk
+
+    def add(self, key: str, nan: int, inf: int) -> None:
+        c = self.counts.setdefault(key, [0, 0, 0])
+        c[0], c[1], c[2] = c[0] + nan, c[1] + inf, c[2] + 1
+
+    def add_bulk(self, kid: Any, nan: Any, inf: Any) -> None:
+        """Counts of chunks of tensors ``kid`` (arrays)."""
+        if self.bulk is not None:
+            kid, nan, inf = (np.concatenate([a, b]) for a, b in zip(self.bulk, (kid, nan, inf)))
+        self.bulk = (kid, nan, inf)
+
+
+def _box(offsets: tuple[int, ...], sizes: tuple[int, ...]) -> str:
+    return "[" + ", ".join(f"{o}:{o + s}" for o, s in zip(offsets, sizes)) + "]"
+
+
+def _bad_crc(rec: ZipRecord, got: int) -> str:
+    return f"Bad CRC-32 for file {rec.name!r} (computed {got:08x}, recorded {rec.crc:08x})"
+
+
+def _records(f: Any, item: memoryview, a: Archive, u: Unit, out: Out
+             ) -> list[ZipRecord] | None:
+    """The archive's records, or None after ``zipfile`` gave its verdict on an archive the
+    raw parser cannot follow (or when a whole file is not a zip: the reader reports that)."""
+    try:
+        records = zip_records(item)
+        if records and all(r.stored for r in records):
+            return records
+    except NotSimple:
+        pass
+    if a.count:
+        out.uncounted.add(str(a.key))
+    if a.what == "file" and not zipfile.is_zipfile(f):
+        return None
+    why = check_zip_item(f, a.offset, a.length)
+    if why is not None:
+        out.findings.append(error(f"{a.what} at bytes [{a.offset}, {a.offset + a.length}): "
+                                  f"{why}", key=a.key, file=u.file))
+    return None
+
+
+def _tensor(item: memoryview, records: list[ZipRecord], a: Archive) -> Any:
+    """The DCP item's RawItem when it is to be counted in place, else None."""
+    if not a.count:
+        return None
+    try:
+        raw = raw_item(item, records)
+    except NotSimple:
+        return None
+    return raw if raw.numel == a.numel else None  # a mismatch: the reader reports it
+
+
+def _check_archive(f: Any, item: memoryview, a: Archive, u: Unit, out: Out, small: int,
+                   slab: int) -> None:
+    out.checked += u.part == 0
+    records = _records(f, item, a, u, out) if u.records is None else u.records
+    if records is None:
+        return
+    raw = _tensor(item, records, a)
+    span = None if raw is None else raw.dense_span()
+    counts: tuple[int, int] | None = None
+    batched = False
+    for r in records:
+        with item[r.start:r.start + r.size] as rec:
+            if span is not None and r is raw.record:
+                lo, hi = span[0] * raw.itemsize, span[1] * raw.itemsize
+                if hi - lo <= small:
+                    crc = crc32(rec)
+                    with rec[lo:hi] as data:
+                        out.batch.add(str(a.key), data, raw.dtype)
+                    batched = True
+                else:
+                    crc, counts = crc32_counting(rec, (lo, hi), raw.dtype, slab)
+            else:
+                crc = crc32(rec)
+        if crc != r.crc:
+            bad = f"damaged torch.save archive ({_bad_crc(r, crc)})"
+            if a.what != "file":
+                out.findings.append(error(f"{a.what} at bytes [{a.offset}, "
+                                          f"{a.offset + a.length}): {bad}", key=a.key,
+                                          file=u.file))
+                break
+            keys = sorted({x.key for x in u.raws if r.start <= x.offset < r.start + r.size})
+            out.findings.append(error(f"zip record {r.name} at bytes [{r.start}, "
+                                      f"{r.start + r.size}): {bad}",
+                                      key=keys[0] if keys else None, file=u.file))
+    if raw is not None and span is None:  # a strided view that skips or repeats elements
+        try:
+            t = as_tensor(raw)
+            counts = nonfinite(t)
+            del t
+        except Exception:  # noqa: BLE001 - left to the reader, which reports it
+            counts = None
+    if a.count and not batched:
+        if counts is None:
+            out.uncounted.add(str(a.key))
+        else:
+            out.add(str(a.key), *counts)
+    if raw is not None:
+        try:
+            raw.data.release()
+        except BufferError:
+            pass
+
+
+def scan_unit(base: Path, u: Unit, size: int, small: int, slab: int) -> Out:
+    """Check every archive (and count the raw chunks) of ``u`` in its ``size``-byte file;
+    tensors of at most ``small`` bytes are counted in batches, bigger ones in slabs."""
+    out = Out()
+    if u.items is not None:
+        u = Unit(u.file, [u.items.archive(i) for i in range(u.lo, u.hi)])
+    try:
+        f = open(base / u.file, "rb")
+    except OSError as exc:
+        out.findings.append(error(f"cannot open data file ({exc.strerror})", file=u.file))
+        return out
+    with f:
+        if size == 0:
+            return out
+        try:
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except (OSError, ValueError) as exc:
+            out.findings.append(error(f"cannot map data file ({exc})", file=u.file))
+            return out
+        try:
+            mapped.madvise(mmap.MADV_SEQUENTIAL)
+        except (AttributeError, OSError):
+            pass
+        view = memoryview(mapped)
+        out.batch = getattr(_local, "batch", None) or NonfiniteBatch(out.add)
+        _local.batch, out.batch.done = None, out.add  # back to the thread once flushed
+        try:
+            for a in u.archives:
+                if 0 <= a.offset and a.offset + a.length <= size:  # else: check_storage
+                    with view[a.offset:a.offset + a.length] as item:
+                        _check_archive(f, item, a, u, out, small, slab)
+            for r in u.raws if u.count_raws else ():
+                if r.offset < 0 or r.offset + r.length > size:
+                    continue  # never counted: the reader reports it
+                with view[r.offset:r.offset + r.length] as data:
+                    if r.length <= small:
+                        out.batch.add(r.key, data, r.dtype)
+                    else:
+                        out.add(r.key, *count_slabs(data, r.dtype, slab))
+            out.batch.flush()
+            _local.batch = out.batch
+        finally:
+            view.release()
+            try:
+                mapped.close()
+            except BufferError:
+                pass
+    return out
+
+
+def check_slowly(base: Path, view: memoryview, shift: int, archives: list[Archive], u: Unit,
+                 out: Out, small: int, slab: int) -> None:
+    """:func:`_check_archive` of each of ``archives`` of ``u``, at ``offset + shift`` of
+    ``view`` (a mapping of its file)."""
+    try:
+        f = open(base / u.file, "rb")
+    except OSError as exc:  # gone since it was mapped
+        out.findings.append(error(f"cannot open data file ({exc.strerror})", file=u.file))
+        return
+    out.batch = getattr(_local, "batch", None) or NonfiniteBatch(out.add)
+    _local.batch, out.batch.done = None, out.add
+    with f:
+        for a in archives:
+            with view[a.offset + shift:a.offset + shift + a.length] as item:
+                _check_archive(f, item, a, u, out, small, slab)
+    out.batch.flush()
+    _local.batch = out.batch
