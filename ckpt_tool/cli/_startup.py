@@ -1,8 +1,7 @@
 """Start-up of the ``ckpt`` program itself (not of ``ckpt_tool.cli`` imported as a library).
 
-Importing typer, pydantic (typer coerces every parameter through it) and Rich creates a few
-hundred thousand long-lived objects; the cyclic GC would walk them again and again while they
-load, and once more at exit. So :func:`pause_gc` stops the collector before those imports and
+Importing typer and Rich creates many long-lived objects; the cyclic GC would walk them again
+and again while they load, and once more at exit. So :func:`pause_gc` stops the collector before those imports and
 :func:`resume_gc`, when the command body starts, moves everything alive then into the permanent
 generation (``gc.freeze``: never collected, never walked again) and turns the collector back on
 for the command's own objects. Together about 30-40 ms of a ~0.2 s ``ckpt diff --keys-only``.

@@ -11,7 +11,6 @@ import typer  # noqa: E402
 from ckpt_tool import __version__  # noqa: E402
 from ckpt_tool.cli._errors import state  # noqa: E402
 from ckpt_tool.cli._output import quiet_unless_main_rank  # noqa: E402
-from ckpt_tool.cli._pending import register_pending  # noqa: E402
 
 app = typer.Typer(
     name="ckpt",
@@ -48,13 +47,11 @@ def _register() -> None:
     from ckpt_tool.cli import reshard as reshard_cmd
     from ckpt_tool.cli import validate as validate_cmd
 
-    built = {"inspect", "validate", "diff", "convert", "reshard"}
     app.command("inspect")(inspect_cmd.inspect)
     app.command("validate")(validate_cmd.validate)
     app.command("reshard")(reshard_cmd.reshard)
     app.command("convert")(convert_cmd.convert)
     app.command("diff")(diff_cmd.diff)
-    register_pending(app, built)
 
 
 _register()
