@@ -15,14 +15,23 @@ import os
 import sys
 
 
-def exit_cleanly(code: int = 0) -> None:
-    """Barrier, destroy the default process group (if any), flush stdio, ``os._exit(code)``."""
-    try:
-        import torch.distributed as dist
+def group_initialized() -> bool:
+    """A default process group exists (never imports torch: a run without one has not)."""
+    dist = sys.modules.get("torch.distributed")
+    return dist is not None and dist.is_available() and dist.is_initialized()
 
-        if dist.is_available() and dist.is_initialized():
+
+def exit_cleanly(code: int = 0) -> None:
+    """Barrier (only for exit codes 0 and 1, ok and findings: every rank reached the same
+    verdict; an error, 2 or other, may be one rank's alone), destroy the default
+    process group (if any), run the exit handlers, flush stdio, ``os._exit(code)``."""
+    try:
+        if group_initialized():
+            import torch.distributed as dist
+
             try:
-                dist.barrier()
+                if code in (0, 1):
+                    dist.barrier()
             finally:
                 dist.destroy_process_group()
     finally:

@@ -1,5 +1,6 @@
 """Root of the ``ckpt`` command: global options and command registration."""
 
+import sys
 from typing import Annotated, Optional
 
 from ckpt_tool.cli._startup import pause_gc
@@ -58,5 +59,21 @@ _register()
 
 
 def main() -> None:
-    """Console-script entry point."""
-    app()
+    """Console-script entry point. Under torchrun, once a process group exists, the process
+    leaves through ``exit_cleanly`` (gloo's threads can abort a normal interpreter exit)."""
+    from ckpt_tool._torchrun import exit_cleanly, group_initialized
+
+    code: object = 0
+    try:
+        app()
+    except SystemExit as exc:
+        if not group_initialized():
+            raise
+        code = exc.code
+    if not group_initialized():
+        return
+    if not isinstance(code, int):
+        if code is not None:
+            print(code, file=sys.stderr)
+        code = 0 if code is None else 1
+    exit_cleanly(code)

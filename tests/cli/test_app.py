@@ -28,3 +28,37 @@ def test_every_command_has_help(name):
     result = runner.invoke(app, [name, "--help"])
     assert result.exit_code == 0
     assert result.output.strip()
+
+
+@pytest.mark.parametrize("argv, code", [(["--version"], 0), (["inspect", "/nonexistent"], 2)])
+def test_under_a_process_group_main_leaves_through_exit_cleanly(monkeypatch, argv, code):
+    """gloo's threads can abort a normal interpreter exit ("terminate called without an active
+    exception"): with a process group, ``ckpt`` ends in ``exit_cleanly`` with its exit code."""
+    import sys
+
+    import ckpt_tool._torchrun as tr
+    from ckpt_tool.cli import app as app_module
+
+    left = []
+
+    def fake_exit(c):
+        left.append(c)
+        raise SystemExit(c)
+
+    monkeypatch.setattr(tr, "group_initialized", lambda: True)
+    monkeypatch.setattr(tr, "exit_cleanly", fake_exit)
+    monkeypatch.setattr(sys, "argv", ["ckpt", *argv])
+    with pytest.raises(SystemExit):
+        app_module.main()
+    assert left == [code]
+
+
+def test_without_a_process_group_main_exits_as_usual(monkeypatch):
+    import sys
+
+    from ckpt_tool.cli import app as app_module
+
+    monkeypatch.setattr(sys, "argv", ["ckpt", "inspect", "/nonexistent"])
+    with pytest.raises(SystemExit) as exc:
+        app_module.main()
+    assert exc.value.code == 2
