@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import pytest
-import torch.distributed as dist
 
 from ckpt_tool.dist_checkpointing import exchange_utils, validation
 from ckpt_tool.dist_checkpointing.strategies import async_utils, base
@@ -36,18 +35,6 @@ def test_finalize_is_timed(caplog):
         assert queue.maybe_finalize_async_calls(blocking=True, no_dist=True) == [0]
     assert calls == [1]
     assert any(r.getMessage().startswith("finalize took ") for r in caplog.records)
-
-
-@pytest.fixture
-def single_rank_group(tmp_path):
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0,
-                            world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("algo", ["broadcast", "gather_rounds"])

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed._shard.sharded_tensor import ShardedTensor as TorchShardedTensor
 from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
@@ -165,18 +164,6 @@ def test_save_planner_arguments_and_decentralized_plan():
     assert planner.create_decentralized_global_plan(plan) is plan
     buf = io.BytesIO(b"abc")
     assert planner.transform_object(plan.items[0], buf) is buf
-
-
-@pytest.fixture
-def single_rank_group(tmp_path):
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0,
-                            world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _stacked(fill=None) -> list:

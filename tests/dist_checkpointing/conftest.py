@@ -1,0 +1,17 @@
+"""Fixtures shared by the dist_checkpointing tests."""
+
+import pytest
+import torch.distributed as dist
+
+
+@pytest.fixture
+def single_rank_group(tmp_path):
+    """A one-rank gloo process group in this process, destroyed afterwards."""
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0,
+                            world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
