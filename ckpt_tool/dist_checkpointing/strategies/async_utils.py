@@ -23,15 +23,15 @@ import os
 import queue as queue_mod
 import select
 import traceback
-from abc import ABC, abstractmethod
 from collections import deque
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional
 
 import torch
 import torch.multiprocessing as mp
 
 from ..core import CheckpointingException
 from ..utils import debug_time
+from ._async_request import AsyncCaller, AsyncRequest, _dist_ready, collective_device
 
 __all__ = ["AsyncRequest", "AsyncCaller", "TemporalAsyncCaller", "PersistentAsyncCaller",
            "AsyncCallsQueue"]
@@ -41,106 +41,6 @@ logger = logging.getLogger(__name__)
 _POLL_S = 0.05  # how often a blocking wait looks at the worker
 _FORK_ACK_S = 10.0  # a forked writer that has not started by then is hung
 _FORK_ATTEMPTS = 3
-
-
-def _dist_ready() -> bool:
-    return torch.distributed.is_available() and torch.distributed.is_initialized()
-
-
-def collective_device() -> torch.device:
-    """Device of small tensors for collectives: the current GPU under NCCL, else the CPU."""
-    if _dist_ready() and torch.distributed.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-class AsyncRequest(NamedTuple):
-    """A save split into a (background) write and finalize steps run on every rank.
-
-    Args:
-        async_fn: the write function; None when this rank has nothing to write.
-        async_fn_args: its positional arguments; with ``preload_fn``, ``async_fn_args[1]`` is
-            replaced by what ``preload_fn()`` returns (the staged data).
-        finalize_fns: run in order on every rank once all ranks finished writing (they may
-            use collectives); the checkpoint is complete only after them.
-        async_fn_kwargs: keyword arguments of ``async_fn``.
-        preload_fn: stages the data to host memory; self-contained (a ``partial``).
-        is_frozen: no finalize function may be added any more.
-        call_idx: index given by the scheduling :class:`AsyncCallsQueue`.
-    """
-
-    async_fn: Optional[Callable]
-    async_fn_args: Tuple
-    finalize_fns: List[Callable]
-    async_fn_kwargs: Dict = {}
-    preload_fn: Optional[Callable] = None
-    is_frozen: bool = False
-    call_idx: int = 0
-
-    def add_finalize_fn(self, fn: Callable) -> None:
-        """Append a finalize function (not allowed once the request is frozen)."""
-        if self.is_frozen:
-            raise RuntimeError("Cannot add finalization functions to a frozen AsyncRequest")
-        self.finalize_fns.append(fn)
-
-    def staged_args(self) -> list:
-        """``async_fn_args`` with the staged data from ``preload_fn`` in place."""
-        args = list(self.async_fn_args)
-        if self.preload_fn is not None:
-            if len(args) != 3:
-                raise CheckpointingException("Expected 3 args to be passed to async function")
-            args[1] = self.preload_fn()
-        return args
-
-    def execute_sync(self) -> None:
-        """Stage, write and finalize in the calling process (a synchronous save)."""
-        args = self.staged_args()
-        if self.async_fn is not None:
-            self.async_fn(*args, **self.async_fn_kwargs)
-        if _dist_ready():
-            torch.distributed.barrier()
-        for fn in self.finalize_fns:
-            fn()
-
-    def freeze(self) -> "AsyncRequest":
-        """A copy of the request that accepts no more finalize functions."""
-        return self._replace(is_frozen=True)
-
-
-class AsyncCaller(ABC):
-    """Runs requests in a background process and tells when they are done on all ranks."""
-
-    def __init__(self) -> None:
-        self.failure: Optional[str] = None  # why the last finished call failed on this rank
-
-    @abstractmethod
-    def schedule_async_call(self, async_req: AsyncRequest) -> None:
-        """Stage the request's data and start its write (call on all ranks)."""
-
-    @abstractmethod
-    def is_current_async_call_done(self, blocking: bool = False, no_dist: bool = False) -> bool:
-        """Whether the current call finished on all ranks (call on all ranks).
-
-        With ``blocking`` wait for it. ``no_dist`` looks at this rank only (no collective).
-        A call whose worker died counts as finished, with :attr:`failure` set.
-        """
-
-    def sync_all_async_calls(self, is_alive: int) -> bool:
-        """True when no rank has its call still running (one integer all-reduce)."""
-        if not _dist_ready():
-            return not is_alive
-        ten = torch.tensor([int(is_alive)], dtype=torch.int, device=collective_device())
-        torch.distributed.all_reduce(ten)
-        return int(ten[0]) == 0
-
-    def take_failure(self) -> Optional[str]:
-        """The failure of the last finished call on this rank (then forgotten), or None."""
-        failure, self.failure = self.failure, None
-        return failure
-
-    @abstractmethod
-    def close(self, abort: bool = False) -> None:
-        """Wait for (or with ``abort`` kill) the background process and release it."""
 
 
 def _forked_main(ack_fd: int, async_fn: Callable, args: list, kwargs: dict) -> None:
