@@ -13,8 +13,10 @@ a time (``_scan_vector``: a fixed number of numpy operations per batch, one CRC 
 record, small tensors counted a megabyte at a time); whole-file archives, and any item the bulk
 path does not prove plain, go through the per-item path (``_scan_item``), which gives every
 verdict and message. Batches (and runs of records of big files) are spread over worker
-threads: the CRC (ISA-L's, ~12 GB/s per core; zlib's ~2 GB/s without ``isal``), the mapping of
-files and numpy release the GIL.
+threads when their pieces are big: the CRC (ISA-L's, ~12 GB/s per core; zlib's ~2 GB/s without
+``isal``), the mapping of files and numpy release the GIL. Small pieces are checked on one
+thread (GIL hand-offs would cost more), with a helper thread filling the page tables of the
+next batch's mapping and unmapping the last one (:func:`_in_turn`).
 """
 
 from __future__ import annotations
@@ -22,27 +24,24 @@ from __future__ import annotations
 import gc
 import hashlib
 import json
-import math
 import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, NamedTuple
 
 import numpy as np
 
-from ckpt_tool.formats._dcp_raw import BoundedReader, NotSimple, ZipRecord, check_zip_item, \
-    zip_records
+from ckpt_tool.formats._dcp_raw import BoundedReader, check_zip_item
 from ckpt_tool.model import CheckpointMeta
 from ckpt_tool.ops._checks import Finding, error, warning
-from ckpt_tool.ops._mapping import map_ranges
-from ckpt_tool.ops._scan_item import Archive, Items, Out, Raw, Unit, check_slowly, scan_unit
+from ckpt_tool.ops._mapping import map_ranges, prefault
+from ckpt_tool.ops._scan_item import Out, Unit, check_slowly, plan_files, plan_items, scan_unit
 from ckpt_tool.ops._scan_vector import scan_items
 
 __all__ = ["BoundedReader", "check_zip_item", "scan_archives", "check_integrity_json"]
 
-_ZIP_LAYOUTS = ("torch_save", "flat")
 _WHOLE_FILE_FORMATS = ("legacy", "torch")  # whole files that are torch.save zips
 _BLOCK = 1 << 20  # sha256 reads
 _SLAB = 4 << 20  # CRC and NaN/Inf counting alternate on slabs this big
@@ -50,29 +49,9 @@ _SMALL = 256 << 10  # smaller tensors are counted in batches
 _UNIT_BYTES = 256 << 20  # a big file's items are split into runs of about this many bytes
 _MAX_WORKERS = 16
 _ALIGN = mmap.ALLOCATIONGRANULARITY  # where a mapping of part of a file may start
-_BATCH_UNITS = 32  # DCP files checked in bulk together (each mapped meanwhile) ...
+_BATCH_UNITS = 128  # DCP files checked in bulk together (each mapped meanwhile) ...
 _BATCH_BYTES = 64 << 20  # ... up to about this many bytes (batches are the threads' work)
 _THREAD_BYTES = 1 << 20  # a worker thread per this many bytes per archive or raw chunk
-
-
-def _record_runs(path: Path) -> list[list[ZipRecord]] | None:
-    """A whole-file archive's records in runs of about ``_UNIT_BYTES`` (None: not simple)."""
-    try:
-        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-            records = zip_records(m)
-    except (OSError, ValueError, NotSimple):
-        return None
-    if not records or not all(r.stored for r in records):
-        return None
-    runs: list[list[ZipRecord]] = [[]]
-    run_bytes = 0
-    for r in sorted(records, key=lambda r: r.start):
-        if run_bytes >= _UNIT_BYTES:
-            runs.append([])
-            run_bytes = 0
-        runs[-1].append(r)
-        run_bytes += r.size
-    return runs
 
 
 def _plan(base: Path, meta: CheckpointMeta, sizes: dict[str, int | None],
@@ -80,101 +59,32 @@ def _plan(base: Path, meta: CheckpointMeta, sizes: dict[str, int | None],
     """The work, file by file in name order: a DCP file's items (runs of about
     ``_UNIT_BYTES`` of a big file), or a whole-file archive (a big one's records in runs)."""
     if meta.format in _WHOLE_FILE_FORMATS:
-        return _plan_files(base, meta, sizes, deep)
-    return _plan_items(meta, sizes, skip_objects, deep)
+        return plan_files(base, meta, sizes, deep, _UNIT_BYTES)
+    return plan_items(meta, sizes, skip_objects, deep, _UNIT_BYTES)
 
 
-def _plan_files(base: Path, meta: CheckpointMeta, sizes: dict[str, int | None],
-                deep: bool) -> list[Unit]:
-    files: dict[str, Unit] = {}
-    for key, t in meta.tensors.items():
-        for c in t.chunks:
-            if c.file and not c.transforms and c.layout == "raw" and c.byte_offset is not None \
-                    and c.byte_length is not None:
-                files.setdefault(c.file, Unit(c.file, count_raws=deep)).raws.append(
-                    Raw(c.byte_offset, c.byte_length, t.dtype, key))
-    for o in meta.objects:
-        if o.file:
-            files.setdefault(o.file, Unit(o.file, count_raws=deep))
-    units = []
-    for name in sorted(files):
-        u, size = files[name], sizes.get(name)
-        if size is None:
-            continue  # reported by check_storage
-        u.archives.append(Archive(0, size, None, "file"))
-        u.nbytes = size
-        runs = _record_runs(base / name) if size > _UNIT_BYTES else None
-        if runs is None or len(runs) == 1:
-            units.append(u)
-            continue
-        for i, run in enumerate(runs):  # a big file: its records over several threads
-            lo, hi = run[0].start, run[-1].start + run[-1].size
-            units.append(Unit(name, u.archives, [r for r in u.raws if lo <= r.offset < hi],
-                              u.count_raws, run, i, nbytes=sum(r.size for r in run)))
-    return units
+class _Batch(NamedTuple):
+    """DCP-item units mapped for the bulk path: their items' columns (``unit``: each item's
+    unit; ``firsts``: each unit's first item; ``inside``: within its file), and ``regions``
+    (``map_ranges``) where byte ``lo[i]`` of unit ``todo[j]`` lies at ``at[j]``."""
+
+    units: list[Unit]
+    off: np.ndarray
+    ln: np.ndarray
+    kid: np.ndarray
+    numel: np.ndarray
+    unit: np.ndarray
+    firsts: np.ndarray
+    inside: np.ndarray
+    size: np.ndarray
+    lo: np.ndarray
+    todo: list[int]
+    regions: list[Any]
 
 
-def _plan_items(meta: CheckpointMeta, sizes: dict[str, int | None], skip_objects: set[str],
-                deep: bool) -> list[Unit]:
-    """DCP items, gathered column-wise (thousands of them: no object per item)."""
-    files: dict[str, int] = {}
-    cols: tuple[list[Any], ...] = ([], [], [], [], [], [])  # file, offset, length, kid, numel
-    file, offset, length, kid, numel, refs = (x.append for x in cols)  # ... and the chunk
-    prod = math.prod
-    for k, t in enumerate(meta.tensors.values()):
-        for c in t.chunks:
-            o, n, name = c.byte_offset, c.byte_length, c.file
-            if o is None or n is None or not name or c.transforms or c.layout not in _ZIP_LAYOUTS:
-                continue
-            f = files.get(name)
-            if f is None:
-                f = files[name] = len(files)
-            file(f)
-            offset(o)
-            length(n)
-            kid(k)
-            numel(prod(c.sizes) if deep else -1)
-            refs(c)
-    for o in meta.objects:  # (the objects' items)
-        if o.file and o.unique_key not in skip_objects and o.byte_offset is not None \
-                and o.byte_length is not None:
-            file(files.setdefault(o.file, len(files)))
-            offset(o.byte_offset)
-            length(o.byte_length)
-            kid(-1)
-            numel(-1)
-            refs(o.unique_key)
-    names = sorted(files)
-    rank = np.empty(len(names), np.int64)
-    rank[[files[n] for n in names]] = np.arange(len(names))
-    f_rank = rank[np.array(cols[0], dtype=np.int64)]
-    order = np.lexsort((np.array(cols[1], dtype=np.int64), f_rank))
-    f_rank, off, ln, kids, numels = (np.asarray(x, dtype=np.int64)[order]
-                                     for x in (f_rank, *cols[1:5]))
-    chunks = [cols[5][i] for i in order.tolist()]
-    cut = np.searchsorted(f_rank, np.arange(len(names) + 1)).tolist()
-    cum = np.concatenate([[0], np.cumsum(ln)])
-    cum_l = cum.tolist()
-    items = Items(off, ln, kids, numels, chunks, list(meta.tensors), deep)
-    units = []
-    for r, name in enumerate(names):
-        if sizes.get(name) is None:
-            continue  # reported by check_storage
-        start, stop = cut[r], cut[r + 1]
-        while start < stop:  # runs of about _UNIT_BYTES
-            end = stop if cum_l[stop] - cum_l[start] < _UNIT_BYTES else min(stop, int(
-                np.searchsorted(cum, cum_l[start] + _UNIT_BYTES)))
-            units.append(Unit(name, items=items, lo=start, hi=end,
-                              nbytes=cum_l[end] - cum_l[start]))
-            start = end
-    return units
-
-
-def _scan_batch(base: Path, units: list[Unit], sizes: dict[str, int | None]) -> list[Out]:
-    """The results of DCP-item units (the bulk counts first, then the per-item findings in
-    unit order): most items checked in bulk (``_scan_vector.scan_items``) over one mapping of
-    all their files, the others -- and files that cannot be mapped -- by the per-item path
-    (``_scan_item``)."""
+def _map_batch(base: Path, units: list[Unit], sizes: dict[str, int | None],
+               populate: bool = True) -> _Batch:
+    """The items of ``units`` and a mapping of the bytes they span in each file."""
     items = units[0].items
     per_unit = [u.hi - u.lo for u in units]  # each unit has items
     unit = np.repeat(np.arange(len(units)), per_unit)
@@ -191,31 +101,46 @@ def _scan_batch(base: Path, units: list[Unit], sizes: dict[str, int | None]) -> 
     hi = np.maximum.reduceat(np.where(inside, off + ln, -1), firsts)
     todo = np.flatnonzero(hi >= 0).tolist()
     lo = np.where(hi >= 0, lo, 0) // _ALIGN * _ALIGN
-    regions = map_ranges([(base / units[i].file, int(lo[i]), int(hi[i])) for i in todo])
+    regions = map_ranges([(base / units[i].file, int(lo[i]), int(hi[i])) for i in todo],
+                         populate)
+    return _Batch(units, off, ln, kid, numel, unit, firsts, inside, size, lo, todo, regions)
+
+
+def _close(regions: list[Any]) -> None:
+    for region, _ in regions:
+        try:
+            region.close()
+        except BufferError:  # a view still held (by the per-item path): unmapped later
+            pass
+
+
+def _scan_batch(base: Path, b: _Batch, close: Any = _close) -> list[Out]:
+    """The results of a batch of DCP-item units (the bulk counts first, then the per-item
+    findings in unit order): most items checked in bulk (``_scan_vector.scan_items``) over
+    the batch's mapping, the others -- and files that cannot be mapped -- by the per-item path
+    (``_scan_item``). ``close(b.regions)`` at the end."""
+    units, unit, kid = b.units, b.unit, b.kid
     bulk, outs = Out(), [None] * len(units)
     try:
-        for region, at in regions:
-            mine = [(i, place - int(lo[i])) for i, place in zip(todo, at) if place is not None]
+        for region, at in b.regions:
+            mine = [(i, place - int(b.lo[i])) for i, place in zip(b.todo, at)
+                    if place is not None]
             shift = np.zeros(len(units), np.int64)
             shift[[i for i, _ in mine]] = [d for _, d in mine]
-            sel = np.flatnonzero(inside & np.isin(unit, [i for i, _ in mine]))
-            count = (kid[sel] >= 0) & items.deep
-            done, nan, inf = scan_items(region, off[sel] + shift[unit[sel]], ln[sel], count,
-                                        numel[sel], small=_SMALL, slab=_SLAB)
+            sel = np.flatnonzero(b.inside & np.isin(unit, [i for i, _ in mine]))
+            count = (kid[sel] >= 0) & units[0].items.deep
+            done, nan, inf = scan_items(region, b.off[sel] + shift[unit[sel]], b.ln[sel], count,
+                                        b.numel[sel], small=_SMALL, slab=_SLAB)
             bulk.checked += int(done.sum())
             bulk.add_bulk(kid[sel][count & done], nan[count & done], inf[count & done])
             for i, _ in mine:
                 outs[i] = Out()
             if not done.all():
-                _slowly(base, units, region, sel[~done], unit, firsts, shift, outs)
+                _slowly(base, units, region, sel[~done], unit, b.firsts, shift, outs)
     finally:
-        for region, _ in regions:
-            try:
-                region.close()
-            except BufferError:  # a view still held (by the per-item path): unmapped later
-                pass
+        close(b.regions)
     return [bulk] + [out if out is not None else scan_unit(base, u, int(s), _SMALL, _SLAB)
-                     for u, out, s in zip(units, outs, size.tolist())
+                     for u, out, s in zip(units, outs, b.size.tolist())
                      if out is None or out.findings or out.counts or out.uncounted or out.checked]
 
 
@@ -258,9 +183,11 @@ def _whole(u: Unit) -> bool:
     return u.items is None
 
 
-def _run(base: Path, units: list[Unit], sizes: dict[str, int | None]) -> list[Out]:
+def _run(base: Path, units: list[Unit], sizes: dict[str, int | None],
+         helper: ThreadPoolExecutor) -> list[Out]:
     """The results (findings in unit order): DCP-item units in batches (:func:`_scan_batch`),
-    whole-file archives one unit at a time, over worker threads."""
+    whole-file archives one unit at a time, over worker threads (or on this one, with
+    ``helper`` mapping ahead: :func:`_in_turn`)."""
     jobs: list[list[int]] = []
     batch: list[int] = []
     batch_bytes = 0
@@ -270,7 +197,9 @@ def _run(base: Path, units: list[Unit], sizes: dict[str, int | None]) -> list[Ou
             continue
         batch.append(i)
         batch_bytes += u.nbytes
-        if len(batch) == _BATCH_UNITS or batch_bytes >= _BATCH_BYTES:
+        # (a small first batch: the helper has nothing to map ahead of it)
+        if len(batch) == (_BATCH_UNITS if jobs else max(1, _BATCH_UNITS // 8)) \
+                or batch_bytes >= _BATCH_BYTES:
             jobs.append(batch)
             batch, batch_bytes = [], 0
     if batch:
@@ -280,7 +209,7 @@ def _run(base: Path, units: list[Unit], sizes: dict[str, int | None]) -> list[Ou
         u = units[job[0]]
         if _whole(u):
             return [scan_unit(base, u, int(sizes[u.file] or 0), _SMALL, _SLAB)]
-        return _scan_batch(base, [units[i] for i in job], sizes)
+        return _scan_batch(base, _map_batch(base, [units[i] for i in job], sizes))
 
     # Every CRC call and numpy operation releases the GIL and takes it back: threads pay off
     # only when each of those works on enough bytes; on small items, hand-offs of the GIL
@@ -292,8 +221,45 @@ def _run(base: Path, units: list[Unit], sizes: dict[str, int | None]) -> list[Ou
         with ThreadPoolExecutor(workers, thread_name_prefix="ckpt-scan") as pool:
             parts = list(pool.map(one, jobs))
     else:
-        parts = [one(job) for job in jobs]
+        parts = _in_turn(base, units, jobs, sizes, helper)
     return [r for part in parts for r in part]
+
+
+def _in_turn(base: Path, units: list[Unit], jobs: list[list[int]],
+             sizes: dict[str, int | None], helper: ThreadPoolExecutor) -> list[list[Out]]:
+    """The jobs one after another on this thread, while ``helper`` fills the page tables of
+    the next batch's mapping and unmaps the last one (kernel work, without the GIL). The
+    mappings are made here, while the helper is idle: the kernel serialises mmap, munmap and
+    page table population in a process."""
+    parts: list[list[Out]] = []
+    ahead: tuple[_Batch, list[Any]] | None = None  # the next batch; its page tables filling
+    done: list[Any] = []  # the regions of checked batches, to unmap
+
+    def map_ahead(k: int) -> None:
+        nonlocal ahead
+        for f in ahead[1] if ahead else ():
+            f.result()
+        ahead = None
+        if k < len(jobs) and not _whole(units[jobs[k][0]]):
+            b = _map_batch(base, [units[i] for i in jobs[k]], sizes, populate=False)
+            ahead = b, [helper.submit(prefault, r) for r, _ in b.regions]
+        while done:
+            helper.submit(_close, done.pop())
+
+    try:
+        map_ahead(0)
+        for k, job in enumerate(jobs):
+            now = ahead
+            map_ahead(k + 1)
+            if now is None:
+                u = units[job[0]]
+                parts.append([scan_unit(base, u, int(sizes[u.file] or 0), _SMALL, _SLAB)])
+            else:
+                parts.append(_scan_batch(base, now[0], done.append))
+    finally:
+        for regions in done + ([ahead[0].regions] if ahead else []):
+            helper.submit(_close, regions)  # after the prefaults, by the same thread
+    return parts
 
 
 def scan_archives(base: Path, meta: CheckpointMeta, sizes: dict[str, int | None],
@@ -305,27 +271,25 @@ def scan_archives(base: Path, meta: CheckpointMeta, sizes: dict[str, int | None]
     ``ranks``: every rank of a torchrun job calls this; each scans its share of the bytes and
     all get every result (collectives: never pass it when only one rank runs the scan).
     """
-    units = _plan(base, meta, sizes, skip_objects, deep)
     from ckpt_tool.parallel import Ranks, split_by_bytes
 
-    job = ranks or Ranks()  # only when every rank of the job runs this scan
-    if job.world > 1:  # under torchrun each rank scans its share of the bytes
-        share = set(split_by_bytes([(i, max(1, u.nbytes)) for i, u in enumerate(units)],
-                                   job.world)[job.rank])
-        units = [u for i, u in enumerate(units) if i in share]
-    with _gc_paused():
-        results = _run(base, units, sizes)
-    if job.world > 1:  # every rank gets every result: the verdict is the same everywhere
-        plain = [Out(r.findings, {k: [int(x) for x in v] for k, v in r.counts.items()},
-                     set(r.uncounted), int(r.checked), None, r.bulk)
-                 for r in results]  # picklable
-        parts = job.gather(plain)
-        results = job.broadcast([x for part in parts for x in part] if parts else None)
-    findings: list[Finding] = []
-    for r in results:
-        findings.extend(r.findings)
-    stats["zip_items_checked"] = sum(r.checked for r in results)
-    return findings, _counted(meta, results)
+    # (the helper unmaps the last batch while the results are gathered)
+    with ThreadPoolExecutor(1, thread_name_prefix="ckpt-map") as helper, _gc_paused():
+        units = _plan(base, meta, sizes, skip_objects, deep)
+        job = ranks or Ranks()  # only when every rank of the job runs this scan
+        if job.world > 1:  # under torchrun each rank scans its share of the bytes
+            share = set(split_by_bytes([(i, max(1, u.nbytes)) for i, u in enumerate(units)],
+                                       job.world)[job.rank])
+            units = [u for i, u in enumerate(units) if i in share]
+        results = _run(base, units, sizes, helper)
+        if job.world > 1:  # every rank gets every result: the verdict is the same everywhere
+            plain = [Out(r.findings, {k: [int(x) for x in v] for k, v in r.counts.items()},
+                         set(r.uncounted), int(r.checked), None, r.bulk)
+                     for r in results]  # picklable
+            parts = job.gather(plain)
+            results = job.broadcast([x for part in parts for x in part] if parts else None)
+        stats["zip_items_checked"] = sum(r.checked for r in results)
+        return [f for r in results for f in r.findings], _counted(meta, results)
 
 
 def _counted(meta: CheckpointMeta, results: list[Out]) -> dict[str, tuple[int, int]]:

@@ -15,7 +15,8 @@ import numpy as np
 from ckpt_tool._crc import crc32
 from ckpt_tool.ops._checks import _BITS, count_nonfinite
 
-__all__ = ["finite", "counts", "crc_records", "crc_and_pool", "big_tensor", "describe_all"]
+__all__ = ["finite", "counts", "crc_records", "crc_and_pool", "big_tensor", "describe_all",
+           "byte_rows"]
 
 _POOL = 1 << 20  # small tensors are counted in buffers this big
 
@@ -108,18 +109,36 @@ def big_tensor(rec: memoryview, lo: int, hi: int, dtype: str, slab: int
     return crc, (nan, inf)
 
 
-def describe_all(buf: Any, start: np.ndarray, size: np.ndarray, describe: Callable
-                 ) -> tuple[np.ndarray, list[tuple[int, Any]]]:
-    """``(ids, infos)``: the ``data.pkl`` at ``[start, start + size)`` of ``buf`` is the
-    ``ids[i]``-th distinct one; ``infos[id]`` its ``(CRC32, describe(bytes))``."""
-    seen: dict[bytes, int] = {}
+def byte_rows(arr: np.ndarray, start: np.ndarray, width: int) -> np.ndarray:
+    """Bytes ``[s, s + width)`` of ``arr`` (bytes) for each ``s`` of ``start`` (clipped into
+    ``arr``), one row each: one gather over a view of every ``width``-byte window of ``arr``."""
+    last = len(arr) - width
+    if last < 0 or width <= 0:
+        return np.zeros((len(start), max(width, 0)), np.uint8)
+    windows = np.ndarray((last + 1, width), np.uint8, arr, 0, (1, 1))  # read-only, like arr
+    return windows[np.minimum(np.maximum(start, 0), last)]
+
+
+def describe_all(arr: np.ndarray, start: np.ndarray, size: np.ndarray, crc: np.ndarray,
+                 describe: Callable) -> tuple[np.ndarray, list[tuple[int, Any]]]:
+    """``(ids, infos)`` of the records ``[start, start + size)`` of ``arr`` (a ``data.pkl``
+    each) whose CRC32 should be ``crc``: ``infos[ids[i]]`` is ``(CRC32, describe(bytes))`` of
+    record ``i``, computed once for all the records of the same size and recorded CRC that
+    are the same bytes as the first of them; a record that is not gets ``(-1, None)``."""
+    key = (size << 32) | crc
+    _, first, ids = np.unique(key, return_index=True, return_inverse=True)
     infos: list[tuple[int, Any]] = []
-    ids = []
-    for s, e in zip(start.tolist(), (start + size).tolist()):
-        raw = buf[s:e]
-        i = seen.get(raw)
-        if i is None:
-            i = seen[raw] = len(infos)
-            infos.append((crc32(raw), describe(raw)))
-        ids.append(i)
-    return np.array(ids, dtype=np.int64), infos
+    for s, z in zip(start[first].tolist(), size[first].tolist()):
+        raw = arr[s:s + z].tobytes()
+        infos.append((crc32(raw), describe(raw)))
+    width = int(size.max()) if len(size) else 0
+    rep = first[ids]
+    data = byte_rows(arr, start, width)
+    differ = ((data != data[rep]) & (np.arange(width) < size[:, None])).any(axis=1)
+    near = start + width > len(arr)  # rows clipped by byte_rows: compared one by one
+    for i, j in zip(*(x[near | near[rep]].tolist() for x in (np.arange(len(ids)), rep))):
+        differ[i] = arr[start[i]:start[i] + size[i]].tobytes() != \
+            arr[start[j]:start[j] + size[j]].tobytes()
+    ids[differ] = len(infos)
+    infos.append((-1, None))
+    return ids, infos

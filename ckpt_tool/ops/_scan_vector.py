@@ -35,7 +35,7 @@ from ckpt_tool._crc import crc32
 from ckpt_tool.formats._dcp_raw import NotSimple, RawItem, _describe
 from ckpt_tool.model import DTYPE_ITEMSIZE
 from ckpt_tool.ops._scan_count import (_BITS, big_tensor, crc_and_pool, crc_records,
-                                       describe_all)
+                                       byte_rows, describe_all)
 
 __all__ = ["scan_items"]
 
@@ -109,8 +109,7 @@ def _end_records(arr: np.ndarray, off: np.ndarray, length: np.ndarray,
                  ok: np.ndarray) -> np.ndarray:
     """Each item's end-of-central-directory record; ``ok`` cleared where it is not plain."""
     ok &= length >= 22
-    e = arr.take(np.where(ok, off + length - 22, off)[:, None] + np.arange(22), mode="clip")
-    e = e.view(_EOCD)[:, 0]
+    e = byte_rows(arr, np.where(ok, off + length - 22, off), 22).view(_EOCD)[:, 0]
     count, cd_size, cd_off = (e[k].astype(np.int64) for k in ("count", "cd_size", "cd_off"))
     ok &= (e["sig"] == 0x06054B50) & (e["disk"] == 0) & (e["cd_disk"] == 0) \
         & (e["clen"] == 0) & (count > 0) & (count != 0xFFFF) & (cd_size != _MAX32) \
@@ -161,14 +160,12 @@ def scan_items(buf: Any, off: np.ndarray, length: np.ndarray, count: np.ndarray,
         for k in np.unique(key[ok]).tolist():
             rows = np.flatnonzero(ok & (key == k))
             c, size = divmod(k, 1 << 32)
-            cd = np.frombuffer(b"".join([buf[s:s + size] for s in
-                                         (off[rows] + cd_off[rows]).tolist()]), np.uint8)
-            cd = cd.reshape(len(rows), size)
+            cd = byte_rows(arr, off[rows] + cd_off[rows], size)
             for tpl, sub in _match(cd, c):
                 g = _Group(tpl, rows[sub], cd[sub], off, length)
                 g.locate(arr)
                 g.dedupe(arr)
-                g.check(buf, mv, count, numel, nan, inf, small, slab)
+                g.check(arr, mv, count, numel, nan, inf, small, slab)
                 done[g.rows[g.ok]] = True
     finally:
         del arr
@@ -234,7 +231,7 @@ class _Group:
                     self.order_ok = alike
             at += z
 
-    def check(self, buf: Any, mv: memoryview, count: np.ndarray, numel: np.ndarray,
+    def check(self, arr: np.ndarray, mv: memoryview, count: np.ndarray, numel: np.ndarray,
               nan: np.ndarray, inf: np.ndarray, small: int, slab: int) -> None:
         """CRC every record; count the tensors of the items to count."""
         tpl, ok = self.tpl, self.ok
@@ -247,13 +244,13 @@ class _Group:
             ok[want & ~known] = False
             want &= known
         if want.any():
-            self._count(buf, mv, want, numel, nan, inf, small, slab)
+            self._count(arr, mv, want, numel, nan, inf, small, slab)
         i, k = np.nonzero(self.plain & ok[:, None])
         start = self.start[i, k]
         ok[i[crc_records(mv, start.tolist(), (start + self.size[i, k]).tolist(),
                          self.crc[i, k].tolist())]] = False
 
-    def _count(self, buf: Any, mv: memoryview, want: np.ndarray, numel: np.ndarray,
+    def _count(self, arr: np.ndarray, mv: memoryview, want: np.ndarray, numel: np.ndarray,
                nan: np.ndarray, inf: np.ndarray, small: int, slab: int) -> None:
         """CRC and count the tensors of the items ``want``: each tensor's data are bytes
         ``[lo, hi)`` of its storage record (entry ``k``), described by its ``data.pkl``, which
@@ -261,7 +258,7 @@ class _Group:
         place are left to the per-item path."""
         tpl, kp = self.tpl, self.tpl.pkl
         w = np.flatnonzero(want)
-        ids, infos = describe_all(buf, self.start[w, kp], self.size[w, kp],
+        ids, infos = describe_all(arr, self.start[w, kp], self.size[w, kp], self.crc[w, kp],
                                   lambda raw: _tensor_info(raw, tpl))
         dtypes = sorted({x[1][2] for x in infos if x[1] is not None})
         table = np.array([(c, *x[:2], x[3], x[4], x[5], dtypes.index(x[2])) if x is not None

@@ -242,10 +242,11 @@ def mapping(request, monkeypatch):
     return request.param
 
 
-def test_map_ranges_holds_the_files_bytes(tmp_path, mapping):
+@pytest.mark.parametrize("populate", [True, False])
+def test_map_ranges_holds_the_files_bytes(tmp_path, mapping, populate):
     import mmap
 
-    from ckpt_tool.ops._mapping import map_ranges
+    from ckpt_tool.ops._mapping import map_ranges, prefault
 
     blobs = [bytes(range(256)) * (1 + 37 * i) + b"end%d" % i for i in range(4)]
     for i, b in enumerate(blobs):
@@ -256,10 +257,12 @@ def test_map_ranges_holds_the_files_bytes(tmp_path, mapping):
     ranges = [(tmp_path / f"f{i}", 0, len(b)) for i, b in enumerate(blobs)]
     ranges += [(tmp_path / "missing", 0, 10), (tmp_path / "f0", 0, len(blobs[0]) + 1),
                (tmp_path / "big", g, 3 * g - 5)]
-    regions = map_ranges(ranges)
+    regions = map_ranges(ranges, populate)
     try:
         seen = {}
         for region, at in regions:
+            if not populate:
+                prefault(region)  # (page tables filled by another thread in the scan)
             assert len(at) == len(ranges)
             for i, place in enumerate(at):
                 if place is not None:
@@ -287,3 +290,70 @@ def test_bulk_path_with_either_mapping(tmp_path, mapping, monkeypatch, per_item_
     with monkeypatch.context() as m:
         _per_item_only(m)
         assert validate(root).findings == r.findings
+
+
+def test_batches_mapped_ahead_and_unmapped_behind(tmp_path, monkeypatch, per_item_calls):
+    """Many small batches, each mapped while the last is checked (page tables filled, then
+    unmapped, by the helper thread): the same findings and counts as item by item, and every
+    mapping prefaulted and closed."""
+    import torch.distributed.checkpoint as dcp_api
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    import ckpt_tool.ops._mapping as mapping_mod
+
+    sd = {f"t{i:02d}": torch.randn(30 + i) for i in range(24)}
+    sd["t05"][3] = float("nan")
+    sd["t19"][:2] = -float("inf")
+    root = tmp_path / "many"
+    dcp_api.save(sd, storage_writer=FileSystemWriter(root, thread_count=6), no_dist=True)
+    path, off, records = _item(root, "t21")
+    assert len(list(root.glob("*.distcp"))) == 6
+    _flip(path, off + next(r for r in records if r.name.endswith("/data/0")).start)
+    mapped, prefaulted = [], []
+    real_map, real_prefault = integrity.map_ranges, mapping_mod.prefault
+    monkeypatch.setattr(integrity, "map_ranges", lambda *a: _record(real_map, mapped, *a))
+    monkeypatch.setattr(integrity, "prefault", lambda r: (prefaulted.append(r),
+                                                          real_prefault(r))[1])
+    monkeypatch.setattr(integrity, "_BATCH_UNITS", 2)  # batches of 1, 2, 2, 1 files
+    findings, counted, stats = _scan(root)
+    assert [(f.key, f.file) for f in findings] == [("t21", path.name)] and per_item_calls
+    assert counted == {k: (1, 0) if k == "t05" else (0, 2) if k == "t19" else (0, 0)
+                       for k in sd}  # (t21 too, as item by item: validate drops it)
+    assert len(mapped) >= 4 and all(r.closed for r in mapped)
+    assert {id(r) for r in prefaulted} == {id(r) for r in mapped}
+    with monkeypatch.context() as m:
+        _per_item_only(m)
+        assert _scan(root)[:2] == (findings, counted)
+
+
+def _record(real_map, mapped, *args):
+    regions = real_map(*args)
+    mapped.extend(r for r, _ in regions)
+    return regions
+
+
+def test_describe_all_describes_each_distinct_pickle_once():
+    import numpy as np
+
+    from ckpt_tool._crc import crc32
+    from ckpt_tool.ops._scan_count import byte_rows, describe_all
+
+    recs = [b"alpha-pickle", b"alpha-pickle", b"beta", b"alpha-pickle", b"alphA-pickle", b"beta"]
+    blob = b"".join(b"~" * 3 + r for r in recs)
+    start, at = [], 0
+    for r in recs:
+        start.append(at + 3)
+        at += 3 + len(r)
+    arr = np.frombuffer(blob, np.uint8)
+    start, size = np.array(start), np.array([len(r) for r in recs])
+    crc = np.array([crc32(b"alpha-pickle" if r == b"alphA-pickle" else r) for r in recs],
+                   np.uint32)  # the 5th: bytes changed, CRC as recorded for the 1st
+    seen = []
+    ids, infos = describe_all(arr, start, size, crc, lambda raw: seen.append(raw) or len(raw))
+    assert sorted(seen) == [b"alpha-pickle", b"beta"]
+    got = [infos[i] for i in ids]
+    assert got[:4] + got[5:] == [(crc32(r), len(r)) for r in recs[:4] + recs[5:]]
+    assert got[4] == (-1, None)  # same size and recorded CRC, other bytes: not described
+    assert byte_rows(arr, start[2:3], 4).tobytes() == b"beta"
+    assert byte_rows(arr, np.array([-5, len(blob)]), 3).tolist() == [[126] * 3, list(blob[-3:])]
+    assert byte_rows(arr, start, len(blob) + 1).shape == (6, len(blob) + 1)
