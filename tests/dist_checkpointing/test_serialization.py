@@ -193,6 +193,40 @@ def test_thread_count_files(tmp_path):
     assert [p.name for p in (tmp_path / "one").glob("*.distcp")] == ["__0_0.distcp"]
 
 
+@pytest.mark.parametrize("async_save", [False, True])
+def test_separation_hint_puts_matching_keys_in_files_of_their_own(tmp_path, async_save):
+    from ckpt_tool.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+    from ckpt_tool.formats import open_checkpoint
+
+    keys = ["model.a", "model.b", "model.c", "optimizer.exp_avg.a", "optimizer.exp_avg.b"]
+    sd = {k: ShardedTensor.from_rank_offsets(k, torch.full((8,), float(i)))
+          for i, k in enumerate(keys)}
+    strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=4,
+                                            separation_hint="optimizer.")
+    if async_save:
+        dc.save(sd, str(tmp_path), sharded_strategy=strategy,
+                async_sharded_save=True).execute_sync()
+    else:
+        dc.save(sd, str(tmp_path), sharded_strategy=strategy)
+    with open_checkpoint(tmp_path) as reader:
+        files = {k: {c.file for c in t.chunks} for k, t in reader.metadata().tensors.items()}
+    for k in keys:
+        assert all(f.startswith("optimizer.__0_") == k.startswith("optimizer.")
+                   for f in files[k]), (k, files[k])
+    names = sorted(p.name for p in tmp_path.glob("*.distcp"))
+    assert len([n for n in names if n.startswith("optimizer.")]) == 2  # thread_count // 2
+    plain = dc.load_plain_tensors(str(tmp_path))
+    for i, k in enumerate(keys):
+        assert torch.equal(plain[k], torch.full((8,), float(i)))
+
+
+def test_separation_hint_needs_two_threads():
+    from ckpt_tool.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    with pytest.raises(CheckpointingException, match="thread_count must be at least 2"):
+        TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1, separation_hint="opt")
+
+
 def _write_reformulated(tmp_path, orig, block):
     """A checkpoint like MCore <= 0.15 writes for flattened (distributed optimizer) tensors."""
     import torch.distributed.checkpoint as dcp

@@ -38,6 +38,8 @@ from torch.distributed.checkpoint.filesystem import _write_item
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
+from ..core import CheckpointingException
+
 __all__ = ["FileSystemWriterAsync", "WriteBucket"]
 
 # (file path, file name (storage key), ([(item, BytesIO)], [(item, CPU tensor)]))
@@ -114,6 +116,18 @@ def _split_by_size_and_type(bins: int, items: List[WriteItem]) -> List[List[Writ
     return buckets
 
 
+def _split_by_separation_hint(buckets: List[List[WriteItem]], hint: Optional[str]
+                              ) -> List[Tuple[str, List[WriteItem]]]:
+    """``(file name prefix, bucket)`` pairs: without ``hint`` the buckets as they are; with it
+    each bucket split in two, the items whose key does not start with ``hint`` first (prefix
+    ``""``), then, in files named ``{hint}__R_N.distcp``, those whose key does."""
+    if hint is None:
+        return [("", b) for b in buckets]
+    rest = [("", [i for i in b if not i.index.fqn.startswith(hint)]) for b in buckets]
+    hinted = [(hint, [i for i in b if i.index.fqn.startswith(hint)]) for b in buckets]
+    return rest + hinted
+
+
 class FileSystemWriterAsync(FileSystemWriter):
     """DCP's file writer split into staging (here) and writing (in a worker).
 
@@ -124,8 +138,10 @@ class FileSystemWriterAsync(FileSystemWriter):
     def __init__(self, path: Union[str, os.PathLike], *args, separation_hint: Optional[str] = None,
                  **kwargs):
         super().__init__(path, *args, **kwargs)
-        if separation_hint is not None:
-            raise NotImplementedError("separation_hint is not supported")
+        if separation_hint is not None and self.thread_count < 2:
+            raise CheckpointingException(
+                "thread_count must be at least 2 if separation_hint is provided")
+        self.separation_hint = separation_hint
         self.checkpoint_dir = str(path)
         self.write_buckets: Optional[List[WriteBucket]] = None
         self.results_queue: Optional[ResultsDrop] = None
@@ -133,8 +149,11 @@ class FileSystemWriterAsync(FileSystemWriter):
     def prepare_write_data(self, plan: SavePlan, planner: SavePlanner) -> None:
         """Split ``plan``'s items into per-file buckets and stage their data to host memory."""
         prefix = plan.storage_data.prefix
+        hint = self.separation_hint
+        bins = self.thread_count // 2 if hint is not None else self.thread_count
         self.write_buckets = []
-        for bucket in _split_by_size_and_type(self.thread_count, plan.items):
+        for group, bucket in _split_by_separation_hint(_split_by_size_and_type(bins, plan.items),
+                                                       hint):
             if not bucket:
                 continue
             bytes_data, tensor_data = [], []
@@ -144,7 +163,7 @@ class FileSystemWriterAsync(FileSystemWriter):
                     bytes_data.append((item, io.BytesIO(data.getvalue())))
                 else:
                     tensor_data.append((item, _stage(data)))
-            name = f"{prefix}{len(self.write_buckets)}.distcp"
+            name = f"{group}{prefix}{len(self.write_buckets)}.distcp"
             self.write_buckets.append((os.path.join(self.checkpoint_dir, name), name,
                                        (bytes_data, tensor_data)))
         if self.write_buckets:

@@ -119,15 +119,18 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         thread_count: writer threads, and so data files per rank (``__{rank}_{i}.distcp``).
         cached_metadata: async saves reuse the previous save plan and global metadata when
             every rank's local plan is unchanged (planning then exchanges one integer).
-        separation_hint: accepted for compatibility; not supported yet (raises if set).
+        separation_hint: keys starting with it go to files of their own
+            (``{separation_hint}__{rank}_{i}.distcp``, ``thread_count // 2`` per group; needs
+            ``thread_count >= 2``), as Megatron-Core does for e.g. optimizer state.
     """
 
     def __init__(self, backend: str, version: int, keep_only_main_replica: bool = True,
                  thread_count: int = 2, cached_metadata: bool = False,
                  separation_hint: str = None):
         super().__init__(backend, version)
-        if separation_hint is not None:
-            raise CheckpointingException("separation_hint is not supported yet")
+        if separation_hint is not None and thread_count < 2:
+            raise CheckpointingException(
+                "thread_count must be at least 2 if separation_hint is provided")
         self.keep_only_main_replica = keep_only_main_replica
         self.thread_count = thread_count
         self.use_cached_ckpt_structure = cached_metadata
@@ -161,7 +164,11 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
 
     def save(self, sharded_state_dict: ShardedStateDict,
              checkpoint_dir: Union[str, Path]) -> None:
-        """Synchronous save: DCP writes straight from the live tensors (no staging copy)."""
+        """Synchronous save: DCP writes straight from the live tensors (no staging copy);
+        with a ``separation_hint``, the async request run in this process (its writer splits
+        the files)."""
+        if self.separation_hint is not None:
+            return super().save(sharded_state_dict, checkpoint_dir)
         table = self._write_table(sharded_state_dict)
         writer = McoreFileSystemWriter(str(checkpoint_dir), thread_count=self.thread_count,
                                        overwrite=True)
@@ -183,7 +190,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         """
         table = self._write_table(sharded_state_dict)
         writer = FileSystemWriterAsync(str(checkpoint_dir), thread_count=self.thread_count,
-                                       overwrite=True)
+                                       overwrite=True, separation_hint=self.separation_hint)
         cached = None
         if self.use_cached_ckpt_structure and self.cached_central_plan is not None:
             cached = (self.cached_central_plan, self.cached_local_plan,
