@@ -68,28 +68,42 @@ def _sniffer(backend: str):
 
 def infer_optimizer_sharding(tensors: dict[str, TensorMeta], objects: list[ObjectMeta] | tuple,
                              content_metadata: Any) -> dict[str, Any] | None:
-    """The distributed-optimizer sharding type: from ``content_metadata`` or from the keys."""
-    if isinstance(content_metadata, dict) and content_metadata.get("distrib_optim_sharding_type"):
-        return {"type": str(content_metadata["distrib_optim_sharding_type"]),
-                "source": "content_metadata"}
+    """The optimizer state a checkpoint holds, decided from its keys (docs/formats.md §9).
+
+    ``content_metadata["distrib_optim_sharding_type"]`` alone proves nothing: Megatron-LM writes
+    ``dp_reshardable`` into every checkpoint, model-only ones and ones with a non-distributed
+    optimizer included. Returns None when no optimizer state is stored, else ``{"type",
+    "source", "declared"}`` with ``type`` one of ``dp_reshardable``, ``dp_zero_gather_scatter``,
+    ``fully_sharded_model_space``, ``fully_reshardable`` (the distributed optimizer gathered to
+    model space) or ``non_distributed`` (``Float16OptimizerWithFloat16Params`` /
+    ``FP32Optimizer``: model-space ``optimizer.state.*`` without fp32 ``param`` keys).
+    """
+    declared = None
+    if isinstance(content_metadata, dict):
+        declared = content_metadata.get("distrib_optim_sharding_type")
+    declared = str(declared) if declared else None
+
+    def found(kind: str, why: str) -> dict[str, Any]:
+        return {"type": kind, "source": why, "declared": declared}
+
     if any(_DP_BUCKET_RE.match(k) for k in tensors):
-        return {"type": "dp_reshardable", "source": "inferred from per-bucket keys"}
+        return found("dp_reshardable", "per-bucket optimizer.distributed.* keys")
     if any(_DP_PARAM_STATE_RE.match(o.key) for o in objects):
-        return {"type": "dp_zero_gather_scatter", "source": "inferred from the param_state object"}
+        return found("dp_zero_gather_scatter", "the optimizer.distributed.*.param_state object")
     opt = {k: t for k, t in tensors.items() if k.startswith("optimizer.state.")}
     if not opt:
         return None
     for k, t in opt.items():
         if t.stored_shape is not None:
-            return {"type": "fully_sharded_model_space",
-                    "source": "inferred from N-D flattened optimizer tensors"}
+            return found("fully_sharded_model_space", "N-D flattened optimizer tensors")
         model_key = k.split(".", 3)[3] if k.count(".") >= 3 else ""
         model = tensors.get(model_key)
         if model is not None and len(t.shape) == 1 and t.shape != model.shape:
-            return {"type": "fully_sharded_model_space",
-                    "source": "inferred from 1-D flattened optimizer tensors"}
-    return {"type": "fully_reshardable",
-            "source": "inferred from model-space optimizer.state.* keys"}
+            return found("fully_sharded_model_space", "1-D flattened optimizer tensors")
+    if any(k.startswith("optimizer.state.param.") for k in opt):
+        return found("fully_reshardable", "model-space optimizer.state.{param,exp_avg,...} keys")
+    return found("non_distributed", "model-space optimizer.state.* keys without fp32 'param' "
+                 "(a non-distributed optimizer)")
 
 
 class McoreDistReader(Reader):

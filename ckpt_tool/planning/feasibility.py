@@ -23,7 +23,7 @@ __all__ = ["Problem", "OptimizerInfo", "model_sizes_from", "source_layout_from",
            "WARNING", "NOTE", "RESHARDABLE_OPTIMIZERS", "DP_ONLY_OPTIMIZERS"]
 
 ERROR, WARNING, NOTE = "error", "warning", "note"
-RESHARDABLE_OPTIMIZERS = ("fully_reshardable", "fully_sharded_model_space")
+RESHARDABLE_OPTIMIZERS = ("fully_reshardable", "fully_sharded_model_space", "non_distributed")
 DP_ONLY_OPTIMIZERS = ("dp_reshardable", "dp_zero_gather_scatter", "legacy_distrib_optim",
                       "legacy_optimizer")
 
@@ -151,23 +151,25 @@ def source_layout_from(meta: CheckpointMeta, common: Mapping[str, Any] | None = 
 
 
 def optimizer_info_from(meta: CheckpointMeta) -> OptimizerInfo:
-    """The optimizer state kind of ``meta`` (see :class:`OptimizerInfo`)."""
+    """The optimizer state kind of ``meta`` (see :class:`OptimizerInfo`), from its keys: the
+    Megatron-Core readers' ``extras["optimizer_sharding"]`` (None for a model-only checkpoint,
+    whatever its content metadata declares), else the legacy reader's objects."""
     keys = tuple(k for k in meta.tensors if k.startswith("optimizer."))
-    sharding = (meta.extras.get("optimizer_sharding") or {}).get("type")
-    if sharding is None:
-        cm = meta.common.get("content_metadata") or {}
-        sharding = cm.get("distrib_optim_sharding_type") if keys or any(
-            o.key.startswith("optimizer.") for o in meta.objects) else None
-    if sharding is None and any(o.key == "distrib_optim" for o in meta.objects):
+    if "optimizer_sharding" in meta.extras:
+        found = meta.extras.get("optimizer_sharding") or {}
+        return OptimizerInfo(found.get("type"), keys)
+    sharding = None
+    if any(o.key == "distrib_optim" for o in meta.objects):
         sharding = "legacy_distrib_optim"
-    if sharding is None and any(o.key == "optimizer" for o in meta.objects):
+    elif any(o.key == "optimizer" for o in meta.objects):
         sharding = "legacy_optimizer"
-    if sharding is None and any(o.key.startswith("optimizer.distributed.") for o in meta.objects):
+    elif any(o.key.startswith("optimizer.distributed.") for o in meta.objects):
         sharding = "dp_zero_gather_scatter"
-    if sharding is None and any(k.startswith("optimizer.distributed.") for k in keys):
+    elif any(k.startswith("optimizer.distributed.") for k in keys):
         sharding = "dp_reshardable"
-    if sharding is None and keys:
-        sharding = "fully_reshardable"
+    elif keys:
+        sharding = ("fully_reshardable" if any(k.startswith("optimizer.state.param.")
+                                               for k in keys) else "non_distributed")
     return OptimizerInfo(sharding, keys)
 
 
@@ -323,6 +325,10 @@ def _check_optimizer(out: list[Problem], opt: OptimizerInfo, target: Layout,
     if kind == "fully_sharded_model_space":
         out.append(Problem(NOTE, "optimizer state fully_sharded_model_space (flattened) is "
                            "converted to model space (fully_reshardable)"))
+        return
+    if kind == "non_distributed":
+        out.append(Problem(NOTE, "optimizer state of a non-distributed optimizer (model-space "
+                           "optimizer.state.*) resharded with the model"))
         return
     if kind in RESHARDABLE_OPTIMIZERS:
         return

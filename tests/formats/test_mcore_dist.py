@@ -80,8 +80,8 @@ def test_metadata(torch_dist):
     assert meta.common["parallel"] == {"tp": 2, "pp": 1, "world_size": 4, "dp": 2}
     assert meta.common["model"]["padded_vocab_size"] == 128
     assert meta.extras["sharded_backend"] == "torch_dist" and meta.extras["dcp_version"] == "1.0.0"
-    assert meta.extras["optimizer_sharding"] == {"type": "dp_reshardable",
-                                                 "source": "content_metadata"}
+    # content metadata says dp_reshardable (as Megatron-LM writes everywhere); no optimizer keys
+    assert meta.extras["optimizer_sharding"] is None
     d = meta.to_dict()
     assert d["tensors"]["decoder.w"] == {"dtype": "float32", "shape": [4, 6], "chunks": 2,
                                          "nbytes": 96}
@@ -147,7 +147,12 @@ def test_optimizer_sharding_inference():
                      "optimizer.distributed.dp_group_idx_0.param_state/shard_0_1")
     assert infer_optimizer_sharding({}, [obj], None)["type"] == "dp_zero_gather_scatter"
     model = {**t("w", (4, 6)), **t("optimizer.state.exp_avg.w", (4, 6))}
-    assert infer_optimizer_sharding(model, [], None)["type"] == "fully_reshardable"
+    declared = {"distrib_optim_sharding_type": "dp_reshardable"}
+    found = infer_optimizer_sharding(model, [], declared)
+    assert (found["type"], found["declared"]) == ("non_distributed", "dp_reshardable")
+    model.update(t("optimizer.state.param.w", (4, 6)))
+    assert infer_optimizer_sharding(model, [], declared)["type"] == "fully_reshardable"
+    assert infer_optimizer_sharding(t("w", (4, 6)), [], declared) is None
     flat = {**t("w", (4, 6)), **t("optimizer.state.exp_avg.w", (24,))}
     assert infer_optimizer_sharding(flat, [], None)["type"] == "fully_sharded_model_space"
     assert infer_optimizer_sharding(t("w", (4, 6)), [], {}) is None
