@@ -19,9 +19,15 @@ def reshard(
     src: CheckpointPath,
     dst: Annotated[Optional[Path], typer.Argument(
         help="Output directory (not needed with --check/--dry-run).", show_default=False)] = None,
-    tp: Annotated[int, typer.Option("--tp", min=1, help="Target tensor-parallel size.")] = 1,
-    pp: Annotated[int, typer.Option("--pp", min=1, help="Target pipeline-parallel size.")] = 1,
-    ep: Annotated[int, typer.Option("--ep", min=1, help="Target expert-parallel size.")] = 1,
+    tp: Annotated[_Int, typer.Option("--tp", min=1, show_default=False,
+                                     help="Target tensor-parallel size (default: the "
+                                     "source's).")] = None,
+    pp: Annotated[_Int, typer.Option("--pp", min=1, show_default=False,
+                                     help="Target pipeline-parallel size (default: the "
+                                     "source's).")] = None,
+    ep: Annotated[_Int, typer.Option("--ep", min=1, show_default=False,
+                                     help="Target expert-parallel size (default: the "
+                                     "source's).")] = None,
     etp: Annotated[_Int, typer.Option("--etp", min=1, help="Target expert tensor-parallel "
                                       "size (default: --tp).", show_default=False)] = None,
     vpp: Annotated[_Int, typer.Option("--vpp", min=1, help="Virtual pipeline stages per rank "
@@ -50,10 +56,11 @@ def reshard(
     vocab_fill: Annotated[str, typer.Option(
         "--vocab-fill", help="New padded vocab rows: copy (the last row, as Megatron-LM's "
         "converter) or zero.")] = "copy",
-    local_spec: Annotated[bool, typer.Option(
-        "--local-spec", help="Legacy targets: name the layer norms as a local-spec model "
-        "(--transformer-impl local) holds them (input_layernorm.*, pre_mlp_layernorm.*), "
-        "not by the fused Transformer-Engine names.")] = False,
+    local_spec: Annotated[Optional[bool], typer.Option(
+        "--local-spec/--te-spec", show_default=False,
+        help="Legacy targets: name the layer norms as a local-spec model (--transformer-impl "
+        "local) holds them (input_layernorm.*, pre_mlp_layernorm.*), or by the fused "
+        "Transformer-Engine names (default: from args.transformer_impl).")] = None,
     check: Annotated[bool, typer.Option(
         "--check", help="Only report whether the target layout can work (and why not).")] = False,
     dry_run: Annotated[bool, typer.Option(
@@ -84,7 +91,7 @@ def reshard(
                          drop_optimizer=drop_optimizer,
                          make_vocab_size_divisible_by=divisible_by, vocab_size=vocab_size,
                          vocab_fill=vocab_fill, local_spec=local_spec)
-    with progress_bar(f"reshard -> tp{tp} pp{pp}", enabled=not (check or dry_run)) as bar:
+    with progress_bar("reshard", enabled=not (check or dry_run)) as bar:
         result = run_reshard(src, dst, req, check=check, dry_run=dry_run, trust=trust,
                              overwrite=overwrite, verify=not no_verify, progress=bar,
                              workers=workers)
@@ -100,6 +107,19 @@ def reshard(
 def _render(plan: dict[str, Any], *, show_ranks: bool) -> None:
     from rich.markup import escape
     from rich.table import Table
+
+    for side in ("source", "target"):
+        lay = plan.get(side) or {}
+        if lay.get("origins"):
+            stdout.print(f"{side} layout: " + "  ".join(
+                f"{k}{lay.get(k) if lay['origins'].get(k) != 'unknown' else '?'} "
+                f"({lay['origins'][k]})" for k in ("tp", "pp", "ep")), highlight=False)
+    opt = plan.get("optimizer") or {}
+    if opt:
+        said = (f"; content metadata says {opt['content_metadata_says']}"
+                if opt.get("content_metadata_says") else "")
+        stdout.print(escape(f"optimizer: {opt['description']} ({opt['tensors']} tensors{said})"
+                            f" -> {opt['action']}"), highlight=False)
 
     if plan.get("problems"):
         table = Table(title="feasibility", title_justify="left")
@@ -125,8 +145,9 @@ def _render(plan: dict[str, Any], *, show_ranks: bool) -> None:
 def _verdict(result: Any, planning_only: bool) -> str:
     src = result.plan.get("source", {})
     tgt = result.plan.get("target", {})
-    layout = (f"tp{src.get('tp')} pp{src.get('pp')} ep{src.get('ep')} -> "
-              f"tp{tgt.get('tp')} pp{tgt.get('pp')} ep{tgt.get('ep')}")
+    unknown = {k for k, v in (src.get("origins") or {}).items() if v == "unknown"}
+    layout = (" ".join(f"{k}{'?' if k in unknown else src.get(k)}" for k in ("tp", "pp", "ep"))
+              + f" -> tp{tgt.get('tp')} pp{tgt.get('pp')} ep{tgt.get('ep')}")
     errors = [p for p in result.plan.get("problems", []) if p["severity"] == "error"]
     if errors:
         return (f"cannot reshard {result.source} ({layout}): {len(errors)} problem"

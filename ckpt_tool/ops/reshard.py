@@ -29,11 +29,12 @@ __all__ = ["ReshardRequest", "ReshardResult", "reshard"]
 
 @dataclass(frozen=True)
 class ReshardRequest:
-    """The target layout and how to get there (the CLI options of ``ckpt reshard``)."""
+    """The target layout and how to get there (the CLI options of ``ckpt reshard``).
+    ``tp``/``pp``/``ep`` left None keep the source's value."""
 
-    tp: int
-    pp: int = 1
-    ep: int = 1
+    tp: int | None = None
+    pp: int | None = None
+    ep: int | None = None
     etp: int | None = None
     vpp: int | None = None
     first_stage_layers: int | None = None
@@ -44,7 +45,7 @@ class ReshardRequest:
     make_vocab_size_divisible_by: int | None = None
     vocab_size: int | None = None
     vocab_fill: str = "copy"
-    local_spec: bool = False
+    local_spec: bool | None = None  # None: from args.transformer_impl ("local")
 
 
 @dataclass
@@ -82,7 +83,6 @@ def reshard(src: str | Path, dst: str | Path | None, req: ReshardRequest, *,
     """Plan (always) and, unless ``check``/``dry_run``, write the resharded checkpoint."""
     from ckpt_tool.planning.layout import load_rules
     from ckpt_tool.planning.reshard import ReshardOptions, plan_reshard
-    from ckpt_tool.planning.sizes import Layout
 
     start = time.perf_counter()
     r = current_ranks()
@@ -101,9 +101,7 @@ def reshard(src: str | Path, dst: str | Path | None, req: ReshardRequest, *,
     with reader:
         meta = reader.metadata()
         common = reader.common()
-        layout = Layout(tp=req.tp, pp=req.pp, ep=req.ep, etp=req.etp, vpp=req.vpp,
-                        first_stage_layers=req.first_stage_layers,
-                        last_stage_layers=req.last_stage_layers)
+        layout, target_origins = _target_layout(req, meta, common)
         options = ReshardOptions(target_format=to, drop_optimizer=req.drop_optimizer,
                                  make_vocab_size_divisible_by=req.make_vocab_size_divisible_by,
                                  vocab_size=req.vocab_size, vocab_fill=req.vocab_fill)
@@ -111,6 +109,7 @@ def reshard(src: str | Path, dst: str | Path | None, req: ReshardRequest, *,
         result = ReshardResult(source=str(meta.root), source_format=src_format,
                                target=None if out is None else str(out), format=to,
                                plan=plan.to_dict(ranks=dry_run))
+        result.plan["target"]["origins"] = target_origins
         result.notes = [f"dropped {k}" for k in plan.dropped]
         if check or dry_run or not plan.ok:
             result.seconds = time.perf_counter() - start
@@ -123,14 +122,21 @@ def reshard(src: str | Path, dst: str | Path | None, req: ReshardRequest, *,
         if progress is not None:
             progress.start(target.total_bytes, len(target.tensors))
         new_common = dict(common)
-        new_common["args"] = updated_args(common.get("args"), plan.args_updates)
+        new_common["args"] = updated_args(common.get("args"),
+                                          {**plan.args_updates, **_world_size(common, layout)})
+        local_spec = req.local_spec
+        if local_spec is None:
+            local_spec = getattr(common.get("args"), "transformer_impl", None) == "local"
+            if to == "legacy" and local_spec:
+                result.notes.append("layer norms named as a local-spec model holds them "
+                                    "(args.transformer_impl is 'local'; --te-spec overrides)")
         if to != "legacy":
             target = _dist_objects_only(target, new_common, result.notes)
         with staged_output_ranks(out, r, overwrite=overwrite) as staging:
             if to == "legacy":  # every rank writes its share of the rank files
                 skipped = write_legacy_ranks(staging, plan, source, new_common, on_bytes,
                                              ranks=r if r.world > 1 else None,
-                                             local_spec=req.local_spec)
+                                             local_spec=local_spec)
                 if skipped:
                     result.notes.append(
                         f"left out {len(skipped)} optimizer tensors (e.g. {skipped[0]}): "
@@ -153,6 +159,43 @@ def reshard(src: str | Path, dst: str | Path | None, req: ReshardRequest, *,
     result.nbytes = r.broadcast(sum(r.gather(mine) or [0])) if r.world > 1 else mine
     result.seconds = time.perf_counter() - start
     return result
+
+
+def _world_size(common: dict[str, Any], layout: Any) -> dict[str, Any]:
+    """``world_size`` for the new tp/pp at the source's data (and context) parallel size, as
+    Megatron-LM's initialisation derives it; nothing without args."""
+    args = common.get("args")
+    dp = getattr(args, "data_parallel_size", None)
+    if dp is None:
+        return {}
+    cp = getattr(args, "context_parallel_size", None) or 1
+    return {"world_size": int(dp) * int(cp) * layout.tp * layout.pp}
+
+
+def _target_layout(req: ReshardRequest, meta: Any, common: Any) -> tuple[Any, dict[str, str]]:
+    """The target layout: each of tp/pp/ep given, else the source's (with where it came
+    from); a source size nothing tells must be given."""
+    from ckpt_tool.planning.source_layout import source_layout_from, source_layout_origins
+    from ckpt_tool.planning.sizes import Layout
+
+    source = source_layout_from(meta, common)
+    known = source_layout_origins(meta, common)
+    sizes: dict[str, int] = {}
+    origins: dict[str, str] = {}
+    for name in ("tp", "pp", "ep"):
+        given = getattr(req, name)
+        if given is not None:
+            sizes[name], origins[name] = given, f"--{name}"
+        elif known[name] == "unknown":
+            raise UsageError(f"the source's {name} size is unknown (no args in the common "
+                             "state, nothing evident in the chunk grids)",
+                             hint=f"pass --{name}")
+        else:
+            sizes[name] = getattr(source, name)
+            origins[name] = f"source: {known[name]}"
+    return Layout(tp=sizes["tp"], pp=sizes["pp"], ep=sizes["ep"], etp=req.etp, vpp=req.vpp,
+                  first_stage_layers=req.first_stage_layers,
+                  last_stage_layers=req.last_stage_layers), origins
 
 
 _PER_RANK = re.compile(r"^[a-z_]+/mp_rank_[0-9_]+$")

@@ -17,13 +17,16 @@ from typing import Any, Iterable, Mapping
 from ckpt_tool.model import CheckpointMeta, ObjectMeta
 from ckpt_tool.ops._checks import Finding
 from ckpt_tool.planning.sizes import Layout, ModelSizes, padded_vocab_size, stage_layer_counts
+from ckpt_tool.planning.source_layout import args_of, source_layout_from, source_layout_origins
 
 __all__ = ["Problem", "OptimizerInfo", "model_sizes_from", "source_layout_from",
+           "source_layout_origins", "vocab_kept_unpadded",
            "optimizer_info_from", "target_vocab_size", "check_layout", "valid_tps", "ERROR",
-           "WARNING", "NOTE", "RESHARDABLE_OPTIMIZERS", "DP_ONLY_OPTIMIZERS"]
+           "WARNING", "NOTE", "RESHARDABLE_OPTIMIZERS", "DP_ONLY_OPTIMIZERS", "NON_DISTRIBUTED"]
 
 ERROR, WARNING, NOTE = "error", "warning", "note"
-RESHARDABLE_OPTIMIZERS = ("fully_reshardable", "fully_sharded_model_space", "non_distributed")
+NON_DISTRIBUTED = "non_distributed"
+RESHARDABLE_OPTIMIZERS = ("fully_reshardable", "fully_sharded_model_space", NON_DISTRIBUTED)
 DP_ONLY_OPTIMIZERS = ("dp_reshardable", "dp_zero_gather_scatter", "legacy_distrib_optim",
                       "legacy_optimizer")
 
@@ -51,24 +54,35 @@ class Problem:
 @dataclass(frozen=True)
 class OptimizerInfo:
     """Which optimizer state the checkpoint holds: ``sharding`` is a Megatron-Core
-    ``distrib_optim_sharding_type``, ``legacy_distrib_optim`` (``distrib_optim.pt`` files),
-    ``legacy_optimizer`` (per-rank ``optimizer`` entries) or None (no optimizer state)."""
+    ``distrib_optim_sharding_type``, ``non_distributed`` (model-space
+    ``optimizer.state.{exp_avg,exp_avg_sq,fp32_param}.<model key>`` of
+    ``Float16OptimizerWithFloat16Params`` / ``FP32Optimizer``), ``legacy_distrib_optim``
+    (``distrib_optim.pt`` files), ``legacy_optimizer`` (per-rank ``optimizer`` entries) or None
+    (no optimizer state); ``claimed`` is what the content metadata says."""
 
     sharding: str | None = None
     keys: tuple[str, ...] = ()
+    claimed: str | None = None
+
+    def describe(self) -> str:
+        """One phrase naming the form found."""
+        return _FORM_NAMES.get(self.sharding or "", self.sharding or "no optimizer state")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"form": self.sharding, "description": self.describe(),
+                "tensors": len(self.keys), "content_metadata_says": self.claimed}
 
 
-def _args_of(meta: CheckpointMeta, common: Mapping[str, Any] | None) -> dict[str, Any]:
-    args: Any = None
-    if common is not None:
-        args = common.get("args")
-    if args is None:
-        args = meta.extras.get("args")
-    if args is None:
-        return {}
-    if isinstance(args, Mapping):
-        return dict(args)
-    return dict(vars(args)) if hasattr(args, "__dict__") else {}
+_FORM_NAMES = {
+    "non_distributed": "non-distributed optimizer (Float16OptimizerWithFloat16Params / "
+                       "FP32Optimizer), model-space optimizer.state.* keys",
+    "fully_reshardable": "DistributedOptimizer, fully_reshardable (model space)",
+    "fully_sharded_model_space": "DistributedOptimizer, fully_sharded_model_space (flattened)",
+    "dp_reshardable": "DistributedOptimizer, dp_reshardable (per-bucket flat buffers)",
+    "dp_zero_gather_scatter": "DistributedOptimizer, dp_zero_gather_scatter (param_state "
+                              "object)",
+    "legacy_distrib_optim": "legacy distrib_optim.pt files (DistributedOptimizer)",
+    "legacy_optimizer": "legacy per-rank optimizer entries"}
 
 
 def _find_shape(meta: CheckpointMeta, suffix: str) -> tuple[int, ...] | None:
@@ -82,7 +96,7 @@ def model_sizes_from(meta: CheckpointMeta, common: Mapping[str, Any] | None = No
                      ) -> ModelSizes:
     """Model sizes from ``args`` (the full common state's, the legacy reader's
     ``extras["args"]`` or the ``common["model"]`` summary), completed from tensor shapes."""
-    args = _args_of(meta, common)
+    args = args_of(meta, common)
     summary = meta.common.get("model", {}) if isinstance(meta.common, Mapping) else {}
 
     def get(name: str) -> Any:
@@ -128,26 +142,32 @@ def _layers_from_keys(meta: CheckpointMeta) -> int | None:
     return best
 
 
-def source_layout_from(meta: CheckpointMeta, common: Mapping[str, Any] | None = None) -> Layout:
-    """The layout the checkpoint was saved with (``args`` / ``common["parallel"]``)."""
-    args = _args_of(meta, common)
-    par = meta.common.get("parallel", {}) if isinstance(meta.common, Mapping) else {}
-
-    def get(long: str, short: str) -> Any:
-        v = args.get(long)
-        if v is None:
-            v = par.get(short)
-        if v is None:
-            v = meta.extras.get(short)
-        return v
-
-    tp = int(get("tensor_model_parallel_size", "tp") or 1)
-    return Layout(tp=tp, pp=int(get("pipeline_model_parallel_size", "pp") or 1),
-                  ep=int(get("expert_model_parallel_size", "ep") or 1),
-                  etp=get("expert_tensor_parallel_size", "etp"),
-                  vpp=get("virtual_pipeline_model_parallel_size", "vpp"),
-                  first_stage_layers=args.get("decoder_first_pipeline_num_layers"),
-                  last_stage_layers=args.get("decoder_last_pipeline_num_layers"))
+def vocab_kept_unpadded(model: ModelSizes, meta: CheckpointMeta,
+                        common: Mapping[str, Any] | None, source_tp: int | None,
+                        target_tp: int) -> tuple[ModelSizes, Problem | None]:
+    """Without ``args`` (no vocab size, no padding multiple), stored vocab rows that are not
+    a multiple of Megatron-LM's padding (``make_vocab_size_divisible_by`` 128 x the old tp)
+    were not padded by Megatron-LM: keep them when the new tp divides them; else an error that
+    names the flags that decide."""
+    args = args_of(meta, common)
+    rows = model.padded_vocab_size
+    if rows is None or args.get("vocab_size") or args.get("make_vocab_size_divisible_by"):
+        return model, None
+    mult = model.make_vocab_size_divisible_by * (source_tp or 1)
+    if rows % mult == 0:
+        return model, None
+    if rows % target_tp == 0:
+        return model.with_(vocab_size=rows, make_vocab_size_divisible_by=1), Problem(
+            NOTE, f"vocab rows {rows} kept: no args, and {rows} is not a multiple of "
+            f"{mult} (make_vocab_size_divisible_by {model.make_vocab_size_divisible_by} x tp "
+            f"{source_tp or 1}), so not Megatron-LM's padding; tp={target_tp} divides them",
+            "pass --vocab-size / --make-vocab-size-divisible-by to pad instead", key="vocab")
+    return model, Problem(
+        ERROR, f"the stored vocab rows ({rows}, no args) are not Megatron-LM-padded (not a "
+        f"multiple of {mult}) and tp={target_tp} does not divide them",
+        "pass --vocab-size (the tokenizer's vocab; rows become a multiple of "
+        "--make-vocab-size-divisible-by x tp, default 128) or --make-vocab-size-divisible-by "
+        f"with a value that makes {rows} rows split over tp={target_tp}", key="vocab")
 
 
 def optimizer_info_from(meta: CheckpointMeta) -> OptimizerInfo:
@@ -155,9 +175,12 @@ def optimizer_info_from(meta: CheckpointMeta) -> OptimizerInfo:
     Megatron-Core readers' ``extras["optimizer_sharding"]`` (None for a model-only checkpoint,
     whatever its content metadata declares), else the legacy reader's objects."""
     keys = tuple(k for k in meta.tensors if k.startswith("optimizer."))
+    cm = meta.common.get("content_metadata") if isinstance(meta.common, Mapping) else None
+    claimed = cm.get("distrib_optim_sharding_type") if isinstance(cm, Mapping) else None
+    claimed = None if claimed is None else str(claimed)
     if "optimizer_sharding" in meta.extras:
         found = meta.extras.get("optimizer_sharding") or {}
-        return OptimizerInfo(found.get("type"), keys)
+        return OptimizerInfo(found.get("type"), keys, found.get("declared") or claimed)
     sharding = None
     if any(o.key == "distrib_optim" for o in meta.objects):
         sharding = "legacy_distrib_optim"
@@ -170,7 +193,7 @@ def optimizer_info_from(meta: CheckpointMeta) -> OptimizerInfo:
     elif keys:
         sharding = ("fully_reshardable" if any(k.startswith("optimizer.state.param.")
                                                for k in keys) else "non_distributed")
-    return OptimizerInfo(sharding, keys)
+    return OptimizerInfo(sharding, keys, claimed)
 
 
 def target_vocab_size(model: ModelSizes, tp: int, divisible_by: int | None = None) -> int | None:
@@ -318,19 +341,27 @@ def _check_optimizer(out: list[Problem], opt: OptimizerInfo, target: Layout,
                      source: Layout | None, drop: bool) -> None:
     kind = opt.sharding
     if kind is None:
+        if opt.claimed:
+            out.append(Problem(NOTE, "no optimizer state (no optimizer.* keys; the content "
+                               f"metadata's '{opt.claimed}' is what Megatron-LM writes into "
+                               "every checkpoint): nothing to reshard or drop", None,
+                               key="optimizer"))
         return
     if drop:
-        out.append(Problem(NOTE, f"optimizer state ({kind}) dropped (--drop-optimizer)"))
+        out.append(Problem(NOTE, f"optimizer state ({opt.describe()}) dropped "
+                           "(--drop-optimizer)", key="optimizer"))
         return
     if kind == "fully_sharded_model_space":
         out.append(Problem(NOTE, "optimizer state fully_sharded_model_space (flattened) is "
-                           "converted to model space (fully_reshardable)"))
-        return
-    if kind == "non_distributed":
-        out.append(Problem(NOTE, "optimizer state of a non-distributed optimizer (model-space "
-                           "optimizer.state.*) resharded with the model"))
+                           "converted to model space (fully_reshardable)", key="optimizer"))
         return
     if kind in RESHARDABLE_OPTIMIZERS:
+        said = (f"; the content metadata's '{opt.claimed}' is kept: Megatron-Core's "
+                "non-distributed optimizers ignore it" if kind == NON_DISTRIBUTED and
+                opt.claimed else "")
+        out.append(Problem(NOTE, f"optimizer state: {opt.describe()}, {len(opt.keys)} "
+                           f"tensors resharded with the model (same split as each "
+                           f"parameter){said}", None, key="optimizer"))
         return
     changed = source is None or (source.tp, source.pp, source.expert_tp, source.ep) != (
         target.tp, target.pp, target.expert_tp, target.ep)

@@ -22,9 +22,11 @@ from typing import Any, Mapping
 
 from ckpt_tool.formats._legacy_layout import rank_dir_name
 from ckpt_tool.model import CheckpointMeta, ChunkRef, ObjectMeta, TensorMeta
-from ckpt_tool.planning.feasibility import (ERROR, NOTE, OptimizerInfo, Problem, check_layout,
+from ckpt_tool.planning.feasibility import (ERROR, NOTE, RESHARDABLE_OPTIMIZERS, OptimizerInfo,
+                                            Problem, check_layout,
                                             model_sizes_from, optimizer_info_from,
-                                            source_layout_from, target_vocab_size)
+                                            source_layout_from, source_layout_origins,
+                                            target_vocab_size, vocab_kept_unpadded)
 from ckpt_tool.planning.grid import infer_rule_from_grid
 from ckpt_tool.planning.layout import GLU, REPLICATED, VOCAB, Rule, RuleSet, example_rule, model_key
 from ckpt_tool.planning.overlap import ChunkIndex, SourceRead, reads_for
@@ -109,6 +111,23 @@ class ReshardPlan:
     ranks: list[RankPlan] = field(default_factory=list)
     dropped: list[str] = field(default_factory=list)
     args_updates: dict[str, Any] = field(default_factory=dict)
+    optimizer: OptimizerInfo = field(default_factory=OptimizerInfo)
+    source_origins: dict[str, str] = field(default_factory=dict)
+
+    def optimizer_action(self) -> str:
+        """What happens to the optimizer state: none, resharded, converted, dropped, copied
+        or refused."""
+        kind = self.optimizer.sharding
+        if kind is None:
+            return "none"
+        if self.options.drop_optimizer:
+            return "dropped"
+        if kind == "fully_sharded_model_space":
+            return "converted to model space (fully_reshardable) and resharded"
+        if kind in RESHARDABLE_OPTIMIZERS:
+            return "resharded with the model"
+        errs = [p for p in self.problems if p.severity == ERROR and "optimizer" in p.reason]
+        return "refused" if errs else "copied unchanged"
 
     @property
     def ok(self) -> bool:
@@ -116,9 +135,11 @@ class ReshardPlan:
 
     def to_dict(self, *, ranks: bool = True) -> dict[str, Any]:
         d: dict[str, Any] = {
-            "source": self.source.to_dict(), "target": self.target.to_dict(),
+            "source": {**self.source.to_dict(), "origins": self.source_origins},
+            "target": self.target.to_dict(),
             "ok": self.ok, "problems": [p.to_dict() for p in self.problems],
-            "dropped": self.dropped, "args_updates": self.args_updates}
+            "dropped": self.dropped, "args_updates": self.args_updates,
+            "optimizer": {**self.optimizer.to_dict(), "action": self.optimizer_action()}}
         if ranks:
             d["ranks"] = [r.to_dict() for r in self.ranks]
         return d
@@ -212,11 +233,20 @@ def plan_reshard(meta: CheckpointMeta, target: Layout, rules: RuleSet | None = N
     if options.make_vocab_size_divisible_by is not None:
         sizes = sizes.with_(make_vocab_size_divisible_by=options.make_vocab_size_divisible_by)
     source = source_layout_from(meta, common)
+    origins = source_layout_origins(meta, common)
+    known = origins["tp"] != "unknown" and origins["pp"] != "unknown"
+    vocab_note = None
+    if options.vocab_size is None and options.make_vocab_size_divisible_by is None:
+        sizes, vocab_note = vocab_kept_unpadded(
+            sizes, meta, common, source.tp if origins["tp"] != "unknown" else None, target.tp)
     opt: OptimizerInfo = optimizer_info_from(meta)
-    problems = check_layout(sizes, target, opt, meta.objects, source=source,
+    problems = check_layout(sizes, target, opt, meta.objects, source=source if known else None,
                             drop_optimizer=options.drop_optimizer,
                             vocab_fill=options.vocab_fill)
-    plan = ReshardPlan(source, target, sizes, options, problems)
+    if vocab_note is not None:
+        problems.insert(0, vocab_note)
+    plan = ReshardPlan(source, target, sizes, options, problems, optimizer=opt,
+                       source_origins=origins)
     drop_opt = options.drop_optimizer
     opt_keys = set(opt.keys)
     skip = opt_keys if drop_opt else {k for k in opt_keys
@@ -343,7 +373,8 @@ def _plan_objects(meta: CheckpointMeta, plan: ReshardPlan, lm: LayerMap,
                   ranks: dict[tuple[int, int, int], RankPlan], legacy: bool) -> list[ObjectMeta]:
     """Objects kept (re-filed to the rank that writes them) and dropped (recorded)."""
     src, tgt = plan.source, plan.target
-    same_tp_pp = (src.tp, src.pp) == (tgt.tp, tgt.pp)
+    same_tp_pp = (src.tp, src.pp) == (tgt.tp, tgt.pp) and "unknown" not in (
+        plan.source_origins.get("tp"), plan.source_origins.get("pp"))
     out: list[ObjectMeta] = []
     for o in meta.objects:
         if o.key == "rng_state" and not same_tp_pp:

@@ -31,3 +31,24 @@ def test_megatron_core_loads_resharded_dist_and_legacy(tmp_path, tp, pp):
     ref = str(next(DIST.glob("iter_*")))
     log = torchrun(str(WORKER), tp * pp, str(tp), str(pp), ref, *outs, timeout=600)
     assert log.count(": OK ") == tp * pp, log[-3000:]
+
+
+def test_megatron_core_loads_a_no_args_reshard_with_its_vocab_rows_kept(tmp_path):
+    """No args: the source tp comes from the chunk grids and the 128 vocab rows (not
+    Megatron-LM's padding at tp2 with the default 128) are kept, so the TP4 result loads into
+    the model that wrote the source (re-padding to 512 rows would not)."""
+    import shutil
+
+    import torch
+
+    pytest.importorskip("megatron.core")
+    src = tmp_path / "noargs"
+    shutil.copytree(next(DIST.glob("iter_*")), src)
+    common = torch.load(src / "common.pt", weights_only=False)
+    del common["args"]
+    torch.save(common, src / "common.pt")
+    out = tmp_path / "o"
+    assert reshard(src, out, ReshardRequest(tp=4, pp=1)).written
+    log = torchrun(str(WORKER), 4, "4", "1", str(next(DIST.glob("iter_*"))), str(out),
+                   timeout=900)
+    assert log.count(": OK ") == 4, log[-3000:]

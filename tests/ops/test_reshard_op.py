@@ -152,11 +152,13 @@ def test_moe_with_experts_and_virtual_pipeline_through_dist(tmp_path):
     meta = open_checkpoint(tmp_path / "d").metadata()
     fc1 = meta.tensors["decoder.layers.mlp.experts.experts.linear_fc1.weight"]
     assert fc1.shape[:2] == (4, 4)  # Megatron-Core's SequentialMLP: (layer, global expert, ...)
-    want = _te_names(_tensors(src))
+    want = _tensors(src)  # args.transformer_impl is "local": local-spec names come back
     for layout in (dict(tp=1, pp=2, ep=2, vpp=2), dict(tp=2, pp=1, ep=4), dict(tp=1, pp=1)):
         out = tmp_path / f"l_{layout['tp']}_{layout['pp']}_{layout.get('ep', 1)}"
         reshard(tmp_path / "d", out, ReshardRequest(to="legacy", **layout))
         _same(want, _tensors(out))
+    reshard(tmp_path / "d", tmp_path / "te", ReshardRequest(to="legacy", local_spec=False))
+    _same(_te_names(want), _tensors(tmp_path / "te"))  # the override
     ranks = sorted(p.parent.name for p in (tmp_path / "l_2_1_4").glob("*/mp_rank_*/*.pt"))
     assert ranks == [f"mp_rank_{t:02d}_{e:03d}" for t in range(2) for e in range(4)]
     rank_file = next((tmp_path / "l_1_2_2").glob("*/mp_rank_00_001_001/*.pt"))
@@ -174,9 +176,10 @@ def test_workers_write_rank_files_in_parallel(tmp_path):
 
 
 def test_local_spec_names_reproduce_megatron_lm_local_files(tmp_path):
-    """The dist fixture resharded to legacy TP2PP2 with --local-spec gives the legacy fixture
-    (written from the same model with the local layer spec): every rank file, name and value."""
-    reshard(DIST, tmp_path / "o", ReshardRequest(tp=2, pp=2, to="legacy", local_spec=True))
+    """The dist fixture resharded to legacy TP2PP2 gives the legacy fixture (written from the
+    same model with the local layer spec): every rank file, name and value. No --local-spec:
+    the source's args.transformer_impl is "local"."""
+    reshard(DIST, tmp_path / "o", ReshardRequest(tp=2, pp=2, to="legacy"))
     want = sorted(LEGACY.glob("iter_*/mp_rank_*/model_optim_rng.pt"))
     got = sorted((tmp_path / "o").glob("iter_*/mp_rank_*/model_optim_rng.pt"))
     assert [p.parent.name for p in want] == [p.parent.name for p in got]

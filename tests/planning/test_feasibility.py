@@ -140,6 +140,16 @@ def test_optimizer_info_of_fixtures():
         "fully_sharded_model_space"
     assert optimizer_info_from(open_checkpoint(
         "fixtures/mcore016_gpt_tp2pp2_fp32").metadata()).sharding is None
+    # decided from the keys; the content metadata's claim is reported
+    only = optimizer_info_from(open_checkpoint(
+        "fixtures/mcore016_gpt_tp2pp2_modelonly").metadata())
+    assert (only.sharding, only.claimed) == (None, "dp_reshardable")
+    probs = check_layout(TINY, Layout(tp=4), only, source=Layout(2, 2))
+    assert not _errors(probs)
+    assert any(p.key == "optimizer" and "nothing to reshard or drop" in p.reason for p in probs)
+    fp16 = optimizer_info_from(open_checkpoint(
+        "fixtures/mcore016_gpt_tp2dp2_fp16opt").metadata())
+    assert fp16.sharding == "non_distributed" and "non-distributed" in fp16.describe()
     synthetic = CheckpointMeta("torch_dist", "", tensors={
         "optimizer.distributed.dp_group_idx_0.gbuf_idx_0.dtype_(torch.float32, torch.float32)"
         ".bucket_idx_0.exp_avg": TensorMeta("x", "float32", (10,))})

@@ -1,0 +1,38 @@
+"""``ckpt reshard`` command line: the target layout defaults to the source's (issue 16)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from ckpt_tool.cli.app import app
+from ckpt_tool.formats import open_checkpoint
+
+FIX = Path(__file__).resolve().parents[2] / "fixtures"
+DIST = FIX / "mcore016_gpt_tp2pp2_fp32"
+runner = CliRunner()
+
+
+def test_pp_and_ep_default_to_the_source_and_check_says_so(tmp_path):
+    res = runner.invoke(app, ["reshard", str(DIST), "--tp", "4", "--check"])
+    assert res.exit_code == 0, res.output
+    assert "target layout: tp4 (--tp)  pp2 (source: args)  ep1 (source: args)" in res.stdout
+    assert "tp2 pp2 ep1 -> tp4 pp2 ep1" in res.stderr
+    res = runner.invoke(app, ["reshard", str(DIST), "--tp", "4", "--check", "--json"])
+    doc = json.loads(res.stdout)
+    assert doc["target_layout"]["pp"] == 2
+    assert doc["target_layout"]["origins"] == {"tp": "--tp", "pp": "source: args",
+                                               "ep": "source: args"}
+    # written: PP2 kept (it used to become PP1 silently)
+    res = runner.invoke(app, ["reshard", str(DIST), str(tmp_path / "o"), "--tp", "4"])
+    assert res.exit_code == 0, res.output
+    common = open_checkpoint(tmp_path / "o").common()
+    assert (common["args"].tensor_model_parallel_size,
+            common["args"].pipeline_model_parallel_size) == (4, 2)
+    # an explicit --pp wins; --tp too may be left to the source
+    res = runner.invoke(app, ["reshard", str(DIST), "--pp", "1", "--check", "--json"])
+    doc = json.loads(res.stdout)
+    assert (doc["target_layout"]["tp"], doc["target_layout"]["pp"]) == (2, 1)
+    assert doc["target_layout"]["origins"]["tp"] == "source: args"
