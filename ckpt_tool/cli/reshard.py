@@ -114,6 +114,9 @@ def _render(plan: dict[str, Any], *, show_ranks: bool) -> None:
             stdout.print(f"{side} layout: " + "  ".join(
                 f"{k}{lay.get(k) if lay['origins'].get(k) != 'unknown' else '?'} "
                 f"({lay['origins'][k]})" for k in ("tp", "pp", "ep")), highlight=False)
+    if (plan.get("target") or {}).get("norm_names"):
+        stdout.print(escape(f"legacy norm names: {plan['target']['norm_names']}"),
+                     highlight=False)
     opt = plan.get("optimizer") or {}
     if opt:
         said = (f"; content metadata says {opt['content_metadata_says']}"

@@ -111,6 +111,11 @@ def reshard(src: str | Path, dst: str | Path | None, req: ReshardRequest, *,
                                plan=plan.to_dict(ranks=dry_run))
         result.plan["target"]["origins"] = target_origins
         result.notes = [f"dropped {k}" for k in plan.dropped]
+        local_spec, why = _norm_names(req, common)
+        if to == "legacy":
+            result.plan["target"]["norm_names"] = (
+                f"{'local spec (input_layernorm.*)' if local_spec else 'Transformer-Engine'}"
+                f" ({why})")
         if check or dry_run or not plan.ok:
             result.seconds = time.perf_counter() - start
             return result
@@ -124,12 +129,6 @@ def reshard(src: str | Path, dst: str | Path | None, req: ReshardRequest, *,
         new_common = dict(common)
         new_common["args"] = updated_args(common.get("args"),
                                           {**plan.args_updates, **_world_size(common, layout)})
-        local_spec = req.local_spec
-        if local_spec is None:
-            local_spec = getattr(common.get("args"), "transformer_impl", None) == "local"
-            if to == "legacy" and local_spec:
-                result.notes.append("layer norms named as a local-spec model holds them "
-                                    "(args.transformer_impl is 'local'; --te-spec overrides)")
         if to != "legacy":
             target = _dist_objects_only(target, new_common, result.notes)
         with staged_output_ranks(out, r, overwrite=overwrite) as staging:
@@ -159,6 +158,15 @@ def reshard(src: str | Path, dst: str | Path | None, req: ReshardRequest, *,
     result.nbytes = r.broadcast(sum(r.gather(mine) or [0])) if r.world > 1 else mine
     result.seconds = time.perf_counter() - start
     return result
+
+
+def _norm_names(req: ReshardRequest, common: dict[str, Any]) -> tuple[bool, str]:
+    """Legacy targets: name the norms as a local-spec model (True) or as Transformer-Engine
+    layers, and why: the flag, else the source's ``args.transformer_impl``."""
+    if req.local_spec is not None:
+        return req.local_spec, "--local-spec" if req.local_spec else "--te-spec"
+    impl = getattr(common.get("args"), "transformer_impl", None)
+    return impl == "local", f"args.transformer_impl={impl!r}"
 
 
 def _world_size(common: dict[str, Any], layout: Any) -> dict[str, Any]:

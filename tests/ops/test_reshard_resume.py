@@ -180,3 +180,7 @@ def test_legacy_targets_name_norms_from_args_transformer_impl(tmp_path):
     model = torch.load(next((tmp_path / "te").glob("iter_*/mp_rank_00/model_optim_rng.pt")),
                        weights_only=False)["model"]
     assert "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight" in model
+    res = runner.invoke(app, ["reshard", str(MODEL_ONLY), "--tp", "1", "--to", "legacy",
+                              "--check"])
+    assert "legacy norm names: local spec (input_layernorm.*) " \
+        "(args.transformer_impl='local')" in res.stdout
