@@ -22,7 +22,8 @@ from typing import Any, Mapping
 
 from ckpt_tool.formats._legacy_layout import rank_dir_name
 from ckpt_tool.model import CheckpointMeta, ChunkRef, ObjectMeta, TensorMeta
-from ckpt_tool.planning.feasibility import (ERROR, NOTE, RESHARDABLE_OPTIMIZERS, OptimizerInfo,
+from ckpt_tool.planning.feasibility import (ERROR, NOTE, RESHARDABLE_OPTIMIZERS, WARNING,
+                                            OptimizerInfo,
                                             Problem, check_layout,
                                             model_sizes_from, optimizer_info_from,
                                             source_layout_from, source_layout_origins,
@@ -115,19 +116,16 @@ class ReshardPlan:
     source_origins: dict[str, str] = field(default_factory=dict)
 
     def optimizer_action(self) -> str:
-        """What happens to the optimizer state: none, resharded, converted, dropped, copied
-        or refused."""
-        kind = self.optimizer.sharding
-        if kind is None:
-            return "none"
-        if self.options.drop_optimizer:
-            return "dropped"
-        if kind == "fully_sharded_model_space":
-            return "converted to model space (fully_reshardable) and resharded"
+        """What happens to the optimizer state (``--check`` says it)."""
+        kind, legacy = self.optimizer.sharding, self.options.target_format == "legacy"
+        if kind is None or self.options.drop_optimizer:
+            return "none" if kind is None else "dropped"
         if kind in RESHARDABLE_OPTIMIZERS:
-            return "resharded with the model"
-        errs = [p for p in self.problems if p.severity == ERROR and "optimizer" in p.reason]
-        return "refused" if errs else "copied unchanged"
+            return ("left out (legacy rank files cannot hold it)" if legacy else
+                    "resharded with the model" if kind != "fully_sharded_model_space" else
+                    "converted to model space (fully_reshardable) and resharded")
+        refused = any(p.severity == ERROR and "optimizer" in p.reason for p in self.problems)
+        return "refused" if refused else "copied unchanged"
 
     @property
     def ok(self) -> bool:
@@ -245,6 +243,12 @@ def plan_reshard(meta: CheckpointMeta, target: Layout, rules: RuleSet | None = N
                             vocab_fill=options.vocab_fill)
     if vocab_note is not None:
         problems.insert(0, vocab_note)
+    if (options.target_format == "legacy" and opt.sharding in RESHARDABLE_OPTIMIZERS
+            and not options.drop_optimizer):
+        problems.append(Problem(WARNING, f"legacy rank files cannot hold the {opt.describe()}:"
+                                f" its {len(opt.keys)} tensors are left out",
+                                "resume with --no-load-optim, or reshard to torch_dist",
+                                key="optimizer"))
     plan = ReshardPlan(source, target, sizes, options, problems, optimizer=opt,
                        source_origins=origins)
     drop_opt = options.drop_optimizer

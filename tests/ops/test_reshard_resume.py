@@ -72,6 +72,13 @@ def test_check_names_the_optimizer_form_and_what_happens(tmp_path):
     assert "optimizer: no optimizer state" in res.stdout and "-> none" in res.stdout
     res = runner.invoke(app, ["reshard", str(FP16OPT), "--tp", "1", "--check"])
     assert "non-distributed optimizer" in res.stdout and "resharded with the model" in res.stdout
+    # legacy rank files hold no model-space optimizer state: said before anything is written
+    res = runner.invoke(app, ["reshard", str(FP16OPT), "--tp", "1", "--to", "legacy",
+                              "--check", "--json"])
+    doc = json.loads(res.stdout)
+    assert doc["optimizer"]["action"].startswith("left out")
+    assert any(p["severity"] == "warning" and "--no-load-optim" in p["fix"]
+               for p in doc["problems"])
 
 
 DIST = FIX / "mcore016_gpt_tp2pp2_fp32"
