@@ -24,6 +24,7 @@ WORKER = Path(__file__).resolve().parent / "_resume_worker.py"
 
 @pytest.mark.parametrize("fixture,kind,tp,pp,world", [
     ("mcore016_gpt_tp2pp2_modelonly", "modelonly", 1, 2, 2),
+    ("mcore016_gpt_tp2pp2_modelonly", "modelonly", 4, 1, 4),   # pp 2 -> 1
     ("mcore016_gpt_tp2dp2_fp16opt", "fp16opt", 1, 2, 4),   # tp 2 -> 1, pp 1 -> 2, dp 2
     ("mcore016_gpt_tp2dp2_fp16opt", "fp16opt", 4, 1, 4),   # tp 4 > query groups, dp 1
 ])
