@@ -1,7 +1,8 @@
 """What a checkpoint says about the layout it was saved with: ``args`` (or the readers'
-``parallel`` summary) first; without them the tensor-parallel size from the chunk grids of the
-weights the layout rules split (vocab-parallel along dim 0, row-parallel along the last dim).
-A size nothing tells is reported as ``unknown``, never guessed."""
+``parallel`` summary) first; without them the global shape ``(pp, tp)`` of Megatron-LM's
+``rng_state`` ShardedObjects, then the tensor-parallel size from the chunk grids of the weights
+the layout rules split (vocab-parallel along dim 0, row-parallel along the last dim). A size
+nothing tells is reported as ``unknown``, never guessed."""
 
 from __future__ import annotations
 
@@ -65,6 +66,12 @@ def _source_layout(meta: CheckpointMeta, common: Mapping[str, Any] | None
               "first": args.get("decoder_first_pipeline_num_layers"),
               "last": args.get("decoder_last_pipeline_num_layers")}
     origins = {k: "args" if values[k] is not None else "unknown" for k in ("tp", "pp", "ep")}
+    rng = [o.global_shape for o in meta.objects
+           if o.key == "rng_state" and len(o.global_shape) == 2]
+    if rng and len(set(rng)) == 1:  # Megatron-LM's rng_state: global shape (pp, tp)
+        for name, size in zip(("pp", "tp"), rng[0]):
+            if values[name] is None:
+                values[name], origins[name] = int(size), "rng_state objects"
     if values["tp"] is None:
         grid = _tp_from_chunk_grids(meta)
         if grid is not None:

@@ -97,20 +97,42 @@ def _without_args(tmp_path: Path, src: Path = DIST) -> Path:
     return out
 
 
-def test_source_layout_without_args_is_inferred_or_unknown(tmp_path):
+def test_source_layout_without_args_is_read_from_the_checkpoint(tmp_path):
+    # no args: pp and tp from the rng_state objects' (pp, tp) global shape
     src = _without_args(tmp_path)
-    # tp from the chunk grids; pp is not evident: the target pp must be given
-    res = runner.invoke(app, ["reshard", str(src), "--tp", "4", "--check"])
-    assert res.exit_code == 2 and "pp size is unknown" in res.stderr and "--pp" in res.stderr
-    res = runner.invoke(app, ["reshard", str(src), "--tp", "4", "--pp", "2", "--check", "--json"])
+    res = runner.invoke(app, ["reshard", str(src), "--tp", "4", "--check", "--json"])
     assert res.exit_code == 0, res.output
     doc = json.loads(res.stdout)
-    assert doc["source_layout"]["tp"] == 2
-    assert doc["source_layout"]["origins"] == {"tp": "chunk grid", "pp": "unknown",
+    assert (doc["source_layout"]["tp"], doc["source_layout"]["pp"]) == (2, 2)
+    assert doc["source_layout"]["origins"] == {"tp": "rng_state objects",
+                                               "pp": "rng_state objects", "ep": "no experts"}
+    assert doc["target_layout"]["pp"] == 2
+    res = runner.invoke(app, ["reshard", str(src), "--tp", "4", "--check"])
+    assert "tp2 pp2 ep1 -> tp4 pp2 ep1" in res.stderr  # it used to say "tp1 pp1 -> tp4"
+
+
+def test_source_layout_without_args_or_rng_state_is_inferred_or_unknown():
+    import pytest
+
+    from ckpt_tool.errors import UsageError
+    from ckpt_tool.model import ChunkRef, TensorMeta
+    from ckpt_tool.ops.reshard import _target_layout
+    from ckpt_tool.planning.source_layout import source_layout_origins
+
+    meta = open_checkpoint(DIST).metadata()
+    bare = type(meta)(meta.format, meta.root, tensors=meta.tensors, objects=(), common={})
+    assert source_layout_origins(bare, {}) == {"tp": "chunk grid", "pp": "unknown",
                                                "ep": "no experts"}
-    res = runner.invoke(app, ["reshard", str(src), "--tp", "4", "--pp", "2", "--check"])
-    assert "tp2 pp? ep1 -> tp4 pp2 ep1" in res.stderr  # never a wrong "tp1 pp1"
-    assert "tp2 (chunk grid)" in res.stdout and "pp? (unknown)" in res.stdout
+    with pytest.raises(UsageError, match="pp size is unknown") as e:
+        _target_layout(ReshardRequest(tp=4), bare, {})
+    assert "--pp" in e.value.hint
+    layout, origins = _target_layout(ReshardRequest(pp=2), bare, {})
+    assert (layout.tp, origins["tp"]) == (2, "source: chunk grid")
+    # chunk grids that disagree tell nothing
+    emb = TensorMeta("embedding.word_embeddings.weight", "float32", (128, 64),
+                     chunks=(ChunkRef((0, 0), (128, 64)),))
+    odd = type(meta)(meta.format, meta.root, tensors={**meta.tensors, emb.key: emb})
+    assert source_layout_origins(odd, {})["tp"] == "unknown"
 
 
 def test_unpadded_vocab_rows_are_kept_without_args(tmp_path):
