@@ -77,7 +77,8 @@ def reshard(
     """Rewrite a checkpoint for another TP/PP/EP layout (feasibility is checked first: every
     reason the target cannot work is reported with its fix; exit 1 then).
 
-    Example: ckpt reshard checkpoints/gpt/iter_0001000 gpt-tp4 --tp 4 --pp 1
+    Sizes not given keep the source's. Example: ckpt reshard checkpoints/gpt/iter_0001000
+    gpt-tp4 --tp 4
     """
     from ckpt_tool.errors import UsageError
     from ckpt_tool.ops.reshard import ReshardRequest
