@@ -34,9 +34,11 @@ def test_megatron_core_loads_resharded_dist_and_legacy(tmp_path, tp, pp):
 
 
 def test_megatron_core_loads_a_no_args_reshard_with_its_vocab_rows_kept(tmp_path):
-    """No args: the source tp comes from the chunk grids and the 128 vocab rows (not
-    Megatron-LM's padding at tp2 with the default 128) are kept, so the TP4 result loads into
-    the model that wrote the source (re-padding to 512 rows would not)."""
+    """No args: the source layout comes from the checkpoint itself and the 128 vocab rows (not
+    Megatron-LM's padding at tp2 with the default 128) are kept; the TP4 result loads into the
+    model that wrote the source. (Megatron-Core would also load re-padded vocab rows: it allows
+    a vocab shape mismatch, so the row count is asserted here and the strict legacy load in
+    tests/ops/test_reshard_resume.py.)"""
     import shutil
 
     import torch
@@ -49,6 +51,10 @@ def test_megatron_core_loads_a_no_args_reshard_with_its_vocab_rows_kept(tmp_path
     torch.save(common, src / "common.pt")
     out = tmp_path / "o"
     assert reshard(src, out, ReshardRequest(tp=4, pp=1)).written
+    from ckpt_tool.formats import open_checkpoint
+
+    emb = open_checkpoint(out).metadata().tensors["embedding.word_embeddings.weight"]
+    assert emb.shape == (128, 64)
     log = torchrun(str(WORKER), 4, "4", "1", str(next(DIST.glob("iter_*"))), str(out),
                    timeout=900)
     assert log.count(": OK ") == 4, log[-3000:]

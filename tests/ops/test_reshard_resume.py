@@ -147,6 +147,23 @@ def test_unpadded_vocab_rows_are_kept_without_args(tmp_path):
     _same(_tensors(src), _tensors(tmp_path / "o"))
 
 
+def test_no_args_reshard_to_legacy_reproduces_megatron_lm_files(tmp_path):
+    """No args, TP2 PP2 -> legacy TP2 PP2: every rank file equals the one Megatron-LM wrote for
+    the same model (megatron_legacy_tp2pp2): the 128 vocab rows are kept (re-padding them to
+    256 at tp2 would not load into that model with a strict load_state_dict)."""
+    src = _without_args(tmp_path)
+    reshard(src, tmp_path / "o", ReshardRequest(tp=2, pp=2, to="legacy", local_spec=True))
+    want = sorted((FIX / "megatron_legacy_tp2pp2").glob("iter_*/mp_rank_*/model_optim_rng.pt"))
+    got = sorted((tmp_path / "o").glob("*/mp_rank_*/model_optim_rng.pt"))
+    assert [p.parent.name for p in want] == [p.parent.name for p in got]
+    for a, b in zip(want, got):
+        x = {k: v for k, v in torch.load(a, weights_only=False)["model"].items()
+             if torch.is_tensor(v)}
+        y = torch.load(b, weights_only=False)["model"]
+        assert set(x) == set(y), a
+        assert all(x[k].shape == y[k].shape and torch.equal(x[k], y[k]) for k in x), a
+
+
 def test_unpadded_vocab_rows_that_the_new_tp_does_not_divide_name_the_flags():
     from ckpt_tool.model import CheckpointMeta
     from ckpt_tool.planning.feasibility import ERROR, vocab_kept_unpadded
