@@ -19,6 +19,7 @@ from ckpt_tool.errors import UsageError
 from ckpt_tool.formats.base import open_checkpoint
 from ckpt_tool.formats.writer import WriteRequest, WriterOptions, writer_for
 from ckpt_tool.formats._write_legacy import updated_args, write_legacy_ranks
+from ckpt_tool.ops._optim_unflatten import unflatten_bucketed_optimizer
 from ckpt_tool.ops._reshard_io import PaddedSource, stacked_view_if_legacy
 from ckpt_tool.ops._staging import check_output_target, staged_output_ranks, verify_output
 from ckpt_tool.parallel import JobProgress
@@ -98,6 +99,8 @@ def reshard(src: str | Path, dst: str | Path | None, req: ReshardRequest, *,
         raise UsageError(f"reshard writes torch_dist or legacy, not {to!r}",
                          hint="reshard, then 'ckpt convert' the result")
     reader = stacked_view_if_legacy(base, to)
+    if to != "legacy" and not req.drop_optimizer:
+        reader = unflatten_bucketed_optimizer(reader, load_rules(req.rules))
     with reader:
         meta = reader.metadata()
         common = reader.common()

@@ -63,6 +63,7 @@ class OptimizerInfo:
     sharding: str | None = None
     keys: tuple[str, ...] = ()
     claimed: str | None = None
+    source: str | None = None
 
     def describe(self) -> str:
         """One phrase naming the form found."""
@@ -180,7 +181,8 @@ def optimizer_info_from(meta: CheckpointMeta) -> OptimizerInfo:
     claimed = None if claimed is None else str(claimed)
     if "optimizer_sharding" in meta.extras:
         found = meta.extras.get("optimizer_sharding") or {}
-        return OptimizerInfo(found.get("type"), keys, found.get("declared") or claimed)
+        return OptimizerInfo(found.get("type"), keys, found.get("declared") or claimed,
+                             found.get("source"))
     sharding = None
     if any(o.key == "distrib_optim" for o in meta.objects):
         sharding = "legacy_distrib_optim"
@@ -359,6 +361,9 @@ def _check_optimizer(out: list[Problem], opt: OptimizerInfo, target: Layout,
         said = (f"; the content metadata's '{opt.claimed}' is kept: Megatron-Core's "
                 "non-distributed optimizers ignore it" if kind == NON_DISTRIBUTED and
                 opt.claimed else "")
+        if opt.source and opt.source.startswith("unflattened"):
+            said = (f"; {opt.source}; written as fully_reshardable, which Megatron-Core loads "
+                    "at any layout")
         out.append(Problem(NOTE, f"optimizer state: {opt.describe()}, {len(opt.keys)} "
                            f"tensors resharded with the model (same split as each "
                            f"parameter){said}", None, key="optimizer"))

@@ -37,13 +37,14 @@ def main() -> int:
             for p in gpt.parameters():
                 p.fill_(float("nan"))
         if ckpt is None:  # what a fresh optimizer holds before any load
-            from megatron.core import dist_checkpointing as dc
-
             if optimizer is not None:
                 with H.optimizer_on_cpu():
-                    optimizer.sharded_state_dict(gpt.sharded_state_dict(), is_loading=True,
-                                                 metadata=dict(R.MEGATRON_LM_METADATA))
-            del dc
+                    for opt in optimizer.chained_optimizers:
+                        init = getattr(opt, "_init_optimizer_states_with_dummy_values", None)
+                        if init is not None:
+                            init()
+                        else:
+                            opt.init_state_fn(opt.optimizer, opt.config)
         else:
             R.load_as_megatron_lm(ckpt, gpt, optimizer)
         model = {k: v.detach().clone() for k, v in gpt.state_dict().items() if torch.is_tensor(v)}

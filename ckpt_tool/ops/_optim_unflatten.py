@@ -1,0 +1,181 @@
+"""The DistributedOptimizer's bucket-space state (``dp_reshardable``) seen in model space.
+
+:class:`UnflattenedOptimizerView` wraps a Megatron-Core dist reader whose optimizer state is
+stored per gradient bucket and presents it as Megatron-Core's ``fully_reshardable`` form:
+``optimizer.state.{param,exp_avg,exp_avg_sq}.<model key>`` tensors with the model tensors'
+global shapes, the common state's ``optimizer`` entry (param groups, ``param_state_sharding_type``)
+and the content metadata saying ``fully_reshardable``; the per-bucket tensors and objects are
+gone. Any reshard plan then moves that state with the model. The bucket layout comes from
+:mod:`ckpt_tool.planning.optim_buckets` and must be proven first; a read pulls one parameter's
+elements of one bucket at a time (memory: the largest parameter shard).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import re
+from dataclasses import replace
+from typing import Any
+
+from ckpt_tool.errors import UnsupportedError
+from ckpt_tool.formats.base import Reader
+from ckpt_tool.model import CheckpointMeta, ChunkRef, TensorMeta
+from ckpt_tool.planning.feasibility import model_sizes_from
+from ckpt_tool.planning.source_layout import args_of, source_layout_from
+from ckpt_tool.planning.layout import RuleSet
+from ckpt_tool.planning.optim_buckets import (STATES, Bucket, BucketLayoutError, BucketParam,
+                                              optimizer_bucket_layout, prove_bucket_layout)
+from ckpt_tool.planning.pieces import Piece
+
+__all__ = ["UnflattenedOptimizerView", "unflatten_bucketed_optimizer"]
+
+_GROUP = re.compile(r"^optimizer\.distributed\.dp_group_idx_(\d+)\.(per_bucket_numel|"
+                    r"per_bucket_numel_unpadded|optimizer)$")
+
+
+def unflatten_bucketed_optimizer(reader: Reader, rules: RuleSet | None = None) -> Reader:
+    """``reader`` itself unless it holds ``dp_reshardable`` optimizer state; then the proven
+    model-space view (UnsupportedError, exit 2, naming what does not match, when the layout
+    cannot be rebuilt or proven)."""
+    meta = reader.metadata()
+    found = meta.extras.get("optimizer_sharding") or {}
+    if found.get("type") != "dp_reshardable":
+        return reader
+    return UnflattenedOptimizerView(reader, rules)
+
+
+class UnflattenedOptimizerView(Reader):
+    """See the module docstring."""
+
+    def __init__(self, reader: Reader, rules: RuleSet | None = None):
+        super().__init__(reader.path, trust=reader.trust)
+        self.inner = reader
+        self.format_name = reader.format_name
+        meta = reader.metadata()
+        self._common = reader.common()
+        args = args_of(meta, self._common)
+        sizes = model_sizes_from(meta, self._common)
+        source = source_layout_from(meta, self._common)
+        where = f"{meta.root}: dp_reshardable optimizer state"
+        try:
+            self.buckets = optimizer_bucket_layout(meta, sizes, source, args, rules)
+        except BucketLayoutError as exc:
+            raise UnsupportedError(f"{where}: {exc}", hint="reshard with --drop-optimizer, or "
+                                   "re-save with --dist-ckpt-optim-fully-reshardable") from None
+        per_bucket, self._groups = self._group_objects(meta)
+        dp = int(args.get("data_parallel_size") or 1)
+        problems = prove_bucket_layout(self.buckets, meta, per_bucket, dp)
+        if problems:
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            raise UnsupportedError(f"{where}: the rebuilt bucket layout does not match the "
+                                   f"checkpoint: {problems[0]}{more}",
+                                   hint="reshard with --drop-optimizer (nothing is guessed)")
+        self.summary = (f"unflattened from dp_reshardable: {len(self.buckets)} buckets in "
+                        f"{len({b.dp_group_idx for b in self.buckets})} model-parallel domains "
+                        "proven against per_bucket_numel and every stored piece")
+        self._sources: dict[str, list[tuple[Piece, BucketParam, Bucket]]] = {}
+        self._meta = self._build_meta(meta)
+
+    def _group_objects(self, meta: CheckpointMeta) -> tuple[dict[int, tuple[Any, Any]],
+                                                             dict[int, Any]]:
+        values: dict[tuple[int, str], Any] = {}
+        for o in meta.objects:
+            m = _GROUP.match(o.key)
+            if m:
+                values[(int(m.group(1)), m.group(2))] = self.inner.read_object(o.unique_key)
+        groups = {i for i, _ in values}
+        per_bucket = {i: (values[(i, "per_bucket_numel")], values[(i, "per_bucket_numel_unpadded")])
+                      for i in groups if (i, "per_bucket_numel") in values
+                      and (i, "per_bucket_numel_unpadded") in values}
+        return per_bucket, {i: values.get((i, "optimizer")) for i in groups}
+
+    def _build_meta(self, meta: CheckpointMeta) -> CheckpointMeta:
+        tensors = {k: t for k, t in meta.tensors.items()
+                   if not k.startswith("optimizer.distributed.")}
+        by_key: dict[str, list[tuple[Piece, BucketParam, Bucket]]] = {}
+        for b in self.buckets:
+            for p in b.params:
+                for piece in p.local.pieces:
+                    if piece.fill is None:
+                        by_key.setdefault(p.key, []).append((piece, p, b))
+        dtype = next(t.dtype for k, t in meta.tensors.items()
+                     if k.startswith("optimizer.distributed."))
+        for key, found in by_key.items():
+            seen: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple] = {}
+            for piece, p, b in found:  # replicated over tp: the lowest tp rank's copy
+                seen.setdefault((piece.global_offsets, piece.sizes), (piece, p, b))
+            chunks = tuple(ChunkRef(offsets=o, sizes=s) for o, s in seen)
+            for state in STATES:
+                vk = f"optimizer.state.{state}.{key}"
+                tensors[vk] = TensorMeta(key=vk, dtype=dtype, shape=meta.tensors[key].shape,
+                                         chunks=chunks, origin="dp_reshardable buckets")
+                self._sources[vk] = list(seen.values())
+        objects = tuple(o for o in meta.objects if not _GROUP.match(o.key))
+        extras = dict(meta.extras)
+        extras["optimizer_sharding"] = {"type": "fully_reshardable", "source": self.summary,
+                                        "declared": "dp_reshardable"}
+        common = dict(meta.common)
+        if isinstance(common.get("content_metadata"), dict):
+            common["content_metadata"] = {**common["content_metadata"],
+                                          "distrib_optim_sharding_type": "fully_reshardable"}
+        return replace(meta, tensors=tensors, objects=objects, extras=extras, common=common)
+
+    def metadata(self) -> CheckpointMeta:
+        return self._meta
+
+    def common(self) -> dict[str, Any]:
+        common = dict(self._common)
+        cm = common.get("content_metadata")
+        if isinstance(cm, dict):
+            common["content_metadata"] = {**cm, "distrib_optim_sharding_type": "fully_reshardable"}
+        groups = self._groups.get(0)
+        optimizer = dict(common.get("optimizer") or {})
+        if groups is not None:
+            optimizer["optimizer"] = copy.deepcopy(groups)
+        optimizer["param_state_sharding_type"] = "fully_reshardable"
+        common["optimizer"] = optimizer
+        return common
+
+    def read(self, key: str, slices: tuple[slice, ...] | None = None) -> Any:
+        if key not in self._sources:
+            return self.inner.read(key, slices)
+        import torch
+
+        from ckpt_tool.formats._dcp_io import torch_dtype
+
+        t = self._meta.tensors[key]
+        state = key.split(".")[2]
+        region = [range(*(slices[d] if slices and d < len(slices) else slice(None))
+                        .indices(n)) for d, n in enumerate(t.shape)]
+        if any(r.step != 1 for r in region):
+            raise UnsupportedError(f"{key}: strided reads are not supported")
+        lo = [r.start for r in region]
+        hi = [r.stop for r in region]
+        out = torch.empty([h - l for l, h in zip(lo, hi)], dtype=torch_dtype(t.dtype))
+        covered = 0
+        cache: tuple[Any, Any] | None = None
+        for piece, p, b in self._sources[key]:
+            a = [max(l, o) for l, o in zip(lo, piece.global_offsets)]
+            z = [min(h, o + s) for h, o, s in zip(hi, piece.global_offsets, piece.sizes)]
+            if any(x >= y for x, y in zip(a, z)):
+                continue
+            if cache is None or cache[0] is not p:
+                flat = self.inner.read(b.key(state), (slice(p.start, p.start + p.numel),))
+                cache = (p, flat.reshape(p.local.local_shape))
+            local = cache[1]
+            src = tuple(slice(x - o + lo_, y - o + lo_) for x, y, o, lo_ in
+                        zip(a, z, piece.global_offsets, piece.local_offsets))
+            dst = tuple(slice(x - l, y - l) for x, y, l in zip(a, z, lo))
+            out[dst] = local[src]
+            covered += math.prod(y - x for x, y in zip(a, z))
+        if covered != out.numel():
+            raise UnsupportedError(f"{key}: the bucket pieces cover {covered} of "
+                                   f"{out.numel()} requested elements")
+        return out
+
+    def read_object(self, unique_key: str) -> Any:
+        return self.inner.read_object(unique_key)
+
+    def close(self) -> None:
+        self.inner.close()
