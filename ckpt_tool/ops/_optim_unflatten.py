@@ -28,7 +28,7 @@ from ckpt_tool.planning.optim_buckets import (STATES, Bucket, BucketLayoutError,
                                               optimizer_bucket_layout, prove_bucket_layout)
 from ckpt_tool.planning.pieces import Piece
 
-__all__ = ["UnflattenedOptimizerView", "unflatten_bucketed_optimizer"]
+__all__ = ["UnflattenedOptimizerView", "LegacyDistOptimizerView", "unflatten_bucketed_optimizer"]
 
 _GROUP = re.compile(r"^optimizer\.distributed\.dp_group_idx_(\d+)\.(per_bucket_numel|"
                     r"per_bucket_numel_unpadded|optimizer)$")
@@ -40,9 +40,12 @@ def unflatten_bucketed_optimizer(reader: Reader, rules: RuleSet | None = None) -
     cannot be rebuilt or proven)."""
     meta = reader.metadata()
     found = meta.extras.get("optimizer_sharding") or {}
-    if found.get("type") != "dp_reshardable":
-        return reader
-    return UnflattenedOptimizerView(reader, rules)
+    if found.get("type") == "dp_reshardable":
+        return UnflattenedOptimizerView(reader, rules)
+    if meta.format == "legacy" and any(o.key == "distrib_optim" for o in meta.objects) and any(
+            k.startswith(_LEGACY_MAIN) for k in meta.tensors):
+        return LegacyDistOptimizerView(reader)
+    return reader
 
 
 class UnflattenedOptimizerView(Reader):
@@ -173,6 +176,60 @@ class UnflattenedOptimizerView(Reader):
             raise UnsupportedError(f"{key}: the bucket pieces cover {covered} of "
                                    f"{out.numel()} requested elements")
         return out
+
+    def read_object(self, unique_key: str) -> Any:
+        return self.inner.read_object(unique_key)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+_LEGACY_MAIN = "optimizer.state.fp32_param."
+_MCORE_LM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable",
+                      "singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+
+
+class LegacyDistOptimizerView(Reader):
+    """A Megatron-LM legacy checkpoint's ``distrib_optim.pt`` state (which the legacy reader
+    already places per parameter, proven against the buckets it rebuilds) in the form a
+    Megatron-Core DistributedOptimizer resumes from at any layout: ``fully_reshardable``
+    (``optimizer.state.{param,exp_avg,exp_avg_sq}.<key>``), its common ``optimizer`` entry and
+    the content metadata Megatron-LM writes, with ``fully_reshardable`` as the sharding type."""
+
+    def __init__(self, reader: Reader):
+        super().__init__(reader.path, trust=reader.trust)
+        self.inner = reader
+        self.format_name = reader.format_name
+        meta = reader.metadata()
+        self._names: dict[str, str] = {}
+        tensors: dict[str, TensorMeta] = {}
+        for k, t in meta.tensors.items():
+            new = ("optimizer.state.param." + k[len(_LEGACY_MAIN):]
+                   if k.startswith(_LEGACY_MAIN) else k)
+            self._names[new] = k
+            tensors[new] = replace(t, key=new)
+        objects = tuple(o for o in meta.objects if o.key not in ("distrib_optim", "optimizer"))
+        extras = dict(meta.extras)
+        extras["optimizer_sharding"] = {
+            "type": "fully_reshardable", "declared": None,
+            "source": "converted from legacy distrib_optim.pt (model space per parameter)"}
+        self._meta = replace(meta, tensors=tensors, objects=objects, extras=extras)
+
+    def metadata(self) -> CheckpointMeta:
+        return self._meta
+
+    def common(self) -> dict[str, Any]:
+        common = dict(self.inner.common())
+        optimizer = dict(common.get("optimizer") or {})
+        optimizer["param_state_sharding_type"] = "fully_reshardable"
+        common["optimizer"] = optimizer
+        cm = common.get("content_metadata")
+        common["content_metadata"] = {**(cm if isinstance(cm, dict) else _MCORE_LM_METADATA),
+                                      "distrib_optim_sharding_type": "fully_reshardable"}
+        return common
+
+    def read(self, key: str, slices: tuple[slice, ...] | None = None) -> Any:
+        return self.inner.read(self._names.get(key, key), slices)
 
     def read_object(self, unique_key: str) -> Any:
         return self.inner.read_object(unique_key)

@@ -3,7 +3,9 @@ layout that wrote it (GPT + DDP with the source's bucket size, Megatron-LM's res
 saves it again in the model-space ``fully_reshardable`` form — the ground truth in model space
 of what the source's bucket-space (``dp_reshardable``) state holds.
 
-    torchrun --nproc-per-node N _resave_worker.py TP PP BUCKET_SIZE SOURCE_ITER_DIR OUT_DIR
+    torchrun --nproc-per-node N _resave_worker.py TP PP BUCKET_SIZE|0 SOURCE_ITER_DIR OUT_DIR
+
+The GPT takes the sizes of the source's args.
 """
 
 from __future__ import annotations
@@ -24,11 +26,14 @@ def main() -> int:
 
     tp, pp, bucket_size = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     src, out = sys.argv[4], sys.argv[5]
+    R.sizes_from_checkpoint(src)
     H.patch_cuda_for_cpu()
     H.init_parallel(tp, pp)
     dp = torch.distributed.get_world_size() // (tp * pp)
-    gpt, _model, optimizer = R.build(tp, pp, "distopt", bucket_size=bucket_size)
-    R.load_as_megatron_lm(src, gpt, optimizer)
+    gpt, _model, optimizer = R.build(tp, pp, "distopt", bucket_size=bucket_size or None)
+    # log_all (Megatron-LM's --dist-ckpt-strictness log_all): a checkpoint converted from legacy
+    # files has no per-layer _extra_state objects to load
+    R.load_as_megatron_lm(src, gpt, optimizer, strict="log_all")
     # Without Apex/TE, loading dp_reshardable leaves each parameter's Adam "step" as the dummy
     # state held (its bucket entry is LocalNonpersistent) and state_dict() then refuses the mixed
     # steps. Steps live in the param groups in every saved form: give every state that one.
