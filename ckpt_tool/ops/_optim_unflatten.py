@@ -28,7 +28,8 @@ from ckpt_tool.planning.optim_buckets import (STATES, Bucket, BucketLayoutError,
                                               optimizer_bucket_layout, prove_bucket_layout)
 from ckpt_tool.planning.pieces import Piece
 
-__all__ = ["UnflattenedOptimizerView", "LegacyDistOptimizerView", "unflatten_bucketed_optimizer"]
+__all__ = ["UnflattenedOptimizerView", "ModelSpaceDistOptimizerView",
+           "unflatten_bucketed_optimizer"]
 
 _GROUP = re.compile(r"^optimizer\.distributed\.dp_group_idx_(\d+)\.(per_bucket_numel|"
                     r"per_bucket_numel_unpadded|optimizer)$")
@@ -42,9 +43,14 @@ def unflatten_bucketed_optimizer(reader: Reader, rules: RuleSet | None = None) -
     found = meta.extras.get("optimizer_sharding") or {}
     if found.get("type") == "dp_reshardable":
         return UnflattenedOptimizerView(reader, rules)
+    if found.get("type") == "fully_sharded_model_space":
+        return ModelSpaceDistOptimizerView(
+            reader, "converted from fully_sharded_model_space (flattened, read in model space)")
     if meta.format == "legacy" and any(o.key == "distrib_optim" for o in meta.objects) and any(
-            k.startswith(_LEGACY_MAIN) for k in meta.tensors):
-        return LegacyDistOptimizerView(reader)
+            k.startswith(_MAIN_0_15) for k in meta.tensors):
+        return ModelSpaceDistOptimizerView(
+            reader, "converted from legacy distrib_optim.pt (model space per parameter)",
+            drop_objects=("distrib_optim", "optimizer"))
     return reader
 
 
@@ -184,19 +190,21 @@ class UnflattenedOptimizerView(Reader):
         self.inner.close()
 
 
-_LEGACY_MAIN = "optimizer.state.fp32_param."
+_MAIN_0_15 = "optimizer.state.fp32_param."
 _MCORE_LM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable",
                       "singleton_local_shards": False, "chained_optim_avoid_prefix": True}
 
 
-class LegacyDistOptimizerView(Reader):
-    """A Megatron-LM legacy checkpoint's ``distrib_optim.pt`` state (which the legacy reader
-    already places per parameter, proven against the buckets it rebuilds) in the form a
-    Megatron-Core DistributedOptimizer resumes from at any layout: ``fully_reshardable``
-    (``optimizer.state.{param,exp_avg,exp_avg_sq}.<key>``), its common ``optimizer`` entry and
-    the content metadata Megatron-LM writes, with ``fully_reshardable`` as the sharding type."""
+class ModelSpaceDistOptimizerView(Reader):
+    """DistributedOptimizer state that a reader already presents per parameter but under the
+    older name of the fp32 main parameter (``optimizer.state.fp32_param.<key>``: Megatron-Core
+    0.15's ``fully_sharded_model_space``, the legacy ``distrib_optim.pt`` whose slots the legacy
+    reader rebuilds) in the form Megatron-Core 0.16 resumes from at any layout:
+    ``fully_reshardable`` (``optimizer.state.{param,exp_avg,exp_avg_sq}.<key>``), its common
+    ``optimizer`` entry and the content metadata Megatron-LM writes, with ``fully_reshardable``
+    as the sharding type. ``drop_objects``: keys of objects the new form has no place for."""
 
-    def __init__(self, reader: Reader):
+    def __init__(self, reader: Reader, summary: str, drop_objects: tuple[str, ...] = ()):
         super().__init__(reader.path, trust=reader.trust)
         self.inner = reader
         self.format_name = reader.format_name
@@ -204,16 +212,23 @@ class LegacyDistOptimizerView(Reader):
         self._names: dict[str, str] = {}
         tensors: dict[str, TensorMeta] = {}
         for k, t in meta.tensors.items():
-            new = ("optimizer.state.param." + k[len(_LEGACY_MAIN):]
-                   if k.startswith(_LEGACY_MAIN) else k)
+            new = ("optimizer.state.param." + k[len(_MAIN_0_15):]
+                   if k.startswith(_MAIN_0_15) else k)
             self._names[new] = k
             tensors[new] = replace(t, key=new)
-        objects = tuple(o for o in meta.objects if o.key not in ("distrib_optim", "optimizer"))
+        objects = tuple(o for o in meta.objects if o.key not in drop_objects)
         extras = dict(meta.extras)
-        extras["optimizer_sharding"] = {
-            "type": "fully_reshardable", "declared": None,
-            "source": "converted from legacy distrib_optim.pt (model space per parameter)"}
-        self._meta = replace(meta, tensors=tensors, objects=objects, extras=extras)
+        extras["optimizer_sharding"] = {"type": "fully_reshardable", "declared": None,
+                                        "source": summary}
+        common = dict(meta.common)
+        common["content_metadata"] = self._content_metadata(common.get("content_metadata"))
+        self._meta = replace(meta, tensors=tensors, objects=objects, extras=extras,
+                             common=common)
+
+    @staticmethod
+    def _content_metadata(cm: Any) -> dict[str, Any]:
+        return {**(cm if isinstance(cm, dict) else _MCORE_LM_METADATA),
+                "distrib_optim_sharding_type": "fully_reshardable"}
 
     def metadata(self) -> CheckpointMeta:
         return self._meta
@@ -221,11 +236,10 @@ class LegacyDistOptimizerView(Reader):
     def common(self) -> dict[str, Any]:
         common = dict(self.inner.common())
         optimizer = dict(common.get("optimizer") or {})
+        optimizer.pop("param_state", None)
         optimizer["param_state_sharding_type"] = "fully_reshardable"
         common["optimizer"] = optimizer
-        cm = common.get("content_metadata")
-        common["content_metadata"] = {**(cm if isinstance(cm, dict) else _MCORE_LM_METADATA),
-                                      "distrib_optim_sharding_type": "fully_reshardable"}
+        common["content_metadata"] = self._content_metadata(common.get("content_metadata"))
         return common
 
     def read(self, key: str, slices: tuple[slice, ...] | None = None) -> Any:

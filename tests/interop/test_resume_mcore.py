@@ -114,27 +114,30 @@ def test_one_training_step_at_the_new_layout_matches_the_old(tmp_path):
         assert cos > (0.999 if step_old.dim() <= 2 else 0.95), (key, float(cos))
 
 
-def test_legacy_distributed_optimizer_resumes_in_megatron_core(tmp_path):
-    """Megatron-LM legacy files with distrib_optim.pt (TP2 DP2, 4 buckets) -> torch_dist at TP1:
-    the real Megatron-Core builds GPT + DDP + DistributedOptimizer at TP1 DP2, resumes from it
-    and saves it again; every tensor it saves (model, fp32 main params, Adam moments) equals
-    ours bit for bit, so each state landed on its own parameter."""
+@pytest.mark.parametrize("fixture,to", [("megatron_legacy_distopt_tp2dp2", "torch_dist"),
+                                        ("mcore015_gpt_flattened_optim", None)])
+def test_model_space_distributed_optimizer_resumes_in_megatron_core(tmp_path, fixture, to):
+    """Megatron-LM legacy files with distrib_optim.pt (TP2 DP2, 4 buckets) and Megatron-Core
+    0.15's flattened fully_sharded_model_space state (TP2 DP2) -> torch_dist at TP1: the real
+    Megatron-Core 0.16.1 builds GPT + DDP + DistributedOptimizer at TP1 DP2, resumes from it and
+    saves it again; every tensor it saves (model, fp32 main params, Adam moments) equals ours
+    bit for bit, so each state landed on its own parameter."""
     import torch
 
     from ckpt_tool.formats.base import open_checkpoint
 
     out = tmp_path / "dist"
-    result = reshard(FIX / "megatron_legacy_distopt_tp2dp2", out,
-                     ReshardRequest(tp=1, to="torch_dist"))
+    result = reshard(FIX / fixture, out, ReshardRequest(tp=1, to=to))
     assert result.written
     ours = open_checkpoint(out)
     assert ours.metadata().extras["optimizer_sharding"]["type"] == "fully_reshardable"
+    assert ours.common()["content_metadata"]["distrib_optim_sharding_type"] == "fully_reshardable"
     resaved = tmp_path / "resaved"
     log = torchrun(str(RESAVE), 2, "1", "1", "0", str(out), str(resaved), timeout=900)
     assert log.count(": OK ") == 2, log[-3000:]
     theirs = open_checkpoint(resaved)
     keys = set(ours.metadata().tensors)
     assert keys == set(theirs.metadata().tensors) and len(keys) == 64
-    assert sum(k.startswith("optimizer.state.") for k in keys) == 48
+    assert sum(k.startswith("optimizer.state.param.") for k in keys) == 16
     for key in sorted(keys):
         assert torch.equal(ours.read(key), theirs.read(key)), key
