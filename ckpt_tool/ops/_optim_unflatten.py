@@ -28,11 +28,11 @@ from ckpt_tool.planning.optim_buckets import (STATES, Bucket, BucketLayoutError,
                                               optimizer_bucket_layout, prove_bucket_layout)
 from ckpt_tool.planning.pieces import Piece
 
-__all__ = ["UnflattenedOptimizerView", "ModelSpaceDistOptimizerView",
+__all__ = ["UnflattenedOptimizerView", "GatheredOptimizerView", "ModelSpaceDistOptimizerView",
            "unflatten_bucketed_optimizer"]
 
 _GROUP = re.compile(r"^optimizer\.distributed\.dp_group_idx_(\d+)\.(per_bucket_numel|"
-                    r"per_bucket_numel_unpadded|optimizer)$")
+                    r"per_bucket_numel_unpadded|optimizer|param_state)$")
 
 
 def unflatten_bucketed_optimizer(reader: Reader, rules: RuleSet | None = None) -> Reader:
@@ -43,6 +43,8 @@ def unflatten_bucketed_optimizer(reader: Reader, rules: RuleSet | None = None) -
     found = meta.extras.get("optimizer_sharding") or {}
     if found.get("type") == "dp_reshardable":
         return UnflattenedOptimizerView(reader, rules)
+    if found.get("type") == "dp_zero_gather_scatter":
+        return GatheredOptimizerView(reader, rules)
     if found.get("type") == "fully_sharded_model_space":
         return ModelSpaceDistOptimizerView(
             reader, "converted from fully_sharded_model_space (flattened, read in model space)")
@@ -66,25 +68,40 @@ class UnflattenedOptimizerView(Reader):
         args = args_of(meta, self._common)
         sizes = model_sizes_from(meta, self._common)
         source = source_layout_from(meta, self._common)
-        where = f"{meta.root}: dp_reshardable optimizer state"
+        where = f"{meta.root}: {self.form} optimizer state"
+        per_bucket, self._groups = self._group_objects(meta)
         try:
-            self.buckets = optimizer_bucket_layout(meta, sizes, source, args, rules)
+            self.buckets = optimizer_bucket_layout(meta, sizes, source, args, rules,
+                                                   dtype=self._dtype())
         except BucketLayoutError as exc:
             raise UnsupportedError(f"{where}: {exc}", hint="reshard with --drop-optimizer, or "
                                    "re-save with --dist-ckpt-optim-fully-reshardable") from None
-        per_bucket, self._groups = self._group_objects(meta)
         dp = int(args.get("data_parallel_size") or 1)
-        problems = prove_bucket_layout(self.buckets, meta, per_bucket, dp)
+        problems = self._prove(meta, per_bucket, dp)
         if problems:
             more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
             raise UnsupportedError(f"{where}: the rebuilt bucket layout does not match the "
                                    f"checkpoint: {problems[0]}{more}",
                                    hint="reshard with --drop-optimizer (nothing is guessed)")
-        self.summary = (f"unflattened from dp_reshardable: {len(self.buckets)} buckets in "
+        self.summary = (f"unflattened from {self.form}: {len(self.buckets)} buckets in "
                         f"{len({b.dp_group_idx for b in self.buckets})} model-parallel domains "
-                        "proven against per_bucket_numel and every stored piece")
+                        f"proven against {self.proven_by}")
         self._sources: dict[str, list[tuple[Piece, BucketParam, Bucket]]] = {}
         self._meta = self._build_meta(meta)
+
+    form = "dp_reshardable"
+    proven_by = "per_bucket_numel and every stored piece"
+
+    def _dtype(self) -> str | None:
+        return None
+
+    def _prove(self, meta: CheckpointMeta, per_bucket: dict[int, tuple[Any, Any]],
+               dp: int) -> list[str]:
+        return prove_bucket_layout(self.buckets, meta, per_bucket, dp)
+
+    def _flat(self, b: Bucket, p: BucketParam, state: str) -> Any:
+        """The ``numel`` elements of parameter ``p`` in bucket ``b``'s ``state``."""
+        return self.inner.read(b.key(state), (slice(p.start, p.start + p.numel),))
 
     def _group_objects(self, meta: CheckpointMeta) -> tuple[dict[int, tuple[Any, Any]],
                                                              dict[int, Any]]:
@@ -97,6 +114,8 @@ class UnflattenedOptimizerView(Reader):
         per_bucket = {i: (values[(i, "per_bucket_numel")], values[(i, "per_bucket_numel_unpadded")])
                       for i in groups if (i, "per_bucket_numel") in values
                       and (i, "per_bucket_numel_unpadded") in values}
+        self._param_state = {i: values[(i, "param_state")] for i in groups
+                             if (i, "param_state") in values}
         return per_bucket, {i: values.get((i, "optimizer")) for i in groups}
 
     def _build_meta(self, meta: CheckpointMeta) -> CheckpointMeta:
@@ -108,8 +127,7 @@ class UnflattenedOptimizerView(Reader):
                 for piece in p.local.pieces:
                     if piece.fill is None:
                         by_key.setdefault(p.key, []).append((piece, p, b))
-        dtype = next(t.dtype for k, t in meta.tensors.items()
-                     if k.startswith("optimizer.distributed."))
+        dtype = self._state_dtype(meta)
         for key, found in by_key.items():
             seen: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple] = {}
             for piece, p, b in found:  # replicated over tp: the lowest tp rank's copy
@@ -123,12 +141,16 @@ class UnflattenedOptimizerView(Reader):
         objects = tuple(o for o in meta.objects if not _GROUP.match(o.key))
         extras = dict(meta.extras)
         extras["optimizer_sharding"] = {"type": "fully_reshardable", "source": self.summary,
-                                        "declared": "dp_reshardable"}
+                                        "declared": self.form}
         common = dict(meta.common)
         if isinstance(common.get("content_metadata"), dict):
             common["content_metadata"] = {**common["content_metadata"],
                                           "distrib_optim_sharding_type": "fully_reshardable"}
         return replace(meta, tensors=tensors, objects=objects, extras=extras, common=common)
+
+    def _state_dtype(self, meta: CheckpointMeta) -> str:
+        return next(t.dtype for k, t in meta.tensors.items()
+                    if k.startswith("optimizer.distributed."))
 
     def metadata(self) -> CheckpointMeta:
         return self._meta
@@ -170,7 +192,7 @@ class UnflattenedOptimizerView(Reader):
             if any(x >= y for x, y in zip(a, z)):
                 continue
             if cache is None or cache[0] is not p:
-                flat = self.inner.read(b.key(state), (slice(p.start, p.start + p.numel),))
+                flat = self._flat(b, p, state)
                 cache = (p, flat.reshape(p.local.local_shape))
             local = cache[1]
             src = tuple(slice(x - o + lo_, y - o + lo_) for x, y, o, lo_ in
@@ -188,6 +210,70 @@ class UnflattenedOptimizerView(Reader):
 
     def close(self) -> None:
         self.inner.close()
+
+
+class GatheredOptimizerView(UnflattenedOptimizerView):
+    """The ``dp_zero_gather_scatter`` form: per model-parallel domain one ``param_state`` object
+    with each buffer's state gathered over DP, every bucket's unpadded range back to back. The
+    rebuilt layout must give the stored buffer length, and every fp32 main parameter must round
+    exactly to the stored model parameter. The objects are read whole (one domain's state in
+    memory at a time)."""
+
+    form = "dp_zero_gather_scatter"
+    proven_by = "each buffer's length and every main parameter against its model parameter"
+
+    def _buffer(self, group: int) -> tuple[str, dict[str, Any]]:
+        state = self._param_state.get(group)
+        if not isinstance(state, dict) or not isinstance(state.get(0), dict) or len(state) != 2:
+            raise UnsupportedError(f"dp_group_idx_{group}: param_state is missing or holds "
+                                   "more than one buffer (not rebuilt)")
+        (dtype, states), = state[0].items()
+        return str(dtype), states
+
+    def _dtype(self) -> str | None:
+        return self._buffer(min(self._param_state or {0: None}))[0]
+
+    def _state_dtype(self, meta: CheckpointMeta) -> str:
+        return "float32"
+
+    def _flat(self, b: Bucket, p: BucketParam, state: str) -> Any:
+        start = sum(o.numel_unpadded for o in self.buckets if o.dp_group_idx == b.dp_group_idx
+                    and o.bucket_idx < b.bucket_idx) + p.start
+        return self._buffer(b.dp_group_idx)[1][state][start:start + p.numel]
+
+    def _prove(self, meta: CheckpointMeta, per_bucket: dict[int, tuple[Any, Any]],
+               dp: int) -> list[str]:
+        import torch
+
+        problems = []
+        for group in sorted({b.dp_group_idx for b in self.buckets}):
+            if group not in self._param_state:
+                return [f"dp_group_idx_{group}: param_state is missing"]
+            states = self._buffer(group)[1]
+            want = sum(b.numel_unpadded for b in self.buckets if b.dp_group_idx == group)
+            got = [int(states.get("numel_unpadded", -1))] + [
+                int(states[s].numel()) for s in STATES if s in states]
+            if any(n != want for n in got) or len(got) != 1 + len(STATES):
+                problems.append(f"dp_group_idx_{group}: rebuilt buffer of {want} elements, "
+                                f"stored {got}")
+        if problems:
+            return problems
+        seen = set()  # a tp-replicated parameter: the lowest tp rank's copy, the one used
+        for b in self.buckets:
+            for p in b.params:
+                main = self._flat(b, p, "param").reshape(p.local.local_shape)
+                for piece in p.local.pieces:
+                    if piece.fill is not None or (p.key, piece.global_offsets) in seen:
+                        continue
+                    seen.add((p.key, piece.global_offsets))
+                    model = self.inner.read(p.key, tuple(
+                        slice(o, o + n) for o, n in zip(piece.global_offsets, piece.sizes)))
+                    part = main[tuple(slice(o, o + n) for o, n in
+                                      zip(piece.local_offsets, piece.sizes))]
+                    if not torch.equal(part.to(model.dtype), model):
+                        return [f"dp_group_idx_{b.dp_group_idx} bucket {b.bucket_idx}: the main "
+                                f"parameter at element {p.start} does not round to {p.key}"]
+        return []
 
 
 _MAIN_0_15 = "optimizer.state.fp32_param."

@@ -133,10 +133,12 @@ def _bucket_size(args: Mapping[str, Any], dp: int, pp_rank: int) -> int | None:
 
 def optimizer_bucket_layout(meta: CheckpointMeta, sizes: ModelSizes, source: Layout,
                             args: Mapping[str, Any], rules: RuleSet | None = None,
-                            spec: str | None = None) -> list[Bucket]:
+                            spec: str | None = None, dtype: str | None = None) -> list[Bucket]:
     """Every bucket of every model-parallel domain, with its parameters, as DDP built them
     for the source layout. ``spec``: ``local`` / ``transformer_engine`` (default: from
-    ``args.transformer_impl``, Megatron-LM's default being Transformer Engine)."""
+    ``args.transformer_impl``, Megatron-LM's default being Transformer Engine). ``dtype``: the
+    buffer's ``(param dtype, grad dtype)`` as Megatron-Core prints it (default: from the
+    per-bucket tensor keys)."""
     spec = spec or ("local" if args.get("transformer_impl") == "local" else "transformer_engine")
     if source.vpp and source.vpp > 1:
         raise BucketLayoutError("virtual pipeline stages: the bucket layout of model chunks is "
@@ -155,7 +157,7 @@ def optimizer_bucket_layout(meta: CheckpointMeta, sizes: ModelSizes, source: Lay
     tied = not args.get("untie_embeddings_and_output_weights", True)
     divisor = math.lcm(dp, 128, 2 ** 16) if args.get(
         "ddp_pad_buckets_for_high_nccl_busbw") else math.lcm(dp, 128)
-    dtype = _buffer_dtype(meta)
+    dtype = dtype or _buffer_dtype(meta)
     rules = rules or RuleSet()
     lm = LayerMap(sizes.num_layers, source)
     known = {k for p in range(source.pp)

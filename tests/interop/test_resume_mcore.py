@@ -46,7 +46,8 @@ def distopt_truth(tmp_path_factory):
     """The real Megatron-Core's own model-space re-save of each bucket-space fixture."""
     pytest.importorskip("megatron.core")
     out = {}
-    for fixture, tp, pp in (("mcore016_gpt_tp2dp2_distopt_buckets", 2, 1),):
+    for fixture, tp, pp in (("mcore016_gpt_tp2dp2_distopt_buckets", 2, 1),
+                            ("mcore016_gpt_tp2dp2_distopt_dpzero", 2, 1)):
         dst = tmp_path_factory.mktemp(fixture)
         src = str(next((FIX / fixture).glob("iter_*")))
         log = torchrun(str(RESAVE), 4, str(tp), str(pp), "20000", src, str(dst), timeout=900)
@@ -59,6 +60,7 @@ def distopt_truth(tmp_path_factory):
     ("mcore016_gpt_tp2dp2_distopt_buckets", 1, 1, 2),   # tp 2 -> 1, dp 2
     ("mcore016_gpt_tp2dp2_distopt_buckets", 4, 1, 4),   # tp 2 -> 4, dp 1
     ("mcore016_gpt_tp2dp2_distopt_buckets", 1, 2, 4),   # pp 1 -> 2, dp 2
+    ("mcore016_gpt_tp2dp2_distopt_dpzero", 1, 1, 2),    # dp_zero_gather_scatter, tp 2 -> 1
 ])
 def test_megatron_core_resumes_distributed_optimizer_from_buckets(tmp_path, distopt_truth, fixture,
                                                                    tp, pp, world):

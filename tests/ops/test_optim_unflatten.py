@@ -21,9 +21,10 @@ from ckpt_tool.planning.source_layout import args_of, source_layout_from
 
 FIX = Path(__file__).resolve().parents[2] / "fixtures"
 BUCKETED = ["mcore016_gpt_tp2dp2_distopt_buckets", "mcore016_gpt_pp2dp2_distopt_buckets"]
+GATHERED = "mcore016_gpt_tp2dp2_distopt_dpzero"
 
 
-@pytest.mark.parametrize("fixture", BUCKETED)
+@pytest.mark.parametrize("fixture", BUCKETED + [GATHERED])
 def test_main_params_round_to_the_model_and_moments_are_trained(fixture):
     view = unflatten_bucketed_optimizer(open_checkpoint(FIX / fixture))
     assert isinstance(view, UnflattenedOptimizerView)
@@ -101,3 +102,18 @@ def test_reshard_output_holds_model_space_state(tmp_path):
     assert reader.common()["content_metadata"]["distrib_optim_sharding_type"] == "fully_reshardable"
     key = "decoder.layers.mlp.linear_fc1.weight"
     assert torch.equal(reader.read(f"optimizer.state.param.{key}").bfloat16(), reader.read(key))
+
+
+def test_gathered_state_is_proven_against_the_model(monkeypatch):
+    """dp_zero_gather_scatter has no per-piece chunks to prove against: the layout must give the
+    stored buffer length and every main parameter must round to its model parameter."""
+    import ckpt_tool.ops._optim_unflatten as U
+
+    view = unflatten_bucketed_optimizer(open_checkpoint(FIX / GATHERED))
+    assert "dp_zero_gather_scatter: 8 buckets" in view.metadata().extras["optimizer_sharding"][
+        "source"]
+    real = U.optimizer_bucket_layout
+    monkeypatch.setattr(U, "optimizer_bucket_layout",
+                        lambda *a, **k: real(*a, **{**k, "spec": "transformer_engine"}))
+    with pytest.raises(UnsupportedError, match="does not round to|rebuilt buffer"):
+        unflatten_bucketed_optimizer(open_checkpoint(FIX / GATHERED))
