@@ -36,3 +36,24 @@ def test_pp_and_ep_default_to_the_source_and_check_says_so(tmp_path):
     doc = json.loads(res.stdout)
     assert (doc["target_layout"]["tp"], doc["target_layout"]["pp"]) == (2, 1)
     assert doc["target_layout"]["origins"]["tp"] == "source: args"
+
+
+BUCKETED = FIX / "mcore016_gpt_tp2dp2_distopt_buckets"
+
+
+def test_bucketed_optimizer_check_reports_the_proof_and_a_mismatch_is_one_line(tmp_path,
+                                                                               monkeypatch):
+    res = runner.invoke(app, ["reshard", str(BUCKETED), "--tp", "1", "--check", "--json"])
+    assert res.exit_code == 0, res.output
+    notes = " ".join(p["reason"] for p in json.loads(res.stdout)["problems"])
+    assert "unflattened from dp_reshardable: 8 buckets in 2" in notes
+    import ckpt_tool.ops._optim_unflatten as U
+
+    real = U.optimizer_bucket_layout
+    monkeypatch.setattr(U, "optimizer_bucket_layout",
+                        lambda *a, **k: real(*a, **{**k, "spec": "transformer_engine"}))
+    res = runner.invoke(app, ["reshard", str(BUCKETED), str(tmp_path / "o"), "--tp", "1"])
+    assert res.exit_code == 2
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert len(lines) <= 2 and "does not match the checkpoint" in lines[0], res.stderr
+    assert "Traceback" not in res.stderr and not (tmp_path / "o").exists()
