@@ -38,7 +38,7 @@ from typing import Any, NamedTuple
 
 from ckpt_tool.model import DTYPE_ITEMSIZE
 
-__all__ = ["NotSimple", "ZipRecord", "zip_records", "RawItem", "raw_item", "as_tensor",
+__all__ = ["NotSimple", "TorchRejects", "ZipRecord", "zip_records", "RawItem", "raw_item", "as_tensor",
            "frombuffer_u8", "BoundedReader", "check_zip_item"]
 
 _EOCD = struct.Struct("<4s4H2LH")
@@ -54,6 +54,11 @@ _BLOCK = 1 << 20
 
 class NotSimple(Exception):
     """The archive is not in the plain layout the raw path reads; use ``torch.load``."""
+
+
+class TorchRejects(NotSimple):
+    """A zip structure PyTorch's archive reader (miniz, under ``torch.load``) refuses: the
+    archive is damaged for every torch-based loader, whatever Python's ``zipfile`` says."""
 
 
 class ZipRecord(NamedTuple):
@@ -84,7 +89,12 @@ def _zip64_sizes(extra: Any, usize: int, csize: int, lho: int) -> tuple[int, int
 
 
 def _end_of_directory(buf: Any) -> tuple[int, int, int]:
-    """``(record count, central directory offset, its size)`` from the (ZIP64) end records."""
+    """``(record count, central directory offset, its size)`` from the end records, read as
+    PyTorch's reader reads them: when a ZIP64 locator precedes the end record and points at a
+    ZIP64 record, that record's fields are the ones used (the 32-bit ones are ignored), and the
+    locator must say one disk; disk numbers other than
+    0 (or both 1) and entry counts that differ between "this disk" and the total are refused
+    (TorchRejects: ``torch.load`` fails with "unsupported multidisk archive")."""
     n = len(buf)
     if n < _EOCD.size:
         raise NotSimple("too short for a zip archive")
@@ -95,19 +105,25 @@ def _end_of_directory(buf: Any) -> tuple[int, int, int]:
         if i < 0 or len(tail) - i < _EOCD.size:
             raise NotSimple("no end-of-central-directory record")
         at = n - len(tail) + i
-    _, disk, cd_disk, _, count, cd_size, cd_off, _ = _EOCD.unpack_from(buf, at)
-    if disk or cd_disk:
-        raise NotSimple("multi-disk zip archive")
-    if count == 0xFFFF or cd_off == _MAX32 or cd_size == _MAX32:
-        loc = at - _LOC64.size
-        if loc < 0 or buf[loc:loc + 4] != b"PK\x06\x07":
-            raise NotSimple("ZIP64 end-of-directory locator missing")
+    _, disk, cd_disk, n_disk, count, cd_size, cd_off, _ = _EOCD.unpack_from(buf, at)
+    loc = at - _LOC64.size
+    if loc >= 0 and buf[loc:loc + 4] == b"PK\x06\x07":
+        disks = _LOC64.unpack_from(buf, loc)[3]
+        if disks != 1:
+            raise TorchRejects(f"multi-disk zip archive (the ZIP64 locator says {disks} disks)")
         e64 = _LOC64.unpack_from(buf, loc)[2]
-        if e64 + _EOCD64.size > n or buf[e64:e64 + 4] != b"PK\x06\x06":
-            raise NotSimple("ZIP64 end-of-directory record missing")
-        *_, count, cd_size, cd_off = _EOCD64.unpack_from(buf, e64)
+        if e64 + _EOCD64.size <= n and buf[e64:e64 + 4] == b"PK\x06\x06":
+            _, _, _, _, disk, cd_disk, n_disk, count, cd_size, cd_off = \
+                _EOCD64.unpack_from(buf, e64)
+    if count == 0xFFFF or cd_off == _MAX32 or cd_size == _MAX32:
+        raise TorchRejects("ZIP64 end-of-directory record missing")
+    if (disk or cd_disk) and not (disk == 1 and cd_disk == 1):
+        raise TorchRejects(f"multi-disk zip archive (disk {disk}, central directory on disk "
+                           f"{cd_disk})")
+    if n_disk != count:
+        raise TorchRejects(f"multi-disk zip archive ({n_disk} of {count} entries on this disk)")
     if cd_off + cd_size > n:
-        raise NotSimple("central directory runs past the archive")
+        raise TorchRejects("central directory runs past the archive")
     return count, cd_off, cd_size
 
 
@@ -146,6 +162,9 @@ def _zip_records(buf: Any) -> list[ZipRecord]:
             raise NotSimple(f"record {name} is damaged or runs past the archive")
         out.append(ZipRecord(name, start, usize, crc,
                              method == 0 and csize == usize and not flags & 1))
+    if pos != cd_size:
+        raise TorchRejects(f"the central directory holds {pos} bytes of entries, its end record "
+                           f"says {cd_size}")
     return out
 
 

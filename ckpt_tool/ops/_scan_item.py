@@ -23,8 +23,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ckpt_tool._crc import crc32
-from ckpt_tool.formats._dcp_raw import (NotSimple, ZipRecord, as_tensor, check_zip_item,
-                                        raw_item, zip_records)
+from ckpt_tool.formats._dcp_raw import (NotSimple, TorchRejects, ZipRecord, as_tensor,
+                                        check_zip_item, raw_item, zip_records)
 from ckpt_tool.ops._checks import (Finding, NonfiniteBatch, count_slabs, crc32_counting, error,
                                    nonfinite)
 
@@ -148,6 +148,13 @@ def _records(f: Any, item: memoryview, a: Archive, u: Unit, out: Out
         records = zip_records(item)
         if records and all(r.stored for r in records):
             return records
+    except TorchRejects as exc:
+        if a.count:
+            out.uncounted.add(str(a.key))
+        out.findings.append(error(f"{a.what} at bytes [{a.offset}, {a.offset + a.length}): "
+                                  f"damaged torch.save archive: {exc} (torch.load refuses it)",
+                                  key=a.key, file=u.file))
+        return None
     except NotSimple:
         pass
     if a.count:

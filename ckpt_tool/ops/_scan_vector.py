@@ -42,6 +42,10 @@ __all__ = ["scan_items"]
 _MAX32 = 0xFFFFFFFF
 _EOCD = np.dtype([("sig", "<u4"), ("disk", "<u2"), ("cd_disk", "<u2"), ("n_disk", "<u2"),
                   ("count", "<u2"), ("cd_size", "<u4"), ("cd_off", "<u4"), ("clen", "<u2")])
+_LOC64 = np.dtype([("sig", "<u4"), ("disk", "<u4"), ("off", "<u8"), ("disks", "<u4")])
+_EOCD64 = np.dtype([("sig", "<u4"), ("size", "<u8"), ("made", "<u2"), ("need", "<u2"),
+                    ("disk", "<u4"), ("cd_disk", "<u4"), ("n_disk", "<u8"), ("count", "<u8"),
+                    ("cd_size", "<u8"), ("cd_off", "<u8")])
 _ENTRY = struct.Struct("<4s4xHH16xHHH")  # signature, flags, method; name/extra/comment lengths
 _LOCAL_COLS = np.array([0, 1, 2, 3, 26, 27, 28, 29])  # local header: signature, lengths
 _TEMPLATES_PER_GROUP = 4
@@ -112,8 +116,22 @@ def _end_records(arr: np.ndarray, off: np.ndarray, length: np.ndarray,
     e = byte_rows(arr, np.where(ok, off + length - 22, off), 22).view(_EOCD)[:, 0]
     count, cd_size, cd_off = (e[k].astype(np.int64) for k in ("count", "cd_size", "cd_off"))
     ok &= (e["sig"] == 0x06054B50) & (e["disk"] == 0) & (e["cd_disk"] == 0) \
-        & (e["clen"] == 0) & (count > 0) & (count != 0xFFFF) & (cd_size != _MAX32) \
-        & (cd_off != _MAX32) & (cd_off + cd_size <= length)
+        & (e["n_disk"] == e["count"]) & (e["clen"] == 0) & (count > 0) & (count != 0xFFFF) \
+        & (cd_size != _MAX32) & (cd_off != _MAX32) & (cd_off + cd_size <= length)
+    # torch.save archives end with ZIP64 records, which PyTorch's reader uses instead of the
+    # 32-bit ones: they must say the same, else the per-item path gives the verdict
+    tail = 22 + 20 + 56
+    has64 = ok & (length >= tail)
+    at = np.where(has64, off + length - tail, off)
+    z = byte_rows(arr, at, 56).view(_EOCD64)[:, 0]
+    loc = byte_rows(arr, at + 56, 20).view(_LOC64)[:, 0]
+    has64 &= loc["sig"] == 0x07064B50
+    same = (z["sig"] == 0x06064B50) & (loc["off"].astype(np.int64) == length - tail) \
+        & (loc["disks"] == 1) & (z["disk"] == 0) \
+        & (z["cd_disk"] == 0) & (z["n_disk"].astype(np.int64) == count) \
+        & (z["count"].astype(np.int64) == count) & (z["cd_size"].astype(np.int64) == cd_size) \
+        & (z["cd_off"].astype(np.int64) == cd_off)
+    ok &= ~has64 | same
     return np.stack([count, cd_size, cd_off])
 
 
