@@ -160,6 +160,15 @@ def _zip_records(buf: Any) -> list[ZipRecord]:
         start = lho + _LOCAL.size + lnlen + lelen
         if lsig != b"PK\x03\x04" or start + csize > n:
             raise NotSimple(f"record {name} is damaged or runs past the archive")
+        if method == 0 and csize != usize:
+            raise TorchRejects(f"record {name!r} is stored with {csize} bytes but says it "
+                               f"holds {usize}")
+        if not out:
+            prefix = name.split("/", 1)[0] + "/"
+            if "/" not in name:
+                raise TorchRejects(f"first record {name!r} is not in the archive's directory")
+        elif not name.startswith(prefix):
+            raise TorchRejects(f"record {name!r} is outside the archive's directory {prefix!r}")
         out.append(ZipRecord(name, start, usize, crc,
                              method == 0 and csize == usize and not flags & 1))
     if pos != cd_size:

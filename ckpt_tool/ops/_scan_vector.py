@@ -66,6 +66,9 @@ class _Template:
             at.append(pos)
             names.append(cd[pos + 46:pos + 46 + nlen].decode("utf-8", "replace"))
             pos += 46 + nlen + elen + clen
+        if pos != len(cd) or not names or "/" not in names[0] or any(
+                not n.startswith(names[0].split("/", 1)[0] + "/") for n in names):
+            raise NotSimple("not the plain torch.save layout")  # the per-item path decides
         self.at = np.array(at, dtype=np.int64)
         self.ref = np.frombuffer(cd, np.uint8)
         self.keep = np.ones(len(cd), bool)

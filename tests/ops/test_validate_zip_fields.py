@@ -71,3 +71,53 @@ def test_torch_rejects_what_the_issue_found():
     data = bytearray(path.read_bytes()[offset:offset + length])
     data[len(data) - 22 + _Z64 + 16] ^= 1
     assert not _torch_loads(bytes(data))
+
+
+_CDIR = {"signature": 0, "made by": 4, "version needed": 6, "flags": 8, "method": 10,
+         "time": 12, "date": 14, "crc": 16, "compressed size": 20, "size": 24,
+         "name length": 28, "extra length": 30, "comment length": 32, "disk": 34,
+         "internal attributes": 36, "external attributes": 38, "local header offset": 42,
+         "name": 46}
+_LOCAL = {"signature": 0, "version needed": 4, "flags": 6, "method": 8, "time": 10, "crc": 14,
+          "compressed size": 18, "size": 22, "name length": 26, "extra length": 28, "name": 30}
+# Where validate is stricter than torch.load, on purpose: a CRC that does not match the data,
+# and local-header name/extra lengths that move where the data starts (torch then reads
+# shifted bytes without noticing).
+_STRICTER = {("central", "crc"), ("local", "name length"), ("local", "extra length")}
+
+
+def _entries(raw: bytes) -> list[tuple[int, int]]:
+    cds = [i for i in range(len(raw) - 3) if raw[i:i + 4] == b"PK\x01\x02"]
+    lhs = [i for i in range(len(raw) - 3) if raw[i:i + 4] == b"PK\x03\x04"]
+    return list(zip(cds, lhs))
+
+
+CASES = [(e, fam, name) for e in range(7)
+         for fam, fields in (("central", _CDIR), ("local", _LOCAL)) for name in fields]
+
+
+@pytest.mark.parametrize("entry,family,field", CASES,
+                         ids=[f"entry{e}-{fam}-{f.replace(' ', '_')}" for e, fam, f in CASES])
+def test_every_record_header_field(tmp_path, entry, family, field):
+    """Each field of each record's central-directory entry and local header: whatever
+    torch.load refuses is an error; an error where torch.load does not fail is one of the
+    deliberate stricter checks."""
+    root = tmp_path / "ckpt"
+    shutil.copytree(FIX, root)
+    path, offset, length = _item(root)
+    data = bytearray(path.read_bytes())
+    raw = bytes(data[offset:offset + length])
+    entries = _entries(raw)
+    assert len(entries) == 7
+    base = entries[entry][0 if family == "central" else 1]
+    at = base + (_CDIR if family == "central" else _LOCAL)[field]
+    data[offset + at] ^= 1
+    path.write_bytes(bytes(data))
+    torch_ok = _torch_loads(bytes(data[offset:offset + length]))
+    for deep in (False, True):
+        errors = [f for f in validate(root, deep=deep).findings if f.severity == "error"]
+        if not torch_ok:
+            assert errors, (entry, family, field, deep)
+        elif errors:
+            assert (family, field) in _STRICTER, (entry, family, field, deep,
+                                                  [f.message for f in errors])
