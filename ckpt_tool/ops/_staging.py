@@ -66,6 +66,12 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 @contextlib.contextmanager
 def staged_output(dst: str | Path, *, overwrite: bool = False,
                   file_name: str | None = None) -> Iterator[Path]:
@@ -78,6 +84,7 @@ def staged_output(dst: str | Path, *, overwrite: bool = False,
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}{STAGING_MARK}", dir=out.parent))
     try:
         yield staging
+        os.chmod(staging, 0o777 & ~_umask())  # mkdtemp made it 0700: the output follows umask
         fsync_tree(staging)
         produced = staging / file_name if file_name else staging
         if os.path.lexists(out):

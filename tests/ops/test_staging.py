@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -53,3 +54,21 @@ def test_check_output_target_refusals(tmp_path):
         check_output_target(tmp_path, sources=(src,), overwrite=True)
     with pytest.raises(UsageError, match="parent directory"):
         check_output_target(tmp_path / "no" / "out", sources=(src,))
+
+
+def test_output_directory_follows_the_umask(tmp_path):
+    import os
+    import stat
+
+    from ckpt_tool.ops.convert import ConvertOptions, convert
+
+    src = Path(__file__).resolve().parents[2] / "fixtures" / "mcore016_gpt_tp2pp2_fp32"
+    old = os.umask(0o002)
+    try:
+        convert(src, tmp_path / "out", ConvertOptions(to="torch_dist"))
+    finally:
+        os.umask(old)
+    mode = stat.S_IMODE((tmp_path / "out").stat().st_mode)
+    assert mode == 0o775, oct(mode)  # was 0700 (mkdtemp) whatever the umask
+    files = [p for p in (tmp_path / "out").rglob("*") if p.is_file()]
+    assert files and all(stat.S_IMODE(p.stat().st_mode) == 0o664 for p in files)
