@@ -19,6 +19,7 @@ F = TypeVar("F", bound=Callable[..., object])
 
 class _State:
     debug: bool = False
+    verdict: int = 0  # the exit code a command decided on before it renders
 
 
 state = _State()
@@ -56,16 +57,18 @@ def handle_errors(fn: F) -> F:
     @functools.wraps(fn)
     def wrapper(*args: object, **kwargs: object) -> object:
         resume_gc()
+        state.verdict = 0
         try:
             return fn(*args, **kwargs)
         except (typer.Exit, typer.Abort):
             raise
         except (BrokenPipeError, SystemExit) as exc:
-            # The reader of our stdout went away (``ckpt inspect ... | head``): not an error.
+            # The reader of our stdout went away (``ckpt diff ... | head``): not an error, and
+            # the verdict the command reached stands.
             if isinstance(exc, SystemExit) and exc.code not in (None, 0, 1):
                 raise
             _silence_stdout()
-            raise typer.Exit(0) from None
+            raise typer.Exit(state.verdict) from None
         except BaseException as exc:  # noqa: BLE001 - this is the one boundary
             if state.debug:
                 traceback.print_exc(file=sys.stderr)

@@ -8,7 +8,7 @@ from typing import Annotated, Any, List, Optional
 
 import typer
 
-from ckpt_tool.cli._errors import handle_errors
+from ckpt_tool.cli._errors import handle_errors, state
 from ckpt_tool.cli._options import JsonFlag, TrustFlag
 from ckpt_tool.cli._output import message, print_json, stdout
 
@@ -61,6 +61,7 @@ def diff(
     with progress_bar("diff", enabled=not keys_only) as bar:
         result = run_diff(a, b, rename=pairs, filter=filter_, keys_only=keys_only, atol=atol,
                           rtol=rtol, trust=trust, progress=bar)
+    state.verdict = 0 if result.identical else 1  # kept if stdout's reader goes away
     if json_:
         print_json(result.to_dict())
     else:

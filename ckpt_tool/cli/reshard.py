@@ -5,7 +5,7 @@ from typing import Annotated, Any, List, Optional
 
 import typer
 
-from ckpt_tool.cli._errors import handle_errors
+from ckpt_tool.cli._errors import handle_errors, state
 from ckpt_tool.cli._options import (CheckpointPath, JsonFlag, NoVerifyFlag, OverwriteFlag,
                                     TrustFlag)
 from ckpt_tool.cli._output import human_bytes, message, print_json, stdout
@@ -96,6 +96,7 @@ def reshard(
         result = run_reshard(src, dst, req, check=check, dry_run=dry_run, trust=trust,
                              overwrite=overwrite, verify=not no_verify, progress=bar,
                              workers=workers)
+    state.verdict = 0 if result.ok else 1  # kept if stdout's reader goes away
     if json_:
         print_json(result.to_dict())
     else:

@@ -10,7 +10,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from ckpt_tool.cli._errors import handle_errors
+from ckpt_tool.cli._errors import handle_errors, state
 from ckpt_tool.cli._options import CheckpointPath, JsonFlag, TrustFlag
 from ckpt_tool.cli._output import message, print_json, stdout
 
@@ -49,6 +49,7 @@ def validate(
     result = run_validate(path, trust=trust, deep=deep, expect_tp=expect_tp,
                           expect_pp=expect_pp, expect_keys=keys,
                           expect_iteration=expect_iteration, ranks=ranks())
+    state.verdict = 0 if result.ok else 1  # kept if stdout's reader goes away
     if json_:
         print_json([f.to_dict() for f in result.findings])
     else:

@@ -180,3 +180,28 @@ def test_library_import_leaves_the_gc_alone():
     assert gc.isenabled() and not _startup._paused[0]
     _startup.pause_gc()  # not the program (pytest is): nothing happens
     assert gc.isenabled() and not _startup._paused[0]
+
+
+def test_the_verdict_survives_a_closed_pipe(tmp_path):
+    """``ckpt diff A B | head -1``: the reader goes away; the exit code is still 1 (different)."""
+    import shutil
+    import subprocess
+    import sys
+
+    from ckpt_tool.formats import open_checkpoint
+
+    src = Path(__file__).resolve().parents[2] / "fixtures" / "mcore016_gpt_tp2pp2_fp32"
+    other = tmp_path / "b"
+    shutil.copytree(src, other)
+    chunk = open_checkpoint(other).metadata().tensors["output_layer.weight"].chunks[0]
+    f = other / "iter_0000010" / chunk.file
+    data = bytearray(f.read_bytes())
+    data[chunk.byte_offset + chunk.byte_length // 2] ^= 1
+    f.write_bytes(bytes(data))
+    for args in ([], ["--json"]):
+        proc = subprocess.Popen([sys.executable, "-m", "ckpt_tool", "diff", str(src), str(other),
+                                 *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        proc.stdout.close()  # before the command writes anything
+        _out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 1, (args, err.decode()[-500:])
+        assert b"Traceback" not in err
