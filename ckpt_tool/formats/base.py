@@ -122,6 +122,14 @@ def os_input_error(exc: OSError, path: str | Path) -> InputError:
         if os.path.islink(p):
             return InputError(f"broken symlink (points at {os.readlink(p)}, which does not "
                               "exist)", path=p, hint="fix or remove the symlink")
+        from ckpt_tool.leftovers import describe_leftovers, leftovers
+
+        left = leftovers(p)
+        if left:
+            return InputError(f"no checkpoint here, but an interrupted write left "
+                              f"{describe_leftovers(left)} beside it", path=p,
+                              hint="rerun the command that writes it (the rerun reclaims "
+                              "them), or delete them")
         return InputError("no such file or directory", path=p, hint="check the path")
     if exc.errno in (errno.EACCES, errno.EPERM):
         return InputError("permission denied", path=p,

@@ -14,12 +14,10 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from ckpt_tool.errors import UsageError
+from ckpt_tool.leftovers import OLD_MARK, STAGING_MARK, reclaim, target_lock
 
 __all__ = ["check_output_target", "staged_output", "staged_output_ranks", "fsync_tree",
            "verify_output", "STAGING_MARK"]
-
-STAGING_MARK = ".ckpt-staging-"
-
 
 def check_output_target(dst: str | Path, *, sources: tuple[str | Path, ...] = (),
                         overwrite: bool = False) -> Path:
@@ -74,13 +72,26 @@ def _umask() -> int:
 
 @contextlib.contextmanager
 def staged_output(dst: str | Path, *, overwrite: bool = False,
-                  file_name: str | None = None) -> Iterator[Path]:
+                  file_name: str | None = None, notes: list[str] | None = None
+                  ) -> Iterator[Path]:
     """Yield an empty staging directory beside ``dst``; on success fsync it and rename it to
     ``dst`` (replacing an existing ``dst`` only when ``overwrite``); on failure remove it.
 
     With ``file_name`` the output is a single file: the writer creates ``staging/file_name``,
-    which becomes ``dst``."""
+    which becomes ``dst``. The target's lock is held throughout (another live run writing the
+    same target: UsageError); what killed runs left beside ``dst`` is reclaimed first, with a
+    note appended to ``notes``."""
     out = Path(os.path.abspath(dst))
+    with target_lock(out):
+        note = reclaim(out)
+        if note and notes is not None:
+            notes.append(note)
+        with _staged(out, overwrite, file_name) as staging:
+            yield staging
+
+
+@contextlib.contextmanager
+def _staged(out: Path, overwrite: bool, file_name: str | None) -> Iterator[Path]:
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}{STAGING_MARK}", dir=out.parent))
     try:
         yield staging
@@ -91,7 +102,7 @@ def staged_output(dst: str | Path, *, overwrite: bool = False,
             if not overwrite:
                 raise UsageError("the output appeared while writing", path=out,
                                  hint="pass --overwrite to replace it")
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.ckpt-old-", dir=out.parent))
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}{OLD_MARK}", dir=out.parent))
             os.rename(out, old / "old")
             os.rename(produced, out)
             shutil.rmtree(old, ignore_errors=True)
@@ -107,16 +118,18 @@ def staged_output(dst: str | Path, *, overwrite: bool = False,
 
 @contextlib.contextmanager
 def staged_output_ranks(dst: str | Path, ranks: Any, *, overwrite: bool = False,
-                        file_name: str | None = None) -> Iterator[Path]:
+                        file_name: str | None = None, notes: list[str] | None = None
+                        ) -> Iterator[Path]:
     """``staged_output`` for every rank of a torchrun job: rank 0 creates the staging directory
     and every rank writes into it; at the end the ranks agree (a failure on any rank fails all)
     and rank 0 alone fsyncs and renames. Single-rank jobs are plain ``staged_output``."""
     if ranks.world == 1:
-        with staged_output(dst, overwrite=overwrite, file_name=file_name) as staging:
+        with staged_output(dst, overwrite=overwrite, file_name=file_name,
+                           notes=notes) as staging:
             yield staging
         return
     if ranks.is_main:
-        ctx = staged_output(dst, overwrite=overwrite, file_name=file_name)
+        ctx = staged_output(dst, overwrite=overwrite, file_name=file_name, notes=notes)
         try:
             staging = ctx.__enter__()
         except BaseException as exc:

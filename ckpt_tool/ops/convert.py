@@ -108,7 +108,8 @@ def convert(src: str | Path, dst: str | Path, options: ConvertOptions, *, trust:
             extra={"source_common_summary": meta.common, "source_extras": meta.extras,
                    "threads": max(1, workers)})
         writer_cls = writer_for(options.to)
-        with staged_output_ranks(out, r, overwrite=overwrite, file_name=file_name) as staging:
+        with staged_output_ranks(out, r, overwrite=overwrite, file_name=file_name,
+                                 notes=notes) as staging:
             if r.is_main or writer_cls.supports_ranks:
                 notes += writer_cls(staging, wopts).write(request)
             r.barrier()

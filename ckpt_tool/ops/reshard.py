@@ -134,7 +134,7 @@ def reshard(src: str | Path, dst: str | Path | None, req: ReshardRequest, *,
                                           {**plan.args_updates, **_world_size(common, layout)})
         if to != "legacy":
             target = _dist_objects_only(target, new_common, result.notes)
-        with staged_output_ranks(out, r, overwrite=overwrite) as staging:
+        with staged_output_ranks(out, r, overwrite=overwrite, notes=result.notes) as staging:
             if to == "legacy":  # every rank writes its share of the rank files
                 skipped = write_legacy_ranks(staging, plan, source, new_common, on_bytes,
                                              ranks=r if r.world > 1 else None,

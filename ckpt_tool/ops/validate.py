@@ -150,6 +150,8 @@ def validate(path: str | Path, *, trust: bool = False, deep: bool = False,
         if base.is_dir() and Path(meta.root).is_dir():
             findings.extend(check_integrity_json(base))
             findings.extend(_leftovers(base))
+        if p.resolve() != base.resolve():  # a save directory given: its own leftovers too
+            findings.extend(_beside(p))
         findings.extend(check_expectations(
             meta, expect_tp=expect_tp, expect_pp=expect_pp,
             expect_keys=None if expect_keys is None else list(expect_keys),
@@ -342,6 +344,14 @@ def _leftovers(root: Path) -> list[Finding]:
     except OSError:
         pass
     return out
+
+
+def _beside(target: Path) -> list[Finding]:
+    from ckpt_tool.leftovers import leftovers
+
+    return [warning("what an interrupted write of this path left (a rerun of the command "
+                    "that writes it reclaims it)", file=f"../{f.name}")
+            for f in leftovers(target)]
 
 
 # -- 7. deep --------------------------------------------------------------------------------
