@@ -20,6 +20,7 @@ F = TypeVar("F", bound=Callable[..., object])
 class _State:
     debug: bool = False
     verdict: int = 0  # the exit code a command decided on before it renders
+    interrupted: bool = False  # SIGINT arrived (C++ code may turn it into another error)
 
 
 state = _State()
@@ -51,6 +52,44 @@ def _silence_stdout() -> None:
         pass
 
 
+def _watch_interrupts() -> None:
+    """Ctrl-C raises KeyboardInterrupt as usual, and is remembered: raised inside a callback
+    of torch's C++ writer it comes back as a RuntimeError ("enforce fail at
+    inline_container.cc"), which must still read "interrupted" (exit 130)."""
+    import signal
+
+    from ckpt_tool.cli._startup import _is_program
+
+    state.interrupted = False
+    if not _is_program():
+        return
+
+    def on_sigint(signum: int, frame: object) -> None:
+        state.interrupted = True
+        raise KeyboardInterrupt
+
+    try:
+        signal.signal(signal.SIGINT, on_sigint)
+    except ValueError:  # not the main thread: Python's default handler stays
+        pass
+
+
+def _record_interrupts() -> None:
+    """The command is over (it wrote or cleaned up): a late Ctrl-C is ignored, so it cannot
+    break off the exit (while the interpreter shuts down Python's own handler is gone, and the
+    process would die by SIGINT instead of exiting with the command's code)."""
+    import signal
+
+    from ckpt_tool.cli._startup import _is_program
+
+    if not _is_program():  # ckpt_tool.cli used as a library (tests): leave the host alone
+        return
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:
+        pass
+
+
 def handle_errors(fn: F) -> F:
     """Wrap a command body: CkptError and OS errors become one stderr line and an exit code."""
 
@@ -58,21 +97,27 @@ def handle_errors(fn: F) -> F:
     def wrapper(*args: object, **kwargs: object) -> object:
         resume_gc()
         state.verdict = 0
+        _watch_interrupts()
         try:
-            return fn(*args, **kwargs)
+            result = fn(*args, **kwargs)
+            _record_interrupts()
+            return result
         except (typer.Exit, typer.Abort):
+            _record_interrupts()
             raise
         except (BrokenPipeError, SystemExit) as exc:
             # The reader of our stdout went away (``ckpt diff ... | head``): not an error, and
             # the verdict the command reached stands.
             if isinstance(exc, SystemExit) and exc.code not in (None, 0, 1):
                 raise
+            _record_interrupts()
             _silence_stdout()
             raise typer.Exit(state.verdict) from None
         except BaseException as exc:  # noqa: BLE001 - this is the one boundary
+            _record_interrupts()
             if state.debug:
                 traceback.print_exc(file=sys.stderr)
-            line, code = _exit_for(exc)
+            line, code = ("interrupted", 130) if state.interrupted else _exit_for(exc)
             import os
 
             rank = os.environ.get("RANK", "0") if "WORLD_SIZE" in os.environ else "0"

@@ -13,7 +13,7 @@ import gc
 import os
 import sys
 
-__all__ = ["pause_gc", "resume_gc"]
+__all__ = ["pause_gc", "resume_gc", "exit_on_interrupt"]
 
 _paused = [False]
 
@@ -41,3 +41,21 @@ def resume_gc() -> None:
         _paused[0] = False
         gc.freeze()
         gc.enable()
+
+
+def exit_on_interrupt() -> None:
+    """While the program starts (imports: nothing written yet), Ctrl-C ends it at once with
+    the one line and exit 130 every interrupt gets; the command body installs its own
+    handler (``_errors.handle_errors``)."""
+    if not _is_program():
+        return
+    import signal
+
+    def on_sigint(signum: int, frame: object) -> None:
+        os.write(2, b"ckpt: error: interrupted\n")
+        os._exit(130)
+
+    try:
+        signal.signal(signal.SIGINT, on_sigint)
+    except ValueError:
+        pass

@@ -3,8 +3,9 @@
 import sys
 from typing import Annotated, Optional
 
-from ckpt_tool.cli._startup import pause_gc
+from ckpt_tool.cli._startup import exit_on_interrupt, pause_gc
 
+exit_on_interrupt()
 pause_gc()  # before typer: see _startup
 
 import typer  # noqa: E402
@@ -67,10 +68,15 @@ def main() -> None:
     try:
         app()
     except SystemExit as exc:
-        if not group_initialized():
+        # an interrupted command leaves through exit_cleanly too: while the interpreter shuts
+        # down, a torch interrupted mid-import can end the process by SIGINT instead of 130
+        if not group_initialized() and not state.interrupted:
             raise
         code = exc.code
-    if not group_initialized():
+    except KeyboardInterrupt:
+        print("ckpt: error: interrupted", file=sys.stderr)
+        code = 130
+    if not group_initialized() and not state.interrupted and code != 130:
         return
     if not isinstance(code, int):
         if code is not None:
