@@ -58,7 +58,7 @@ def _watch_interrupts() -> None:
     inline_container.cc"), which must still read "interrupted" (exit 130)."""
     import signal
 
-    from ckpt_tool.cli._startup import _is_program
+    from ckpt_tool._program import is_program as _is_program
 
     state.interrupted = False
     if not _is_program():
@@ -80,7 +80,7 @@ def _record_interrupts() -> None:
     process would die by SIGINT instead of exiting with the command's code)."""
     import signal
 
-    from ckpt_tool.cli._startup import _is_program
+    from ckpt_tool._program import is_program as _is_program
 
     if not _is_program():  # ckpt_tool.cli used as a library (tests): leave the host alone
         return

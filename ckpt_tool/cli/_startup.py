@@ -10,21 +10,12 @@ for the command's own objects. Together about 30-40 ms of a ~0.2 s ``ckpt diff -
 from __future__ import annotations
 
 import gc
-import os
-import sys
 
-__all__ = ["pause_gc", "resume_gc", "exit_on_interrupt"]
+from ckpt_tool._program import is_program as _is_program
+
+__all__ = ["pause_gc", "resume_gc"]
 
 _paused = [False]
-
-
-def _is_program() -> bool:
-    """This process runs ``ckpt`` (the console script, ``python -m ckpt_tool``, torchrun)."""
-    main = sys.modules.get("__main__")
-    spec = getattr(main, "__spec__", None)
-    if spec is not None and spec.name == "ckpt_tool.__main__":
-        return True
-    return os.path.basename(getattr(main, "__file__", None) or "") == "ckpt"
 
 
 def pause_gc() -> None:
@@ -41,21 +32,3 @@ def resume_gc() -> None:
         _paused[0] = False
         gc.freeze()
         gc.enable()
-
-
-def exit_on_interrupt() -> None:
-    """While the program starts (imports: nothing written yet), Ctrl-C ends it at once with
-    the one line and exit 130 every interrupt gets; the command body installs its own
-    handler (``_errors.handle_errors``)."""
-    if not _is_program():
-        return
-    import signal
-
-    def on_sigint(signum: int, frame: object) -> None:
-        os.write(2, b"ckpt: error: interrupted\n")
-        os._exit(130)
-
-    try:
-        signal.signal(signal.SIGINT, on_sigint)
-    except ValueError:
-        pass

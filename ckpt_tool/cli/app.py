@@ -3,9 +3,8 @@
 import sys
 from typing import Annotated, Optional
 
-from ckpt_tool.cli._startup import exit_on_interrupt, pause_gc
+from ckpt_tool.cli._startup import pause_gc
 
-exit_on_interrupt()
 pause_gc()  # before typer: see _startup
 
 import typer  # noqa: E402

@@ -18,7 +18,7 @@ FIX = Path(__file__).resolve().parents[2] / "fixtures" / "mcore016_gpt_tp2dp2_fp
 @pytest.mark.parametrize("to", ["torch", "torch_dist", "safetensors"])
 def test_ctrl_c_is_interrupted_exit_130_and_leaves_nothing(tmp_path, to):
     seen = set()
-    for i, delay in enumerate((0.05, 0.15, 0.3, 0.45, 0.6, 0.9, 1.2, 1.6, 2.2)):
+    for i, delay in enumerate((0.2, 0.3, 0.45, 0.6, 0.9, 1.2, 1.6, 2.2)):
         out = tmp_path / f"out{i}"
         proc = subprocess.Popen([sys.executable, "-m", "ckpt_tool", "convert", str(FIX),
                                  str(out), "--to", to], stdout=subprocess.DEVNULL,
