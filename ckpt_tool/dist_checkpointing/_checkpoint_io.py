@@ -151,6 +151,7 @@ class CheckpointWriter:
             self._commit_hook.pre_commit(path, **kwargs)
         strategy = TorchDistSaveShardedStrategy("torch_dist", 1,
                                                 thread_count=self._config.thread_count)
+        strategy.stage_host_tensors = False  # staged by the training process already
         # The async request run in place: its writer reports every failed file and its
         # finalization fails all ranks before ``.metadata``/``metadata.json`` are written.
         request = serialization.save(

@@ -228,6 +228,8 @@ class CheckpointProcess:
             try:
                 self._conn.send(("exit",))
                 self._recv("shutdown", timeout=self._config.subprocess_shutdown_timeout_secs)
+            except (BrokenPipeError, ConnectionError, EOFError):
+                pass  # it ended on its own (a failed write ends it): nothing to stop
             except CheckpointProcessError as e:
                 logger.warning("%s", e)
             self.process.join(timeout=self._config.subprocess_shutdown_timeout_secs)

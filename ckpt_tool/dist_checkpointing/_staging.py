@@ -70,9 +70,8 @@ class SharedSegment:
                     os.posix_fallocate(f.fileno(), 0, max(nbytes, 1))
         self.base = torch.from_file(path, shared=True, size=max(nbytes, 1), dtype=torch.uint8)
         self.pinned = False
-        if pin and _cuda():
-            rc = torch.cuda.cudart().cudaHostRegister(self.base.data_ptr(), self.base.numel(), 0)
-            self.pinned = int(rc) == 0
+        if pin:
+            self.pin()
         if create:
             _LIVE_SEGMENTS[path] = self
 
@@ -84,6 +83,13 @@ class SharedSegment:
     @classmethod
     def attach(cls, path: str, nbytes: int) -> "SharedSegment":
         return cls(path, nbytes, create=False)
+
+    def pin(self) -> bool:
+        """Register the mapping as pinned memory (CUDA only); whether it is pinned."""
+        if not self.pinned and self.base is not None and _cuda():
+            rc = torch.cuda.cudart().cudaHostRegister(self.base.data_ptr(), self.base.numel(), 0)
+            self.pinned = int(rc) == 0
+        return self.pinned
 
     def view(self, offset: int, shape: Tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         n = torch.Size(shape).numel() * torch._utils._element_size(dtype)
@@ -193,6 +199,11 @@ class DefaultStager(CheckpointStager):
         _tensor_slots(state_dict, found)
         tensors = list({id(t): t for t in found}.values())  # a shared tensor is staged once
         copies: Dict[int, torch.Tensor] = {}
+        on_gpu = any(t.device.type == "cuda" for t in tensors)
+        # pinned memory and non-blocking copies only where a tensor is on the GPU: pinning
+        # starts a CUDA context, seconds for a process that never uses the GPU
+        pin = self._config.use_pinned_memory and on_gpu
+        non_blocking = self._config.use_non_blocking_copy and on_gpu
         if self._config.use_shared_memory:
             offsets, total = [], 0
             for t in tensors:
@@ -202,21 +213,22 @@ class DefaultStager(CheckpointStager):
                 if self._segment is not None:
                     self._segment.close()
                 self._segment = None
-                self._segment = SharedSegment.create(total, pin=self._config.use_pinned_memory)
+                self._segment = SharedSegment.create(total, pin=pin)
+            elif pin:
+                self._segment.pin()
             for t, off in zip(tensors, offsets):
                 if t.numel() == 0:  # a view would pickle the whole segment
                     copies[id(t)] = torch.empty(t.shape, dtype=t.dtype)
                     continue
                 dst = self._segment.view(off, tuple(t.shape), t.dtype)
-                dst.copy_(t.detach(), non_blocking=self._config.use_non_blocking_copy)
+                dst.copy_(t.detach(), non_blocking=non_blocking)
                 copies[id(t)] = dst
         else:
             for t in tensors:
-                dst = torch.empty(t.shape, dtype=t.dtype, device="cpu",
-                                  pin_memory=self._config.use_pinned_memory and _cuda())
-                dst.copy_(t.detach(), non_blocking=self._config.use_non_blocking_copy)
+                dst = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+                dst.copy_(t.detach(), non_blocking=non_blocking)
                 copies[id(t)] = dst
-        if self._config.use_non_blocking_copy:
+        if non_blocking:
             torch.cuda.synchronize()
         return _rebuild(state_dict, copies)
 

@@ -18,8 +18,10 @@ detected (exit status / missing answer); an all-reduce tells every rank, which t
 
 from __future__ import annotations
 
+import io
 import logging
 import os
+import pickle
 import queue as queue_mod
 import select
 import traceback
@@ -28,7 +30,10 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional
 
 import torch
 import torch.multiprocessing as mp
+from multiprocessing.reduction import ForkingPickler
 
+from .._staging import SharedSegment, _StagedPickler, loads_staged
+from .._staging_pool import release_staging_memory
 from ..core import CheckpointingException
 from ..utils import debug_time
 from ._async_request import AsyncCaller, AsyncRequest, _dist_ready, collective_device
@@ -110,10 +115,42 @@ class TemporalAsyncCaller(AsyncCaller):
         self.process = None
 
 
+class _RequestPickler(_StagedPickler, ForkingPickler):
+    """Pickles a request for the persistent worker: tensors staged in a shared segment travel
+    as references to it, any other tensor the way ``torch.multiprocessing`` sends it."""
+
+
+def _dumps_request(request: AsyncRequest) -> bytes:
+    buf = io.BytesIO()
+    pickler = _RequestPickler(buf, pickle.HIGHEST_PROTOCOL)
+    pickler.segments = {}
+    pickler.dump(request)
+    return buf.getvalue()
+
+
+class _SegmentCache:
+    """The worker's mappings of the training process's staging segments, kept across requests
+    (the pool reuses them); a mapping whose file is gone (released by its owner) is dropped."""
+
+    def __init__(self) -> None:
+        self.mapped: Dict[str, SharedSegment] = {}
+
+    def attach(self, path: str, nbytes: int) -> SharedSegment:
+        seg = self.mapped.get(path)
+        if seg is None or seg.nbytes != nbytes:
+            seg = self.mapped[path] = SharedSegment.attach(path, nbytes)
+        return seg
+
+    def drop_released(self) -> None:
+        for path in [p for p in self.mapped if not os.path.exists(p)]:
+            self.mapped.pop(path).close()
+
+
 class PersistentAsyncCaller(AsyncCaller):
     """One spawned worker process that runs the requests one after another.
 
-    Requests reach it through a queue (staged tensors travel in shared memory); it answers
+    Requests reach it through a queue (staged tensors as references to the shared staging
+    segments it maps once and keeps; see :mod:`.._staging_pool`); it answers
     ``(call_idx, error or None)`` on a completion queue. A dead worker fails every call it
     had not answered and is replaced at the next schedule, with new queues (a killed process
     may hold their locks).
@@ -145,7 +182,7 @@ class PersistentAsyncCaller(AsyncCaller):
             self._start()
         staged = async_req._replace(async_fn_args=tuple(async_req.staged_args()),
                                     preload_fn=None, finalize_fns=[])
-        self.queue.put(staged)
+        self.queue.put((async_req.call_idx, _dumps_request(staged)))
 
     def _drain(self, timeout: float) -> None:
         """Collect answers; a dead (or absent) worker fails every unanswered call."""
@@ -221,18 +258,22 @@ class PersistentAsyncCaller(AsyncCaller):
     def async_loop(rank: int, queue: Any, comp_q: Any, log_level: int = logging.INFO) -> None:
         """Body of the worker: run requests until ``"DONE"``; report each outcome."""
         logging.getLogger(__name__).setLevel(log_level)
+        segments = _SegmentCache()
         while True:
             item = queue.get()
             if isinstance(item, str) and item == "DONE":
                 break
             error = None
+            call_idx, payload = item
             try:
+                segments.drop_released()
+                item = loads_staged(payload, segments.attach)
                 item.async_fn(*item.async_fn_args, **item.async_fn_kwargs)
             except BaseException as e:  # report, stay alive for the next save
                 error = f"rank {rank}: async checkpoint write failed: {e!r}"
                 traceback.print_exc()
-            comp_q.put((item.call_idx, error))
-            del item
+            comp_q.put((call_idx, error))
+            del item, payload
 
 
 class _ActiveAsyncRequest(NamedTuple):
@@ -333,3 +374,4 @@ class AsyncCallsQueue:
             if self.persistent_caller is not None:
                 self.persistent_caller.close(abort=abort)
                 self.persistent_caller = None
+            release_staging_memory()

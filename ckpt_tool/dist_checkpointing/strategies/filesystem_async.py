@@ -10,8 +10,11 @@ Call order (``state_dict_saver`` drives it)::
     results = writer.retrieve_write_results()          # back in the training process
     writer.finish(metadata, all_ranks_results)          # coordinator: writes .metadata
 
-Staging copies every tensor (a clone on the CPU, a device-to-host copy otherwise), so once
-``prepare_write_data`` returns, in-place updates of the live tensors cannot reach the files.
+Staging copies every tensor into host memory leased from the process's staging pool (pinned
+shared memory reused by the next save; see :mod:`.._staging_pool`): device copies are
+non-blocking with one synchronisation at the end, so once ``prepare_write_data`` returns,
+in-place updates of the live tensors cannot reach the files and no write reads device memory.
+The lease goes back to the pool when the write results are retrieved (finalize).
 Each bucket of items becomes one ``__{rank}_{i}.distcp`` file, written by its own thread and
 fsynced. Results travel back through a small file in the temp directory, which works for forked
 and spawned workers alike and needs no helper process.
@@ -38,6 +41,7 @@ from torch.distributed.checkpoint.filesystem import _write_item
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
+from .._staging_pool import exact_storage, staged_nbytes, staging_pool
 from ..core import CheckpointingException
 
 __all__ = ["FileSystemWriterAsync", "WriteBucket"]
@@ -83,14 +87,6 @@ class ResultsDrop:
             raise queue.Empty from None
         os.unlink(self.path)
         return pickle.loads(data)  # written by our own worker into our private file
-
-
-def _stage(tensor: torch.Tensor) -> torch.Tensor:
-    """A private, contiguous host copy of ``tensor``."""
-    tensor = tensor.detach()
-    if tensor.device.type == "cpu":
-        return tensor.clone(memory_format=torch.contiguous_format)
-    return tensor.to("cpu", copy=True).contiguous()
 
 
 def _item_size(item: WriteItem) -> int:
@@ -145,24 +141,40 @@ class FileSystemWriterAsync(FileSystemWriter):
         self.checkpoint_dir = str(path)
         self.write_buckets: Optional[List[WriteBucket]] = None
         self.results_queue: Optional[ResultsDrop] = None
+        self._lease = self._lease_finalizer = None
+        self.stage_host_tensors = True  # False: host tensors are written from where they are
 
     def prepare_write_data(self, plan: SavePlan, planner: SavePlanner) -> None:
         """Split ``plan``'s items into per-file buckets and stage their data to host memory."""
         prefix = plan.storage_data.prefix
         hint = self.separation_hint
         bins = self.thread_count // 2 if hint is not None else self.thread_count
-        self.write_buckets = []
+        grouped, tensors = [], []  # tensors: those to stage, in bucket order
         for group, bucket in _split_by_separation_hint(_split_by_size_and_type(bins, plan.items),
                                                        hint):
             if not bucket:
                 continue
-            bytes_data, tensor_data = [], []
+            bytes_data, tensor_items = [], []
             for item in bucket:
                 data = planner.resolve_data(item)
                 if item.type == WriteItemType.BYTE_IO:
                     bytes_data.append((item, io.BytesIO(data.getvalue())))
+                elif not self.stage_host_tensors and data.device.type == "cpu":
+                    tensor_items.append((item, data))
                 else:
-                    tensor_data.append((item, _stage(data)))
+                    tensor_items.append((item, None))
+                    tensors.append(data)
+            grouped.append((group, bytes_data, tensor_items))
+        self._release_staging()
+        if tensors:
+            self._lease = staging_pool().lease(
+                staged_nbytes(tensors), pin=any(t.device.type == "cuda" for t in tensors))
+            self._lease_finalizer = weakref.finalize(self, self._lease.release)
+        host = iter(self._lease.copy_in(tensors) if tensors else ())
+        self.write_buckets = []
+        for group, bytes_data, tensor_items in grouped:
+            tensor_data = [(item, next(host) if data is None else data)
+                           for item, data in tensor_items]
             name = f"{group}{prefix}{len(self.write_buckets)}.distcp"
             self.write_buckets.append((os.path.join(self.checkpoint_dir, name), name,
                                        (bytes_data, tensor_data)))
@@ -171,6 +183,12 @@ class FileSystemWriterAsync(FileSystemWriter):
             weakref.finalize(self, _unlink_quietly, self.results_queue.path)
         else:
             self.results_queue = None
+
+    def _release_staging(self) -> None:
+        """Give the staging memory back to the pool (the write no longer reads it)."""
+        if self._lease_finalizer is not None:
+            self._lease_finalizer()
+        self._lease = self._lease_finalizer = None
 
     def get_save_function_and_args(self) -> Tuple[Optional[Callable], Optional[Callable], List]:
         """``(save_fn, preload_fn, args)``; ``(None, None, [])`` when this rank writes nothing.
@@ -235,6 +253,8 @@ class FileSystemWriterAsync(FileSystemWriter):
         out = []
         with open(path, "wb") as stream:
             for item, data in chain(bytes_data, tensor_data):
+                if isinstance(data, torch.Tensor):  # a view into a staging segment
+                    data = exact_storage(data)
                 out.append(_write_item(*transform_list, stream, data, item, storage_key,
                                        serialization_format=SerializationFormat.TORCH_SAVE))
             if use_fsync:
@@ -250,6 +270,12 @@ class FileSystemWriterAsync(FileSystemWriter):
         result came back (a dead worker)."""
         if self.write_buckets is None:
             return _wrap_exception(RuntimeError("prepare_write_data was not called"))
+        try:
+            return self._collect_results()
+        finally:
+            self._release_staging()
+
+    def _collect_results(self) -> Union[List[WriteResult], WRAPPED_EXCEPTION]:
         if self.results_queue is None:
             return []
         try:

@@ -135,6 +135,9 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         self.thread_count = thread_count
         self.use_cached_ckpt_structure = cached_metadata
         self.separation_hint = separation_hint
+        # False: host tensors are written from where they are (the caller keeps them unchanged
+        # until the write ends, e.g. they are staged already); device tensors are always staged
+        self.stage_host_tensors = True
         # plan cache of async saves (the global metadata is only held by the coordinator)
         self.cached_central_plan = None
         self.cached_local_plan = None
@@ -191,6 +194,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         table = self._write_table(sharded_state_dict)
         writer = FileSystemWriterAsync(str(checkpoint_dir), thread_count=self.thread_count,
                                        overwrite=True, separation_hint=self.separation_hint)
+        writer.stage_host_tensors = self.stage_host_tensors
         cached = None
         if self.use_cached_ckpt_structure and self.cached_central_plan is not None:
             cached = (self.cached_central_plan, self.cached_local_plan,
