@@ -7,7 +7,8 @@ device-to-host copies are non-blocking and one synchronisation ends the staging.
 the segment back when the save is finalized (or its writer is garbage collected) and the next
 save reuses it: after the first save, staging costs only the copy. A larger state replaces the
 free segments (released before the new one is made, so pinned memory stays near the staged
-bytes); saves that overlap (one scheduled before the previous was finalized) each hold their own.
+bytes); saves that overlap (one scheduled before the previous was finalized) each hold their own,
+and once none is in flight the pool keeps only the largest segment.
 Where ``/dev/shm`` cannot hold a segment, a private (pinned) buffer stands in; a persistent
 writer then receives copies.
 
@@ -183,9 +184,15 @@ class StagingPool:
         return StagingLease(self, segment)
 
     def _give_back(self, segment) -> None:
+        extra = []
         with self._lock:
             self._leased -= 1
             self._free.append(segment)
+            if self._leased == 0 and len(self._free) > 1:  # overlapping saves are over:
+                self._free.sort(key=lambda s: s.nbytes)    # keep one segment, the largest
+                extra, self._free = self._free[:-1], self._free[-1:]
+        for s in extra:
+            s.close()
 
     @property
     def free_nbytes(self) -> int:
