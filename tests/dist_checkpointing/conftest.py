@@ -15,3 +15,15 @@ def single_rank_group(tmp_path):
         yield
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture(autouse=True)
+def release_async_staging():
+    """Async saves keep a staging segment in a process-wide pool for the next save (released
+    by ``AsyncCallsQueue.close()`` and at exit); tests that count this process's shared-memory
+    files must not see the segment of an earlier test."""
+    from ckpt_tool.dist_checkpointing._staging_pool import release_staging_memory
+
+    release_staging_memory()
+    yield
+    release_staging_memory()

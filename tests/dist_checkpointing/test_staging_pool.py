@@ -45,6 +45,7 @@ def _my_shm_files() -> list:
 
 @pytest.fixture(autouse=True)
 def fresh_pool(monkeypatch):
+    _staging_pool.release_staging_memory()
     monkeypatch.setattr(_staging_pool, "_POOL", None)
     yield
     _staging_pool.release_staging_memory()
