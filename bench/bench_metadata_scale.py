@@ -57,7 +57,7 @@ def write(out: str) -> None:
     import torch
     import torch.distributed as dist
 
-    torch.cuda.synchronize = lambda *a, **k: None  # FORMATS.md §8: CPU-only save
+    torch.cuda.synchronize = lambda *a, **k: None  # docs/formats.md §8: CPU-only save
     torch.cuda.current_device = lambda: "cpu"
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing import ShardedTensor

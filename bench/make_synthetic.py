@@ -18,7 +18,7 @@ import sys
 
 
 def _patch_cuda_for_cpu(torch) -> None:
-    # FORMATS.md §8: the calls Megatron-Core's torch_dist save makes that need a GPU.
+    # docs/formats.md §8: the calls Megatron-Core's torch_dist save makes that need a GPU.
     torch.cuda.synchronize = lambda *a, **k: None
     torch.cuda.current_device = lambda: "cpu"
 

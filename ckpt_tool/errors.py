@@ -71,3 +71,17 @@ class FindingsError(CkptError):
     """The operation ran and found problems (invalid checkpoint, differences): exit 1."""
 
     exit_code = 1
+
+
+class CheckpointingException(CkptError):
+    """Raised for any invalid save/load request or inconsistent checkpoint content.
+
+    Megatron-Core's exception, under its own import path
+    (``ckpt_tool.dist_checkpointing.core``, which re-exports it); it also belongs to ckpt_tool's
+    own error hierarchy so the CLI reports it like every other error.
+    """
+
+    def __init__(self, message: object = "", *args: object, **kwargs):
+        super().__init__(str(message), **kwargs)
+        # keep `e.args` like a plain Exception would (MCore callers sometimes inspect it)
+        self.args = (message, *args)

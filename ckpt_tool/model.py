@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
+    "Finding",
     "DTYPE_ITEMSIZE",
     "dtype_itemsize",
     "ChunkRef",
@@ -224,3 +225,18 @@ class CheckpointMeta:
             objects=tuple(ObjectMeta.from_dict(o) for o in d.get("objects", ())),
             common=dict(d.get("common", {})), extras=dict(d.get("extras", {})),
         )
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One problem ``validate`` found. ``severity`` is ``"error"`` or ``"warning"``; ``key`` the
+    tensor/object it concerns, ``file`` the file (relative to the checkpoint root) if any."""
+
+    severity: str
+    key: str | None
+    file: str | None
+    message: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"severity": self.severity, "key": self.key, "file": self.file,
+                "message": self.message}

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import abc
 import errno
+import importlib
 import os
 import stat
 from dataclasses import dataclass
@@ -107,7 +108,7 @@ def register(fmt: Format) -> Format:
 
 def formats() -> dict[str, Format]:
     """Registered formats in detection order."""
-    from ckpt_tool import formats as _pkg  # noqa: F401  (registers the built-in formats)
+    importlib.import_module("ckpt_tool.formats")  # its __init__ registers the built-in formats
 
     return dict(_REGISTRY)
 
@@ -166,7 +167,7 @@ def detect(path: str | Path) -> Format:
     """The format of ``path``; raises NotACheckpointError listing every format tried and why,
     or an InputError when the path cannot be read at all (missing, symlink loop, permission,
     a tracker file with garbage content)."""
-    from ckpt_tool.formats._resolve import resolve_checkpoint_dir
+    from ckpt_tool.formats.save_dir import resolve_checkpoint_dir
 
     p = Path(path)
     check_readable(p)

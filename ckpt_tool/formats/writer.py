@@ -108,12 +108,12 @@ def dropped_objects_note(request: WriteRequest, why: str) -> list[str]:
 
 # Target format name -> "module:Class"; imported lazily so `ckpt inspect` never pays for them.
 WRITERS: dict[str, str] = {
-    "torch_dist": "ckpt_tool.formats._write_dcp:TorchDistWriter",
-    "dcp": "ckpt_tool.formats._write_dcp:DcpWriter",
-    "zarr": "ckpt_tool.formats._write_zarr:ZarrWriter",
-    "legacy": "ckpt_tool.formats._write_legacy:LegacyWriter",
-    "torch": "ckpt_tool.formats._write_torch:TorchSaveWriter",
-    "safetensors": "ckpt_tool.formats._write_safetensors:SafetensorsWriter",
+    "torch_dist": "ckpt_tool.formats.mcore_dist.torch_dist_writer:TorchDistWriter",
+    "dcp": "ckpt_tool.formats.dcp.writer:DcpWriter",
+    "zarr": "ckpt_tool.formats.mcore_dist.zarr_writer:ZarrWriter",
+    "legacy": "ckpt_tool.formats.legacy.writer:LegacyWriter",
+    "torch": "ckpt_tool.formats.torch_save.writer:TorchSaveWriter",
+    "safetensors": "ckpt_tool.formats.safetensors.writer:SafetensorsWriter",
 }
 
 

@@ -9,10 +9,9 @@ from __future__ import annotations
 import math
 import threading
 from ckpt_tool._crc import crc32
-from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
-from ckpt_tool.model import DTYPE_ITEMSIZE, CheckpointMeta, ChunkRef, TensorMeta
+from ckpt_tool.model import DTYPE_ITEMSIZE, CheckpointMeta, ChunkRef, Finding, TensorMeta
 
 __all__ = ["Finding", "error", "warning", "check_coverage", "check_storage",
            "check_expectations", "MAX_REPORTED", "nonfinite", "count_nonfinite", "count_slabs",
@@ -20,21 +19,6 @@ __all__ = ["Finding", "error", "warning", "check_coverage", "check_storage",
 
 # At most this many findings of one kind per tensor (overlaps, out-of-bounds chunks).
 MAX_REPORTED = 5
-
-
-@dataclass(frozen=True)
-class Finding:
-    """One problem ``validate`` found. ``severity`` is ``"error"`` or ``"warning"``; ``key`` the
-    tensor/object it concerns, ``file`` the file (relative to the checkpoint root) if any."""
-
-    severity: str
-    key: str | None
-    file: str | None
-    message: str
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"severity": self.severity, "key": self.key, "file": self.file,
-                "message": self.message}
 
 
 def error(message: str, *, key: str | None = None, file: str | None = None) -> Finding:

@@ -8,7 +8,7 @@ covers in B's unchunked tensor (and the reverse), and compares bytes:
   tensors;
 * otherwise the raw C-order elements of both: a raw chunk (safetensors, torch.save, legacy
   storages, zarr ``order: C`` without compressor), or the storage record inside a plain DCP
-  item, located in place by ``formats._dcp_raw`` (optional: without it, such pieces are left
+  item, located in place by ``formats.torch_zip`` (optional: without it, such pieces are left
   to the element-wise path).
 
 The byte ranges, ordered by A's file and offset, go to ``_diff_windows.compare_all`` (bounded
@@ -70,7 +70,7 @@ def _raw_range(base: Path, t: TensorMeta, c: ChunkRef) -> tuple[Path, int, int] 
     try:
         import mmap
 
-        from ckpt_tool.formats._dcp_raw import NotSimple, raw_item
+        from ckpt_tool.formats.torch_zip import NotSimple, raw_item
     except ImportError:  # the in-place reader is optional here: compare elements instead
         return None
     pad = c.byte_offset % mmap.ALLOCATIONGRANULARITY

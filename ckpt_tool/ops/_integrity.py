@@ -33,7 +33,7 @@ from typing import Any, Iterator, NamedTuple
 
 import numpy as np
 
-from ckpt_tool.formats._dcp_raw import BoundedReader, check_zip_item
+from ckpt_tool.formats.torch_zip import BoundedReader, check_zip_item
 from ckpt_tool.model import CheckpointMeta
 from ckpt_tool.ops._checks import Finding, error, warning
 from ckpt_tool.ops._mapping import map_ranges, prefault

@@ -1,7 +1,7 @@
 """A torch-free ``TensorSource`` for byte-moving conversions (DCP-based source -> safetensors).
 
 When no dtype changes and every chunk of a tensor is a plain ``torch.save`` item, the bytes can
-be moved without torch: each item is located in place over mmap (``formats._dcp_raw``) and its
+be moved without torch: each item is located in place over mmap (``formats.torch_zip``) and its
 elements copied with numpy into the requested rectangle. Pieces are numpy arrays of unsigned
 integers of the element's size (the bytes are what matter); anything unusual falls back to the
 torch path, per tensor. Skipping ``import torch`` (about 1 s) is most of a small conversion.
@@ -15,7 +15,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from ckpt_tool.formats._dcp_raw import NotSimple, raw_item
+from ckpt_tool.formats.torch_zip import NotSimple, raw_item
 from ckpt_tool.formats.base import Reader
 from ckpt_tool.model import ChunkRef, TensorMeta, dtype_itemsize
 

@@ -14,7 +14,7 @@ import re
 from dataclasses import replace
 from typing import Any
 
-from ckpt_tool.formats._legacy_layout import LOCAL_TO_DIST_NAMES
+from ckpt_tool.formats.legacy.layout import LOCAL_TO_DIST_NAMES
 from ckpt_tool.formats.base import Reader
 from ckpt_tool.model import CheckpointMeta, TensorMeta
 

@@ -1,7 +1,7 @@
 """The per-item path of ``validate``'s integrity pass (``_integrity``), and its work units
 (:func:`plan_items`, :func:`plan_files`).
 
-Each ``torch.save`` archive is parsed on its own by ``formats._dcp_raw`` over a read-only mmap
+Each ``torch.save`` archive is parsed on its own by ``formats.torch_zip`` over a read-only mmap
 (no copies): the CRC32 of every zip record checked and, with ``deep``, the NaN/Inf of its
 tensor counted on the zero-copy view, slab by slab right after the slab's CRC, small tensors in
 batches (``NonfiniteBatch``). Archives the raw parser cannot follow go through ``zipfile``
@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ckpt_tool._crc import crc32
-from ckpt_tool.formats._dcp_raw import (NotSimple, TorchRejects, ZipRecord, as_tensor,
+from ckpt_tool.formats.torch_zip import (NotSimple, TorchRejects, ZipRecord, as_tensor,
                                         check_zip_item, raw_item, zip_records)
 from ckpt_tool.ops._checks import (Finding, NonfiniteBatch, count_slabs, crc32_counting, error,
                                    nonfinite)

@@ -80,7 +80,7 @@ def _full_common(reader: Any, meta: CheckpointMeta) -> dict[str, Any]:
     light = getattr(reader, "_common_light", None)
     if light is None:
         return dict(meta.common)
-    from ckpt_tool.formats._common import jsonable
+    from ckpt_tool.formats.common_state import jsonable
 
     state = light(list(meta.objects))
     if state is None:

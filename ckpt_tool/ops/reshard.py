@@ -18,7 +18,7 @@ from typing import Any
 from ckpt_tool.errors import UsageError
 from ckpt_tool.formats.base import open_checkpoint
 from ckpt_tool.formats.writer import WriteRequest, WriterOptions, writer_for
-from ckpt_tool.formats._write_legacy import updated_args, write_legacy_ranks
+from ckpt_tool.formats.legacy.writer import updated_args, write_legacy_ranks
 from ckpt_tool.ops._optim_unflatten import unflatten_bucketed_optimizer
 from ckpt_tool.ops._reshard_io import PaddedSource, stacked_view_if_legacy
 from ckpt_tool.ops._staging import check_output_target, staged_output_ranks, verify_output

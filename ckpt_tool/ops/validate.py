@@ -90,7 +90,7 @@ def validate(path: str | Path, *, trust: bool = False, deep: bool = False,
 
     ``ranks`` (a ``ckpt_tool.parallel.Ranks`` under torchrun): every rank of the job calls
     this, the byte scan is split over them and every rank gets every finding."""
-    from ckpt_tool.formats._resolve import resolve_checkpoint_dir
+    from ckpt_tool.formats.save_dir import resolve_checkpoint_dir
 
     from ckpt_tool.formats.base import check_readable
 
@@ -182,7 +182,7 @@ def _sub_checkpoint_findings(root: Path, *, trust: bool, deep: bool) -> list[Fin
 def _follow_tracker(p: Path, findings: list[Finding]) -> Path | None:
     """The iteration dir a training save dir's tracker names (``p`` itself otherwise); None
     (with an error finding) when the tracker is unreadable or names a missing iteration."""
-    from ckpt_tool.formats._resolve import LATEST_FILE, iteration_dir_name, read_latest
+    from ckpt_tool.formats.save_dir import LATEST_FILE, iteration_dir_name, read_latest
 
     save = p.parent if p.is_file() and p.name == LATEST_FILE else p
     if not save.is_dir() or not (save / LATEST_FILE).is_file():
@@ -207,8 +207,8 @@ def _follow_tracker(p: Path, findings: list[Finding]) -> Path | None:
 
 def _check_markers(root: Path, findings: list[Finding]) -> bool:
     """Commit markers of dist/DCP directories; False when validation cannot go further."""
-    from ckpt_tool.formats.dcp import metadata_files
-    from ckpt_tool.formats.mcore_dist import read_backend_config
+    from ckpt_tool.formats.dcp.reader import metadata_files
+    from ckpt_tool.formats.mcore_dist.reader import read_backend_config
 
     has_json = (root / "metadata.json").is_file()
     dcp_md = metadata_files(root)

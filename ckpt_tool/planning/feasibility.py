@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 from ckpt_tool.model import CheckpointMeta, ObjectMeta
-from ckpt_tool.ops._checks import Finding
+from ckpt_tool.model import Finding
 from ckpt_tool.planning.sizes import Layout, ModelSizes, padded_vocab_size, stage_layer_counts
 from ckpt_tool.planning.source_layout import args_of, source_layout_from, source_layout_origins
 

@@ -8,7 +8,7 @@ dist checkpoints); optimizer keys (``optimizer.state.exp_avg.<model key>``) use 
 their model key. ``axis`` counts in the module's own tensor (without stacked layer/expert
 axes): column, GLU, QKV and vocab split axis 0, row axis 1.
 
-Kinds (FORMATS.md section 5):
+Kinds (docs/formats.md section 5):
 
 - ``column``: even split of ``axis``.
 - ``row``: even split of ``axis`` (1) — bias of a row-parallel linear is ``replicated``.
@@ -241,7 +241,7 @@ def load_rules(paths: Iterable[str | Path] = ()) -> RuleSet:
 
 def legacy_split(key: str, *, swiglu: bool, rules: RuleSet | None = None
                  ) -> tuple[str, int | None]:
-    """``(kind, dim)`` in the terms of ``formats._legacy_layout.split_rule`` (qkv is a column
+    """``(kind, dim)`` in the terms of ``formats.legacy.layout.split_rule`` (qkv is a column
     split; GLU without SwiGLU too), so the legacy reader can take its rules from here;
     :class:`UnknownKeyError` for a key no rule knows."""
     rule = rule_for(key, rules)

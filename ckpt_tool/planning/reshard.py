@@ -20,7 +20,6 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
-from ckpt_tool.formats._legacy_layout import rank_dir_name
 from ckpt_tool.model import CheckpointMeta, ChunkRef, ObjectMeta, TensorMeta
 from ckpt_tool.planning.feasibility import (ERROR, NOTE, RESHARDABLE_OPTIMIZERS, WARNING,
                                             OptimizerInfo,
@@ -32,7 +31,7 @@ from ckpt_tool.planning.grid import infer_rule_from_grid
 from ckpt_tool.planning.layout import GLU, REPLICATED, VOCAB, Rule, RuleSet, example_rule, model_key
 from ckpt_tool.planning.overlap import ChunkIndex, SourceRead, reads_for
 from ckpt_tool.planning.pieces import LocalTensor, Piece, effective_kind, rank_pieces
-from ckpt_tool.planning.sizes import LayerMap, Layout, ModelSizes
+from ckpt_tool.planning.sizes import LayerMap, Layout, ModelSizes, rank_dir_name
 
 __all__ = ["ReshardOptions", "PiecePlan", "TensorPlan", "RankPlan", "ReshardPlan",
            "plan_reshard", "target_file"]

@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-__all__ = ["ModelSizes", "Layout", "padded_vocab_size", "stage_layer_counts", "LayerMap"]
+__all__ = ["ModelSizes", "Layout", "padded_vocab_size", "stage_layer_counts", "LayerMap",
+           "rank_dir_name"]
 
 
 @dataclass(frozen=True)
@@ -154,3 +155,13 @@ class LayerMap:
 
     def global_index(self, pp: int, local: int, vp: int = 0) -> int:
         return self.offset(pp, vp) + local
+
+
+def rank_dir_name(tp: int, pp: int, ep: int, pp_size: int, ep_size: int) -> str:
+    """Megatron-LM's ``get_checkpoint_name`` directory for one model-parallel rank."""
+    name = f"mp_rank_{tp:02d}"
+    if pp_size > 1:
+        name += f"_{pp:03d}"
+    if ep_size > 1:
+        name += f"_{ep:03d}"
+    return name

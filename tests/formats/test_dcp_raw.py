@@ -1,4 +1,4 @@
-"""``_dcp_raw``: zip records and zero-copy tensor views of torch.save archives, checked bitwise
+"""``torch_zip``: zip records and zero-copy tensor views of torch.save archives, checked bitwise
 against ``torch.load`` on every DCP-based fixture and on odd tensors built with torch.save."""
 
 import hashlib
@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckpt_tool.formats import _dcp_io
-from ckpt_tool.formats._dcp_io import load_chunk, read_item_bytes
-from ckpt_tool.formats._dcp_raw import NotSimple, as_tensor, raw_item, zip_records
-from ckpt_tool.formats._pickle import load_torch_file
+from ckpt_tool.formats import dcp_items as _dcp_io
+from ckpt_tool.formats.dcp_items import load_chunk, read_item_bytes
+from ckpt_tool.formats.torch_zip import NotSimple, as_tensor, raw_item, zip_records
+from ckpt_tool.formats.safe_pickle import load_torch_file
 from ckpt_tool.ops._checks import NonfiniteBatch, count_nonfinite, nonfinite
 from ckpt_tool.ops.inspect import inspect
 
@@ -151,7 +151,7 @@ def test_load_chunk_returns_a_private_copy(tmp_path):
 
 
 def test_load_chunk_falls_back_for_unusual_items(tmp_path, monkeypatch):
-    from ckpt_tool.formats import _pickle
+    from ckpt_tool.formats import safe_pickle as _pickle
     from ckpt_tool.model import ChunkRef
 
     t = torch.randn(5, 3)

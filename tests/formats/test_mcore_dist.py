@@ -16,7 +16,7 @@ import torch
 from _builders import split_grid, write_mcore_dist, write_zarr
 from ckpt_tool.errors import CorruptCheckpointError, InputError, NotACheckpointError
 from ckpt_tool.formats import detect, open_checkpoint
-from ckpt_tool.formats.mcore_dist import infer_optimizer_sharding
+from ckpt_tool.formats.mcore_dist.reader import infer_optimizer_sharding
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURES = REPO / "fixtures"

@@ -13,8 +13,8 @@ import torch
 from typer.testing import CliRunner
 
 from ckpt_tool.formats import detect, open_checkpoint
-from ckpt_tool.formats import _legacy_layout as L
-from ckpt_tool.formats.megatron_legacy import sniff
+from ckpt_tool.formats.legacy import layout as L
+from ckpt_tool.formats.legacy.reader import sniff
 
 REPO = Path(__file__).resolve().parents[2]
 FIX = REPO / "fixtures"

@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from ckpt_tool.formats import open_checkpoint
-from ckpt_tool.formats import _legacy_optim as O
+from ckpt_tool.formats.legacy import optim as O
 
 FIX = Path(__file__).resolve().parents[2] / "fixtures"
 DISTOPT = FIX / "megatron_legacy_distopt_tp2dp2"

@@ -310,7 +310,7 @@ def test_zarr_output_matches_mcore_fixture_bytes(tmp_path, fixture_readers):
 def test_zarr_is_read_by_tensorstore_and_loaded_at_another_sharding(tmp_path, fixture_readers):
     from ckpt_tool.dist_checkpointing import serialization
     from ckpt_tool.dist_checkpointing.mapping import ShardedObject, ShardedTensor
-    from ckpt_tool.dist_checkpointing.strategies._zarr_io import numpy_to_tensor, open_ts_array
+    from ckpt_tool.formats.mcore_dist.zarr_store import numpy_to_tensor, open_ts_array
 
     reader, expected = fixture_readers["mcore016_gpt_tp2pp2_bf16_optim"]
     _write("zarr", tmp_path, WriteRequest(
@@ -343,7 +343,7 @@ def test_zarr_is_read_by_tensorstore_and_loaded_at_another_sharding(tmp_path, fi
 
 
 def test_zarr_grids_padding_and_dtypes(tmp_path):
-    from ckpt_tool.dist_checkpointing.strategies._zarr_io import numpy_to_tensor, open_ts_array
+    from ckpt_tool.formats.mcore_dist.zarr_store import numpy_to_tensor, open_ts_array
 
     t = {"irregular": torch.randn(5, 6), "regular": torch.randn(6, 4).bfloat16(),
          "scalar": torch.tensor(7, dtype=torch.int32), "empty": torch.zeros(0, 3)}
@@ -394,7 +394,7 @@ def test_zarr_objects_and_common(tmp_path):
 
 
 def test_zarr_refuses_unsafe_keys_and_stand_ins(tmp_path):
-    from ckpt_tool.formats._pickle import stand_in_class
+    from ckpt_tool.formats.safe_pickle import stand_in_class
 
     for key in ("../escape", "/abs", "a//b"):
         t = {key: torch.zeros(2)}

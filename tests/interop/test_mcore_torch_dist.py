@@ -97,7 +97,7 @@ def test_ours_reads_mcore_like_mcore(mcore_ckpt, tmp_path):
 
 def test_dcp_metadata_structure_matches(ours_ckpt_tp2, mcore_ckpt):
     """Same DCP metadata conventions: keys, chunks, files per rank, all_local_plans."""
-    from ckpt_tool.formats._dcp_metadata import read_dcp_metadata
+    from ckpt_tool.formats.dcp_metadata import read_dcp_metadata
 
     ours_ckpt = ours_ckpt_tp2
     a, b = read_dcp_metadata(ours_ckpt), read_dcp_metadata(mcore_ckpt)

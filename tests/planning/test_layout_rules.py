@@ -8,7 +8,7 @@ import re
 import pytest
 
 from ckpt_tool.errors import UsageError
-from ckpt_tool.formats import _legacy_layout as L
+from ckpt_tool.formats.legacy import layout as L
 from ckpt_tool.formats.base import open_checkpoint
 from ckpt_tool.planning.grid import infer_rule_from_grid
 from ckpt_tool.planning.layout import (COLUMN, GLU, QKV, REPLICATED, ROW, VOCAB, RuleSet,

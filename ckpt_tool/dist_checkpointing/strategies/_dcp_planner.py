@@ -19,7 +19,6 @@ import math
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
-from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
@@ -37,6 +36,8 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from ckpt_tool.formats.dcp_streaming import McoreFileSystemWriter
 
 from ..core import CheckpointingException
 from .cached_metadata_filesystem_reader import CachedMetadataFileSystemReader
@@ -104,44 +105,6 @@ class TableSavePlanner(DefaultSavePlanner):
         if write_item.type == WriteItemType.BYTE_IO:
             return self.table.objects[write_item.index.fqn]
         return self.table.chunks[(write_item.index.fqn, tuple(write_item.index.offset))][0]
-
-
-class McoreFileSystemWriter(FileSystemWriter):
-    """DCP's writer, but with no empty files: ``__{rank}_{i}.distcp`` for non-empty buckets.
-
-    Items are spread over ``thread_count`` files: objects round-robin, tensors largest first
-    onto the least-filled file (by chunk bytes).
-    """
-
-    def write_data(self, plan: SavePlan, planner):
-        buckets: List[List[WriteItem]] = [[] for _ in range(max(1, self.thread_count))]
-        sizes = [0] * len(buckets)
-        byte_items = [i for i in plan.items if i.type == WriteItemType.BYTE_IO]
-        tensor_items = [i for i in plan.items if i.type != WriteItemType.BYTE_IO]
-        for n, item in enumerate(byte_items):
-            buckets[n % len(buckets)].append(item)
-
-        def nbytes(item: WriteItem) -> int:
-            td = item.tensor_data
-            return math.prod(td.chunk.sizes) * torch._utils._element_size(td.properties.dtype)
-
-        for item in sorted(tensor_items, key=nbytes, reverse=True):
-            target = sizes.index(min(sizes))
-            buckets[target].append(item)
-            sizes[target] += nbytes(item)
-
-        import queue
-
-        file_queue: queue.Queue = queue.Queue()
-        for n, bucket in enumerate(b for b in buckets if b):
-            name = f"{plan.storage_data.prefix}{n}.distcp"
-            file_queue.put((self.fs.concat_path(self.path, name), name, bucket))
-        fut = self._write_data(planner, file_queue)
-        written = len(fut.wait())
-        if written != len(plan.items):  # DCP loses the exceptions of its extra writer threads
-            raise CheckpointingException(
-                f"only {written} of {len(plan.items)} items written: a writer thread failed")
-        return fut
 
 
 class TensorRequest:

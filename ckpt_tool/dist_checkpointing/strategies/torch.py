@@ -27,7 +27,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-from ckpt_tool.formats._dcp_metadata import mcore_classes
+from ckpt_tool.formats.dcp_metadata import mcore_classes
 
 from ..core import CheckpointingException
 from ..dict_utils import dict_list_map_outplace, nested_values
@@ -84,7 +84,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 # What Megatron-Core <= 0.15 pickled into .metadata (a DCP Metadata / SavePlan with
-# ``mcore_data``); reading such a file gives instances of these (see formats._dcp_metadata).
+# ``mcore_data``); reading such a file gives instances of these (see formats.dcp_metadata).
 _STAND_INS = {cls.__name__: cls for cls in mcore_classes().values()}
 MCoreMetadata = _STAND_INS["MCoreMetadata"]
 MCoreSavePlan = _STAND_INS["MCoreSavePlan"]
@@ -247,7 +247,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         self.cached_global_metadata = None
 
     def _load_object(self, value: io.BytesIO):
-        from ckpt_tool.formats._pickle import load_torch_file
+        from ckpt_tool.formats.safe_pickle import load_torch_file
 
         return load_torch_file(value, trust=self.trust)
 

@@ -25,7 +25,7 @@ import torch
 from ..core import CheckpointingException
 from ..dict_utils import dict_list_map_inplace, nested_values
 from ..mapping import ShardedStateDict, ShardedTensor, is_main_replica
-from . import _zarr_io as zio
+from ckpt_tool.formats.mcore_dist import zarr_store as zio
 from .base import LoadShardedStrategy, SaveShardedStrategy, StrategyAction, register_default_strategy
 
 __all__ = [

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_tool.errors import CorruptCheckpointError, InputError
-from ckpt_tool.formats._resolve import resolve_checkpoint_dir
+from ckpt_tool.formats.save_dir import resolve_checkpoint_dir
 from ckpt_tool.formats.base import Format, Reader, register
 from ckpt_tool.model import CheckpointMeta, ObjectMeta, TensorMeta
 
@@ -121,7 +121,7 @@ class McoreDistReader(Reader):
     def _common_light(self, objects: list[ObjectMeta]) -> Any:
         f = self.root / COMMON_FILE
         if f.is_file():
-            from ckpt_tool.formats._common import load_torch_save_light
+            from ckpt_tool.formats.common_state import load_torch_save_light
 
             return load_torch_save_light(f, trust=self.trust)
         obj = next((o for o in objects if o.key == COMMON_STATE_OBJECT), None)
@@ -136,7 +136,7 @@ class McoreDistReader(Reader):
         """Every tensor and object, the common summary and backend facts; no tensor bytes."""
         if self._meta is not None:
             return self._meta
-        from ckpt_tool.formats._common import summarize_common
+        from ckpt_tool.formats.common_state import summarize_common
 
         tensors, objects, extras = self._sharded()
         state = self._common_light(objects)
@@ -160,7 +160,7 @@ class McoreDistReader(Reader):
         """The full common state, loaded with torch through the safe unpickler."""
         f = self.root / COMMON_FILE
         if f.is_file():
-            from ckpt_tool.formats._pickle import load_torch_file
+            from ckpt_tool.formats.safe_pickle import load_torch_file
 
             state = load_torch_file(f, trust=self.trust)
             return state if isinstance(state, dict) else {"value": state}
@@ -174,7 +174,7 @@ class TorchDistReader(McoreDistReader):
     format_name = "torch_dist"
 
     def _sharded(self) -> tuple[dict[str, TensorMeta], list[ObjectMeta], dict[str, Any]]:
-        from ckpt_tool.formats._dcp_metadata import dcp_tensor_metas, read_dcp_metadata_light
+        from ckpt_tool.formats.dcp_metadata import dcp_tensor_metas, read_dcp_metadata_light
 
         md = read_dcp_metadata_light(self.root, trust=self.trust)
         tensors, objects = dcp_tensor_metas(md)
@@ -194,8 +194,8 @@ class TorchDistReader(McoreDistReader):
         return tensors, objects, extras
 
     def _object_payload_light(self, obj: ObjectMeta) -> Any:
-        from ckpt_tool.formats._common import load_torch_save_light
-        from ckpt_tool.formats._dcp_io import read_item_bytes
+        from ckpt_tool.formats.common_state import load_torch_save_light
+        from ckpt_tool.formats.dcp_items import read_item_bytes
 
         data = read_item_bytes(self.root, obj.file, obj.byte_offset, obj.byte_length)
         payload = load_torch_save_light(data, trust=self.trust, where=self.root / str(obj.file))
@@ -203,7 +203,7 @@ class TorchDistReader(McoreDistReader):
 
     def read(self, key: str, slices: tuple[slice, ...] | None = None) -> Any:
         """The global tensor ``key`` (or ``slices`` of it), assembled from its stored chunks."""
-        from ckpt_tool.formats._dcp_io import assemble, load_chunk_view
+        from ckpt_tool.formats.dcp_items import assemble, load_chunk_view
 
         return assemble(self._tensor_meta(key), slices,
                         lambda c: load_chunk_view(self.root, c, trust=self.trust))
@@ -212,8 +212,8 @@ class TorchDistReader(McoreDistReader):
         """The payload of a ShardedObject (``rng_state/shard_0.0_1.2``)."""
         import io
 
-        from ckpt_tool.formats._dcp_io import read_item_bytes
-        from ckpt_tool.formats._pickle import load_torch_file
+        from ckpt_tool.formats.dcp_items import read_item_bytes
+        from ckpt_tool.formats.safe_pickle import load_torch_file
 
         o = self._object_meta(unique_key)
         data = read_item_bytes(self.root, o.file, o.byte_offset, o.byte_length)
@@ -228,7 +228,7 @@ class ZarrReader(McoreDistReader):
     format_name = "zarr"
 
     def _sharded(self) -> tuple[dict[str, TensorMeta], list[ObjectMeta], dict[str, Any]]:
-        from ckpt_tool.formats._zarr import scan_zarr_dir
+        from ckpt_tool.formats.mcore_dist.zarr_reader import scan_zarr_dir
 
         tensors, objects = scan_zarr_dir(self.root)
         chunk_files = sum(len(t.chunks) for t in tensors.values())
@@ -236,14 +236,14 @@ class ZarrReader(McoreDistReader):
                                   "object_files": len(objects)}
 
     def _object_payload_light(self, obj: ObjectMeta) -> Any:
-        from ckpt_tool.formats._common import load_torch_save_light
+        from ckpt_tool.formats.common_state import load_torch_save_light
 
         return load_torch_save_light(self.root / str(obj.file), trust=self.trust)
 
     def read(self, key: str, slices: tuple[slice, ...] | None = None) -> Any:
         """The global tensor ``key`` (or ``slices`` of it) from its chunk files."""
-        from ckpt_tool.formats._dcp_io import assemble
-        from ckpt_tool.formats._zarr import load_zarr_chunk
+        from ckpt_tool.formats.dcp_items import assemble
+        from ckpt_tool.formats.mcore_dist.zarr_reader import load_zarr_chunk
 
         meta = self._tensor_meta(key)
         try:
@@ -257,7 +257,7 @@ class ZarrReader(McoreDistReader):
 
     def read_object(self, unique_key: str) -> Any:
         """The payload of a ShardedObject file (``<key>/shard_*.pt``)."""
-        from ckpt_tool.formats._pickle import load_torch_file
+        from ckpt_tool.formats.safe_pickle import load_torch_file
 
         o = self._object_meta(unique_key)
         return load_torch_file(self.root / str(o.file), trust=self.trust)

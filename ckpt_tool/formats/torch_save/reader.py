@@ -1,7 +1,7 @@
 """A single ``torch.save`` file (a zip: ``<archive>/data.pkl`` + ``<archive>/data/<n>``).
 
 The metadata path unpickles only ``data.pkl`` through the allowlist with tensor placeholders
-(:func:`ckpt_tool.formats._common.load_torch_save_light`, no torch import) and walks the
+(:func:`ckpt_tool.formats.common_state.load_torch_save_light`, no torch import) and walks the
 (nested) state: each tensor becomes a TensorMeta keyed by its dotted path (dict keys and
 list indices joined by ``"."``); every other value goes, JSON-safe, into ``common``.
 
@@ -17,96 +17,23 @@ unpickler when the restricted load refuses a global (``argparse.Namespace``, ...
 
 from __future__ import annotations
 
-import math
-import struct
 import zipfile
 from pathlib import Path
 from typing import Any
 
 from ckpt_tool.errors import CorruptCheckpointError, InputError, UnsupportedError
 from ckpt_tool.formats.base import Format, Reader, register
-from ckpt_tool.model import ChunkRef, CheckpointMeta, TensorMeta, dtype_itemsize
+from ckpt_tool.formats.torch_save_files import (
+    LEGACY_MAGIC,
+    ZIP_MAGIC,
+    flatten_state,
+    placeholder_chunk,
+    zip_data_offsets,
+    zip_storages,
+)
+from ckpt_tool.model import ChunkRef, CheckpointMeta, TensorMeta
 
 __all__ = ["LEGACY_MAGIC", "flatten_state", "zip_data_offsets", "TorchSaveReader", "TORCH"]
-
-ZIP_MAGIC = b"PK\x03\x04"
-# A legacy torch.save file starts with the pickled magic number 0x1950a86a20f9469cfc6c.
-LEGACY_MAGIC = b"\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19"
-
-
-def _is_tensor(v: Any) -> bool:
-    from ckpt_tool.formats._torch_stubs import TensorPlaceholder
-
-    if isinstance(v, TensorPlaceholder):
-        return True
-    return type(v).__module__.startswith("torch") and hasattr(v, "shape") and hasattr(v, "dtype")
-
-
-def flatten_state(obj: Any, prefix: str = "") -> tuple[dict[str, Any], dict[str, Any]]:
-    """``(tensors, others)``: leaves of nested dicts/lists/tuples keyed by dotted path."""
-    tensors: dict[str, Any] = {}
-    others: dict[str, Any] = {}
-
-    def walk(v: Any, key: str) -> None:
-        if _is_tensor(v):
-            tensors[key or "<root>"] = v
-        elif isinstance(v, dict) and v:
-            for k, x in v.items():
-                walk(x, f"{key}.{k}" if key else str(k))
-        elif isinstance(v, (list, tuple)) and v and any(_holds_tensor(x) for x in v):
-            for i, x in enumerate(v):
-                walk(x, f"{key}.{i}" if key else str(i))
-        else:
-            others[key or "<root>"] = v
-
-    walk(obj, prefix)
-    return tensors, others
-
-
-def _holds_tensor(v: Any) -> bool:
-    if _is_tensor(v):
-        return True
-    if isinstance(v, dict):
-        return any(_holds_tensor(x) for x in v.values())
-    if isinstance(v, (list, tuple)):
-        return any(_holds_tensor(x) for x in v)
-    return False
-
-
-def _zip_info(path: Path) -> tuple[str, dict[str, tuple[int, int]], str]:
-    """``(archive prefix, {storage key: (data offset, size)}, byteorder)`` of a torch.save zip."""
-    try:
-        with zipfile.ZipFile(path) as zf, open(path, "rb") as raw:
-            pkls = sorted((n for n in zf.namelist() if n.endswith("/data.pkl")), key=len)
-            if not pkls:
-                raise CorruptCheckpointError("zip file without */data.pkl: not a torch.save file",
-                                             path=path)
-            prefix = pkls[0][: -len("data.pkl")]
-            byteorder = "little"
-            if prefix + "byteorder" in zf.NameToInfo:
-                byteorder = zf.read(prefix + "byteorder").decode("ascii", "replace").strip()
-            offsets = {}
-            for info in zf.infolist():
-                if not info.filename.startswith(prefix + "data/"):
-                    continue
-                if info.compress_type != zipfile.ZIP_STORED:
-                    continue  # no raw byte range; reads go through torch.load
-                offsets[info.filename[len(prefix + "data/"):]] = (
-                    zip_data_offsets(raw, info.header_offset), info.file_size)
-    except (zipfile.BadZipFile, OSError, EOFError, struct.error) as exc:
-        raise CorruptCheckpointError(f"damaged zip archive ({exc})", path=path) from None
-    return prefix, offsets, byteorder
-
-
-def zip_data_offsets(raw: Any, header_offset: int) -> int:
-    """Where an entry's data starts: after its local file header (30 bytes + name + extra)."""
-    raw.seek(header_offset)
-    head = raw.read(30)
-    if len(head) != 30 or head[:4] != ZIP_MAGIC:
-        raise zipfile.BadZipFile(f"bad local file header at {header_offset}")
-    name_len, extra_len = struct.unpack("<HH", head[26:30])
-    return header_offset + 30 + name_len + extra_len
-
 
 def sniff(path: Path) -> str | None:
     """A zip with an ``*/data.pkl`` entry (or a damaged zip, reported by ``metadata``), or a
@@ -154,10 +81,10 @@ class TorchSaveReader(Reader):
         ``data.pkl`` and zip headers (no torch import unless the pickle needs real torch)."""
         if self._meta is not None:
             return self._meta
-        from ckpt_tool.formats._common import jsonable, load_torch_save_light, summarize_common
-        from ckpt_tool.formats._torch_stubs import TensorPlaceholder, dtype_name
+        from ckpt_tool.formats.common_state import jsonable, load_torch_save_light, summarize_common
+        from ckpt_tool.formats.torch_stand_ins import TensorPlaceholder, dtype_name
 
-        prefix, storages, byteorder = _zip_info(self.path)  # first: clear damaged-zip errors
+        prefix, storages, byteorder = zip_storages(self.path)  # first: clear damaged-zip errors
         state = load_torch_save_light(self.path, trust=self.trust)
         tensors_raw, others = flatten_state(state)
         tensors: dict[str, TensorMeta] = {}
@@ -185,26 +112,7 @@ class TorchSaveReader(Reader):
 
     def _chunk(self, key: str, t: Any, shape: tuple[int, ...],
                storages: dict[str, tuple[int, int]], byteorder: str) -> ChunkRef | None:
-        """A raw ChunkRef for a contiguous little-endian tensor, else ``None``."""
-        if t.storage is None or t.storage.key not in storages or byteorder != "little":
-            return None
-        expect, stride = 1, []
-        for s in reversed(shape):
-            stride.insert(0, expect)
-            expect *= s
-        numel = math.prod(shape)
-        if t.stride is not None and numel > 1 and any(
-                st != e for st, e, s in zip(t.stride, stride, shape) if s > 1):
-            return None
-        itemsize = dtype_itemsize(t.dtype)
-        data_offset, size = storages[t.storage.key]
-        start, length = t.storage_offset * itemsize, numel * itemsize
-        if start + length > size:
-            raise CorruptCheckpointError(
-                f"tensor {key!r}: needs bytes [{start}, {start + length}) of storage "
-                f"{t.storage.key}, which holds {size}", path=self.path)
-        return ChunkRef(offsets=(0,) * len(shape), sizes=shape, file=self.path.name,
-                        byte_offset=data_offset + start, byte_length=length, layout="raw")
+        return placeholder_chunk(self.path, key, t, shape, storages, byteorder)
 
     def _load(self) -> dict[str, Any]:
         if self._loaded is None:
@@ -215,7 +123,7 @@ class TorchSaveReader(Reader):
             try:
                 state = torch.load(self.path, map_location="cpu", mmap=True, weights_only=True)
             except pickle.UnpicklingError:
-                from ckpt_tool.formats._pickle import load_torch_file
+                from ckpt_tool.formats.safe_pickle import load_torch_file
 
                 state = load_torch_file(self.path, trust=self.trust)
             except (RuntimeError, EOFError, zipfile.BadZipFile) as exc:
@@ -228,7 +136,7 @@ class TorchSaveReader(Reader):
         """The tensor ``key`` (or ``slices`` of it) as a new contiguous tensor."""
         import torch
 
-        from ckpt_tool.formats._dcp_io import normalize_slices
+        from ckpt_tool.formats.dcp_items import normalize_slices
 
         tensors = self._load()
         if key not in tensors:
@@ -247,7 +155,7 @@ class TorchSaveReader(Reader):
         try:
             state = torch.load(self.path, map_location="cpu", mmap=True, weights_only=True)
         except pickle.UnpicklingError:
-            from ckpt_tool.formats._pickle import load_torch_file
+            from ckpt_tool.formats.safe_pickle import load_torch_file
 
             state = load_torch_file(self.path, trust=self.trust)
         return flatten_state(state)[1]

@@ -4,18 +4,18 @@ model-parallel rank, ``<iter>/mp_rank_{tp:02d}[_{pp:03d}][_{ep:03d}]/model_optim
 The reader presents ONE logical checkpoint: tensors named and shaped as the TP=1/PP=1 model's
 state dict holds them (``decoder.layers.{global layer}.…``, TP-merged shapes; module names such
 as ``input_layernorm``/``pre_mlp_layernorm`` are kept). The split rules live in
-``_legacy_layout``. SwiGLU ``linear_fc1`` (each rank ``[W_r; V_r]``) becomes the canonical
+``legacy.layout``. SwiGLU ``linear_fc1`` (each rank ``[W_r; V_r]``) becomes the canonical
 ``[W_0; …; W_{tp-1}; V_0; …; V_{tp-1}]``, 2 chunks per rank. ``_extra_state`` entries that are
 None are skipped.
 
 Virtual pipeline files hold ``model0..N`` (chunk ``v`` of stage ``p`` holds global layers from
-``_legacy_layout.virtual_layer_offset``); expert-parallel files (``mp_rank_TT_PPP_EEE``) hold
+``legacy.layout.virtual_layer_offset``); expert-parallel files (``mp_rank_TT_PPP_EEE``) hold
 local experts ``mlp.experts.local_experts.{k}``, global expert ``ep * num_experts / EP + k``.
 
 Optimizer state becomes tensors named like Megatron-Core's sharded optimizer state,
 ``optimizer.state.{exp_avg,exp_avg_sq,fp32_param}.<global param key>`` (TP-merged like the
 parameter), when its mapping to the parameters can be rebuilt from the checkpoint alone
-(``_legacy_optim``): the non-distributed optimizer ``state_dict`` in ``model_optim_rng.pt``
+(``legacy.optim``): the non-distributed optimizer ``state_dict`` in ``model_optim_rng.pt``
 (param groups matched to the rank's parameters), or ``distrib_optim.pt`` from
 ``save_parameter_state`` (grad-buffer layout rebuilt from the model and ``args``, checked
 against the stored ``numel_unpadded``). Otherwise the reason is in
@@ -40,10 +40,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ckpt_tool.errors import CorruptCheckpointError, InputError
-from ckpt_tool.formats import _legacy_layout as L
-from ckpt_tool.formats import _legacy_optim as _O
-from ckpt_tool.formats import _legacy_pieces as P
-from ckpt_tool.formats._resolve import resolve_checkpoint_dir
+from ckpt_tool.formats.legacy import layout as L
+from ckpt_tool.formats.legacy import optim as _O
+from ckpt_tool.formats.legacy import pieces as P
+from ckpt_tool.formats.save_dir import resolve_checkpoint_dir
 from ckpt_tool.formats.base import Format, Reader, register
 from ckpt_tool.model import CheckpointMeta, ChunkRef, ObjectMeta, TensorMeta
 
@@ -124,7 +124,7 @@ class LegacyReader(Reader):
         parameters is exact), the rank files' objects and the args summary."""
         if self._meta is not None:
             return self._meta
-        from ckpt_tool.formats._common import jsonable, load_torch_save_light, summarize_common
+        from ckpt_tool.formats.common_state import jsonable, load_torch_save_light, summarize_common
 
         present: dict[str, Any] = {}
         unreadable: list[str] = []
@@ -253,7 +253,7 @@ class LegacyReader(Reader):
         return self._meta
 
     def _zip(self, rel: str) -> Any:
-        from ckpt_tool.formats.torch_save import _zip_info
+        from ckpt_tool.formats.torch_save_files import zip_storages as _zip_info
 
         return _zip_info(self.root / rel)
 
@@ -261,7 +261,7 @@ class LegacyReader(Reader):
                           to_global: dict[str, str], args: Any, tp: int, pp: int,
                           storages: Any, pieces: dict[str, list[P.Piece]]) -> str | None:
         """Add the optimizer state tensors of one rank; returns why they stay objects."""
-        from ckpt_tool.formats._common import load_torch_save_light
+        from ckpt_tool.formats.common_state import load_torch_save_light
 
         dist = self.root / name / DISTRIB_OPTIM_FILE
         optim = state.get("optimizer") if isinstance(state, dict) else None
@@ -332,7 +332,7 @@ class LegacyReader(Reader):
         try:
             state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
         except pickle.UnpicklingError:
-            from ckpt_tool.formats._pickle import load_torch_file
+            from ckpt_tool.formats.safe_pickle import load_torch_file
 
             state = load_torch_file(path, trust=self.trust)
         except (RuntimeError, EOFError, zipfile.BadZipFile) as exc:
@@ -345,7 +345,7 @@ class LegacyReader(Reader):
     def read(self, key: str, slices: tuple[slice, ...] | None = None) -> Any:
         """The merged global tensor ``key`` (or ``slices`` of it); loads (mmap) only the rank
         files holding the requested region."""
-        from ckpt_tool.formats._dcp_io import assemble
+        from ckpt_tool.formats.dcp_items import assemble
 
         meta = self._tensor_meta(key)
         sources = self._sources[key]

@@ -1,6 +1,6 @@
 """Writer of Megatron-LM legacy checkpoints (``--ckpt-format torch``) at the source's layout.
 
-Layout written (what Megatron-LM's ``save_checkpoint`` writes, FORMATS.md section 4)::
+Layout written (what Megatron-LM's ``save_checkpoint`` writes, docs/formats.md section 4)::
 
     latest_checkpointed_iteration.txt            # the iteration, or "release"
     iter_0000010/mp_rank_TT[_PPP[_EEE]]/model_optim_rng.pt
@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_tool.errors import UsageError
-from ckpt_tool.formats._legacy_layout import LOCAL_TO_DIST_NAMES
+from ckpt_tool.formats.legacy.layout import LOCAL_TO_DIST_NAMES
 from ckpt_tool.formats.writer import WriteRequest, Writer
 from ckpt_tool.model import is_optimizer_key
 
@@ -120,7 +120,7 @@ def write_legacy_ranks(directory: Path, plan: Any, source: Any,
 
     import torch
 
-    from ckpt_tool.formats._dcp_io import torch_dtype
+    from ckpt_tool.formats.torch_zip import torch_dtype
     from ckpt_tool.planning.sizes import LayerMap
 
     meta = plan.target_meta

@@ -38,9 +38,9 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_tool.errors import UnsupportedError
-from ckpt_tool.formats._write_safetensors import (DEFAULT_MAX_MEMORY, pull_piece, slab_pieces,
-                                                  tensor_bytes)
-from ckpt_tool.formats.torch_save import zip_data_offsets
+from ckpt_tool.formats.write_pieces import (DEFAULT_MAX_MEMORY, pull_piece, slab_pieces,
+                                         tensor_bytes)
+from ckpt_tool.formats.torch_save_files import zip_data_offsets
 from ckpt_tool.formats.writer import WriteRequest, Writer, dropped_objects_note
 from ckpt_tool.model import TensorMeta, dtype_itemsize
 

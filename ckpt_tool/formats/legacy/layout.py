@@ -1,13 +1,15 @@
 """Pure rules of the Megatron-LM legacy layout (no I/O, no torch): rank directory names, which
 pipeline stage holds which global layers, and how each parameter is split across TP ranks.
 
-See FORMATS.md sections 4 and 5. Keys are Megatron-Core module names (the model's own
+See docs/formats.md sections 4 and 5. Keys are Megatron-Core module names (the model's own
 ``state_dict`` names, e.g. ``decoder.layers.3.input_layernorm.weight``).
 """
 
 from __future__ import annotations
 
 import re
+
+from ckpt_tool.planning.sizes import rank_dir_name
 
 __all__ = ["RANK_DIR_RE", "LAYER_RE", "parse_rank_dir", "rank_dir_name", "stage_layer_offsets",
            "virtual_layer_offset", "globalize_key", "split_rule", "COLUMN", "ROW", "VOCAB",
@@ -40,16 +42,6 @@ def parse_rank_dir(name: str, pp_size: int | None = None) -> tuple[int, int, int
     return tp, int(a), 0
 
 
-def rank_dir_name(tp: int, pp: int, ep: int, pp_size: int, ep_size: int) -> str:
-    """Megatron-LM's ``get_checkpoint_name`` directory for one model-parallel rank."""
-    name = f"mp_rank_{tp:02d}"
-    if pp_size > 1:
-        name += f"_{pp:03d}"
-    if ep_size > 1:
-        name += f"_{ep:03d}"
-    return name
-
-
 def stage_layer_offsets(num_layers: int, pp_size: int, first: int | None = None,
                         last: int | None = None) -> list[int]:
     """Global index of each stage's local layer 0 (``decoder_first/last_pipeline_num_layers``
@@ -79,7 +71,7 @@ def globalize_key(key: str, layer_offset: int, expert_offset: int = 0) -> str:
 
 
 def split_rule(key: str, *, swiglu: bool) -> tuple[str, int | None]:
-    """``(kind, dim)`` of a parameter across TP ranks (FORMATS.md section 5)."""
+    """``(kind, dim)`` of a parameter across TP ranks (docs/formats.md section 5)."""
     if key.endswith(("embedding.word_embeddings.weight", "output_layer.weight")):
         return VOCAB, 0
     if key.endswith(("linear_fc1.weight", "linear_fc1.bias")):

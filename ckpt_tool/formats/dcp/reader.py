@@ -10,8 +10,8 @@ A save without collectives (``dcp.save(..., use_collectives=False)``) writes no 
 ``__{rank}_{n}.distcp``); they are merged into one ``CheckpointMeta`` (a chunk or bytes item
 written by several ranks, i.e. replicated, is kept once: the lowest rank's copy).
 
-The metadata path imports no torch (``_dcp_metadata.read_dcp_metadata_light``); reads go through
-``_dcp_io`` and the allowlisting unpickler.
+The metadata path imports no torch (``dcp_metadata.read_dcp_metadata_light``); reads go through
+``dcp_items`` and the allowlisting unpickler.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_tool.errors import CkptError, CorruptCheckpointError, InputError, UnsupportedError
-from ckpt_tool.formats._resolve import resolve_checkpoint_dir
+from ckpt_tool.formats.save_dir import resolve_checkpoint_dir
 from ckpt_tool.formats.base import Format, Reader, register
 from ckpt_tool.model import CheckpointMeta, ObjectMeta, TensorMeta
 
@@ -134,7 +134,7 @@ def merge_metas(parts: list[tuple[str, dict[str, TensorMeta], list[ObjectMeta]]]
 
 
 def _storage_meta(sm: Any) -> dict[str, Any] | None:
-    from ckpt_tool.formats._common import jsonable
+    from ckpt_tool.formats.common_state import jsonable
 
     if sm is None:
         return None
@@ -175,7 +175,7 @@ class DcpReader(Reader):
         """Tensors, bytes items, a summary of small bytes values and DCP facts; no tensor bytes."""
         if self._meta is not None:
             return self._meta
-        from ckpt_tool.formats._dcp_metadata import dcp_tensor_metas, read_dcp_metadata_light
+        from ckpt_tool.formats.dcp_metadata import dcp_tensor_metas, read_dcp_metadata_light
 
         files = metadata_files(self.root)
         if not files:
@@ -239,8 +239,8 @@ class DcpReader(Reader):
     def _summary(self, objects: list[ObjectMeta]) -> dict[str, Any]:
         """``{"values": {fqn: value}}`` for the bytes items that hold small plain values
         (numbers, short strings, short lists of them), loaded torch-free; others are left out."""
-        from ckpt_tool.formats._common import jsonable, load_torch_save_light
-        from ckpt_tool.formats._torch_stubs import NeedsTorch
+        from ckpt_tool.formats.common_state import jsonable, load_torch_save_light
+        from ckpt_tool.formats.torch_stand_ins import NeedsTorch
 
         small = [o for o in objects if o.file and o.byte_length is not None
                  and o.byte_offset is not None and o.byte_length <= _SUMMARY_MAX_BYTES
@@ -284,15 +284,15 @@ class DcpReader(Reader):
     # -- data -------------------------------------------------------------------------------
     def read(self, key: str, slices: tuple[slice, ...] | None = None) -> Any:
         """The global tensor ``key`` (DCP fqn), or ``slices`` of it, assembled from its chunks."""
-        from ckpt_tool.formats._dcp_io import assemble, load_chunk_view
+        from ckpt_tool.formats.dcp_items import assemble, load_chunk_view
 
         return assemble(self._tensor_meta(key), slices,
                         lambda c: load_chunk_view(self.root, c, trust=self.trust))
 
     def read_object(self, unique_key: str) -> Any:
         """The value of a bytes item (fqn): DCP stores ``torch.save(value)``, loaded safely."""
-        from ckpt_tool.formats._dcp_io import read_item_bytes
-        from ckpt_tool.formats._pickle import load_torch_file
+        from ckpt_tool.formats.dcp_items import read_item_bytes
+        from ckpt_tool.formats.safe_pickle import load_torch_file
 
         o = self._object_meta(unique_key)
         if unique_key in self._object_transforms:

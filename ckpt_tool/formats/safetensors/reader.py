@@ -211,7 +211,8 @@ class SafetensorsReader(Reader):
         import numpy as np
         import torch
 
-        from ckpt_tool.formats._dcp_io import normalize_slices, torch_dtype
+        from ckpt_tool.formats.dcp_items import normalize_slices
+        from ckpt_tool.formats.torch_zip import torch_dtype
 
         try:
             meta = self.metadata().tensors[key]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import io
 import math
 import threading
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -39,12 +40,53 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 
-from ckpt_tool.dist_checkpointing.strategies._dcp_planner import McoreFileSystemWriter
-from ckpt_tool.errors import CorruptCheckpointError, UsageError
+from torch.distributed.checkpoint import FileSystemWriter
+
+from ckpt_tool.errors import CheckpointingException, CorruptCheckpointError, UsageError
+from ckpt_tool.formats.writer import WriteRequest, Writer
 from ckpt_tool.model import TensorMeta
 
-__all__ = ["chunk_write_items", "bytes_write_item", "StreamingSavePlanner",
+__all__ = ["McoreFileSystemWriter", "run_dcp_save", "tensor_items", "serialized",
+           "stored_shape_note", "is_main_rank", "file_count", "item_nbytes", "chunk_write_items", "bytes_write_item", "StreamingSavePlanner",
            "StreamingFileSystemWriter"]
+
+
+class McoreFileSystemWriter(FileSystemWriter):
+    """DCP's writer, but with no empty files: ``__{rank}_{i}.distcp`` for non-empty buckets.
+
+    Items are spread over ``thread_count`` files: objects round-robin, tensors largest first
+    onto the least-filled file (by chunk bytes).
+    """
+
+    def write_data(self, plan: SavePlan, planner):
+        buckets: List[List[WriteItem]] = [[] for _ in range(max(1, self.thread_count))]
+        sizes = [0] * len(buckets)
+        byte_items = [i for i in plan.items if i.type == WriteItemType.BYTE_IO]
+        tensor_items = [i for i in plan.items if i.type != WriteItemType.BYTE_IO]
+        for n, item in enumerate(byte_items):
+            buckets[n % len(buckets)].append(item)
+
+        def nbytes(item: WriteItem) -> int:
+            td = item.tensor_data
+            return math.prod(td.chunk.sizes) * torch._utils._element_size(td.properties.dtype)
+
+        for item in sorted(tensor_items, key=nbytes, reverse=True):
+            target = sizes.index(min(sizes))
+            buckets[target].append(item)
+            sizes[target] += nbytes(item)
+
+        import queue
+
+        file_queue: queue.Queue = queue.Queue()
+        for n, bucket in enumerate(b for b in buckets if b):
+            name = f"{plan.storage_data.prefix}{n}.distcp"
+            file_queue.put((self.fs.concat_path(self.path, name), name, bucket))
+        fut = self._write_data(planner, file_queue)
+        written = len(fut.wait())
+        if written != len(plan.items):  # DCP loses the exceptions of its extra writer threads
+            raise CheckpointingException(
+                f"only {written} of {len(plan.items)} items written: a writer thread failed")
+        return fut
 
 
 def _check_grid(t: TensorMeta) -> None:
@@ -64,7 +106,7 @@ def _check_grid(t: TensorMeta) -> None:
 
 def chunk_write_items(t: TensorMeta) -> List[WriteItem]:
     """One DCP SHARD item per target chunk of ``t`` (the whole tensor when it has none)."""
-    from ckpt_tool.formats._dcp_io import torch_dtype
+    from ckpt_tool.formats.torch_zip import torch_dtype
 
     chunks = [(c.offsets, c.sizes) for c in t.chunks] or [((0,) * len(t.shape), t.shape)]
     if t.chunks:
@@ -220,3 +262,94 @@ class StreamingFileSystemWriter(McoreFileSystemWriter):
         fut: Future = Future()
         fut.set_result([r for part in parts for r in part])
         return fut
+
+
+# -- running a streaming DCP save for a Writer (both DCP writers) --------------------
+
+def serialized(value: Any) -> io.BytesIO:
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    buf.seek(0)
+    return buf
+
+
+def file_count(request: WriteRequest, writer: Writer, items: int) -> int:
+    files = writer.options.extra.get("files")
+    if files is None:
+        total = request.meta.total_bytes
+        files = max(2, math.ceil(total / max(1, writer.options.max_shard_size)))
+    return max(1, min(int(files), max(1, items)))
+
+
+def run_dcp_save(writer: Writer, request: WriteRequest, items: list, planner_data,
+                  keep_local_plans: bool,
+                  tensor: Callable[[str, tuple, tuple], Any],
+                  payload: Callable[[str], io.BytesIO]) -> None:
+    """``dcp.save`` of ``items`` into ``writer.directory`` (original errors re-raised)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    chunk_files = {(k, tuple(c.offsets)): c.file for k, t in request.meta.tensors.items()
+                   for c in t.chunks if c.file}
+
+    def file_of(item: Any) -> str | None:
+        if item.index.offset is None:
+            return None
+        return chunk_files.get((item.index.fqn, tuple(item.index.offset)))
+
+    ranks = request.ranks
+    distributed = ranks is not None and ranks.world > 1
+    if distributed:  # each rank writes its share, balanced by bytes; rank 0 writes .metadata
+        from ckpt_tool.parallel import split_by_bytes
+
+        # items bound for one named file stay on one rank (two ranks never write one file)
+        groups: dict[Any, list] = {}
+        for n, i in enumerate(items):
+            groups.setdefault(file_of(i) or n, []).append(i)
+        share = split_by_bytes([(g, sum(item_nbytes(i) for i in groups[g])) for g in groups],
+                               ranks.world)[ranks.rank]
+        items = [i for g in share for i in groups[g]]
+    planner = StreamingSavePlanner(items, tensor, payload, planner_data=planner_data,
+                                   keep_local_plans=keep_local_plans)
+    storage = StreamingFileSystemWriter(
+        str(writer.directory), files=file_count(request, writer, len(items)),
+        threads=int(writer.options.extra.get("threads", 1)),
+        on_written=lambda item, nbytes: request.progress(nbytes),
+        file_of=file_of if chunk_files else None)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.save({}, storage_writer=storage, planner=planner, no_dist=not distributed)
+    except CheckpointException as exc:  # DCP wraps every failure (a BaseException)
+        for original, _trace in exc.failures.values():
+            raise original from None
+        raise RuntimeError(str(exc)) from None
+
+
+def item_nbytes(item: Any) -> int:
+    """Bytes of a tensor write item (bytes items count as small)."""
+    td = getattr(item, "tensor_data", None)
+    if td is None:
+        return 1
+    return max(1, math.prod(td.chunk.sizes) * td.properties.dtype.itemsize)
+
+
+def is_main_rank(request: WriteRequest) -> bool:
+    return request.ranks is None or request.ranks.is_main
+
+
+def tensor_items(request: WriteRequest) -> list:
+    items = []
+    for t in request.meta.tensors.values():
+        items += chunk_write_items(t)
+    return items
+
+
+def stored_shape_note(request: WriteRequest) -> list[str]:
+    keys = sorted(k for k, t in request.meta.tensors.items() if t.stored_shape is not None)
+    if not keys:
+        return []
+    return [f"wrote {len(keys)} tensors in their logical shape, not the N-D reformulated "
+            f"flattened layout of the source ({keys[0]}{', ...' if len(keys) > 1 else ''})"]

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, NamedTuple
 
+from ckpt_tool.errors import UnsupportedError
 from ckpt_tool.model import DTYPE_ITEMSIZE
 
 __all__ = ["NotSimple", "TorchRejects", "ZipRecord", "zip_records", "RawItem", "raw_item", "as_tensor",
@@ -50,6 +51,16 @@ _LOCAL_LENS = struct.Struct("<4s22xHH")  # signature, name and extra lengths
 _CDIR_USED = struct.Struct("<4s4xHH4xLLLHHH8xL")  # the _CDIR fields zip_records reads
 _MAX32 = 0xFFFFFFFF
 _BLOCK = 1 << 20
+
+
+def torch_dtype(name: str) -> Any:
+    """``"bfloat16"`` -> ``torch.bfloat16``."""
+    import torch
+
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise UnsupportedError(f"unknown dtype {name!r}")
+    return dt
 
 
 class NotSimple(Exception):
@@ -215,8 +226,8 @@ class RawItem:
 def _describe(pkl: bytes) -> tuple[str, tuple[int, ...], tuple[int, ...], int, str, int, str]:
     """``(dtype, shape, stride, storage offset, storage key, storage nbytes, storage dtype)``
     of the tensor a DCP item's ``data.pkl`` rebuilds (cached: the bytes say it all)."""
-    from ckpt_tool.formats._pickle import SafeUnpickler
-    from ckpt_tool.formats._torch_stubs import (StoragePlaceholder, TensorPlaceholder,
+    from ckpt_tool.formats.safe_pickle import SafeUnpickler
+    from ckpt_tool.formats.torch_stand_ins import (StoragePlaceholder, TensorPlaceholder,
                                                 torch_free_fallback)
 
     def persistent_load(pid: Any) -> Any:
@@ -300,7 +311,6 @@ def as_tensor(raw: RawItem, *, copy: bool = False) -> Any:
     """
     import torch
 
-    from ckpt_tool.formats._dcp_io import torch_dtype
 
     dt = torch_dtype(raw.dtype)
     u8 = frombuffer_u8(raw.data)

@@ -3,7 +3,7 @@ global tensor (no torch import).
 
 A :class:`Piece` is one rank's copy of a model or optimizer tensor: its file, dtype, local
 shape, raw byte range when known, and the path that finds it again in the loaded file.
-:func:`merge_pieces` applies the TP split rule of ``_legacy_layout.split_rule`` and checks
+:func:`merge_pieces` applies the TP split rule of ``legacy.layout.split_rule`` and checks
 that every copy (TP ranks of a replicated parameter, EP ranks of a dense one) agrees on dtype
 and shape.
 """
@@ -13,11 +13,10 @@ from __future__ import annotations
 import dataclasses
 import math
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, NamedTuple
 
-from ckpt_tool.formats import _legacy_layout as L
-from ckpt_tool.formats._legacy_optim import is_expert_param
+from ckpt_tool.formats.legacy import layout as L
+from ckpt_tool.formats.legacy.optim import is_expert_param
 from ckpt_tool.model import ChunkRef, TensorMeta, dtype_itemsize
 
 __all__ = ["Piece", "walk", "describe", "make_piece", "merge_pieces"]
@@ -50,7 +49,7 @@ def walk(obj: Any, path: tuple[Any, ...]) -> Any:
 
 def describe(v: Any) -> tuple[str, tuple[int, ...]] | None:
     """``(dtype, shape)`` of a tensor placeholder or real tensor; None for anything else."""
-    from ckpt_tool.formats._torch_stubs import TensorPlaceholder
+    from ckpt_tool.formats.torch_stand_ins import TensorPlaceholder
 
     if isinstance(v, TensorPlaceholder):
         return str(v.dtype), tuple(int(s) for s in v.shape)
@@ -63,18 +62,18 @@ def describe(v: Any) -> tuple[str, tuple[int, ...]] | None:
 def make_piece(root: Path, tp: int, rel: str, t: Any, path: tuple[Any, ...], storages: Any,
                flat: int | None = None, shape: tuple[int, ...] | None = None) -> Piece:
     """A piece for tensor ``t`` (a placeholder, or a real tensor after a torch fallback) of
-    rank file ``rel`` (``storages`` = its ``torch_save._zip_info``); with ``flat``/``shape``:
+    rank file ``rel`` (``storages`` = its ``torch_save_files.zip_storages``); with ``flat``/``shape``:
     a ``shape`` view starting at element ``flat`` of the 1-D ``t``."""
-    from ckpt_tool.formats._torch_stubs import TensorPlaceholder
-    from ckpt_tool.formats.torch_save import TorchSaveReader
+    from ckpt_tool.formats.torch_stand_ins import TensorPlaceholder
+    from ckpt_tool.formats.torch_save_files import placeholder_chunk
 
     dtype, tshape = describe(t)  # type: ignore[misc]
     chunk = None
     if isinstance(t, TensorPlaceholder):
         _, stor, byteorder = storages
         # torch_save's byte-range rule for one placeholder (its ``self`` needs only .path)
-        chunk = TorchSaveReader._chunk(SimpleNamespace(path=root / rel),
-                                       ".".join(map(str, path)), t, tshape, stor, byteorder)
+        chunk = placeholder_chunk(root / rel, ".".join(map(str, path)), t, tshape, stor,
+                                  byteorder)
     if flat is not None:
         assert shape is not None
         n, size = math.prod(shape), dtype_itemsize(dtype)

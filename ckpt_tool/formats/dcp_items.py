@@ -2,7 +2,7 @@
 
 Each stored DCP item is an independent ``torch.save`` archive at ``[offset, offset+length)`` of
 its file; :func:`read_item_bytes` fetches that range. :func:`load_chunk` reads a tensor item in
-place (``_dcp_raw``: zip records parsed with ``struct``, the tiny ``data.pkl`` through the
+place (``torch_zip``: zip records parsed with ``struct``, the tiny ``data.pkl`` through the
 allowlist, the storage copied once into a fresh tensor) and falls back to ``torch.load`` of the
 item's bytes through the allowlist when the item is unusual. :func:`assemble` builds a (sliced)
 global tensor from a ``TensorMeta``'s chunks, for any chunk source, and undoes MCore's N-D
@@ -19,19 +19,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ckpt_tool.errors import CorruptCheckpointError, UnsupportedError, UsageError
+from ckpt_tool.formats.torch_zip import torch_dtype
 from ckpt_tool.model import ChunkRef, TensorMeta
 
 __all__ = ["read_item_bytes", "load_chunk", "load_chunk_view", "normalize_slices", "assemble", "torch_dtype"]
-
-
-def torch_dtype(name: str) -> Any:
-    """``"bfloat16"`` -> ``torch.bfloat16``."""
-    import torch
-
-    dt = getattr(torch, name, None)
-    if not isinstance(dt, torch.dtype):
-        raise UnsupportedError(f"unknown dtype {name!r}")
-    return dt
 
 
 def read_item_bytes(root: Path, file: str | None, offset: int | None, length: int | None) -> bytes:
@@ -60,7 +51,7 @@ def _load_chunk_raw(path: Path, offset: int, length: int, copy: bool = True) -> 
     a read-only view of the file that keeps its mapping alive until it is dropped); None when
     the raw path does not apply (missing/short file, unusual archive: the caller's fallback
     reports or handles it)."""
-    from ckpt_tool.formats._dcp_raw import NotSimple, as_tensor, raw_item
+    from ckpt_tool.formats.torch_zip import NotSimple, as_tensor, raw_item
 
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -108,7 +99,7 @@ def load_chunk(root: Path, chunk: ChunkRef, *, trust: bool = False) -> Any:
     file, no mapping kept open): read in place when the item is a plain tensor archive (one
     copy of the data), else through ``torch.load`` of the item's bytes via the allowlist.
     """
-    from ckpt_tool.formats._pickle import load_torch_file
+    from ckpt_tool.formats.safe_pickle import load_torch_file
 
     if chunk.transforms:
         raise UnsupportedError(f"stream transforms {list(chunk.transforms)} are not supported yet")

@@ -18,7 +18,7 @@ import ml_dtypes
 import numpy as np
 import torch
 
-from ckpt_tool.dist_checkpointing.core import CheckpointingException
+from ckpt_tool.errors import CheckpointingException
 
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 ZARRAY = ".zarray"

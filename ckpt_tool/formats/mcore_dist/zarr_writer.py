@@ -1,4 +1,4 @@
-"""Writer for the Megatron-Core ``zarr`` dist checkpoint layout (FORMATS.md section 2).
+"""Writer for the Megatron-Core ``zarr`` dist checkpoint layout (docs/formats.md section 2).
 
 Output, as Megatron-Core <= 0.15 wrote it::
 
@@ -8,7 +8,7 @@ Output, as Megatron-Core <= 0.15 wrote it::
     <dir>/common.pt                torch.save of the full common state
     <dir>/metadata.json            written last: {"sharded_backend": "zarr", ...}
 
-Array headers are created by :func:`ckpt_tool.dist_checkpointing.strategies._zarr_io.create_array`
+Array headers are created by :func:`ckpt_tool.formats.mcore_dist.zarr_store.create_array`
 (the byte-identical reimplementation of Megatron-Core's writer); chunk files are then written
 here directly, one at a time: the chunk is pulled slab by slab (:func:`slab_pieces` of the
 chunk shape, each slab contiguous in the chunk file) so even a chunk larger than
@@ -34,8 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_tool.errors import UnsupportedError
-from ckpt_tool.formats._write_safetensors import (DEFAULT_MAX_MEMORY, my_share, pull_piece,
-                                                  run_share, slab_pieces, tensor_bytes)
+from ckpt_tool.formats.write_pieces import (DEFAULT_MAX_MEMORY, my_share, pull_piece,
+                                         run_share, slab_pieces, tensor_bytes)
 from ckpt_tool.formats.writer import WriteRequest, Writer
 from ckpt_tool.model import TensorMeta, dtype_itemsize
 
@@ -75,7 +75,7 @@ def _stand_ins(obj: Any) -> set[str]:
 
     import torch
 
-    from ckpt_tool.formats._pickle import StandIn
+    from ckpt_tool.formats.safe_pickle import StandIn
 
     found: set[str] = set()
 
@@ -135,8 +135,8 @@ class ZarrWriter(Writer):
         """Write arrays, ShardedObjects, ``common.pt`` and (last) ``metadata.json``."""
         import torch
 
-        from ckpt_tool.dist_checkpointing.core import CheckpointingException
-        from ckpt_tool.dist_checkpointing.strategies import _zarr_io as zio
+        from ckpt_tool.errors import CheckpointingException
+        from ckpt_tool.formats.mcore_dist import zarr_store as zio
 
         notes: list[str] = []
         budget = self.options.max_memory or DEFAULT_MAX_MEMORY

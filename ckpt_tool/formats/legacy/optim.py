@@ -1,6 +1,6 @@
 """Pure rules mapping Megatron-LM legacy optimizer state back to parameters (no I/O, no torch).
 
-Two layouts (FORMATS.md section 4):
+Two layouts (docs/formats.md section 4):
 
 * Non-distributed optimizer (``optimizer`` in ``model_optim_rng.pt``): a torch optimizer
   ``state_dict`` whose ``state`` is keyed by parameter index. Megatron-Core numbers the

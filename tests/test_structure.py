@@ -1,0 +1,119 @@
+"""The import structure stays one shape: no cycles, no upward imports, formats apart.
+
+Every ``import`` in ``ckpt_tool`` (module level and inside functions) is read with ``ast``.
+Layers, lowest first: the base modules (``errors``, ``model``, ...), ``planning``, ``formats``,
+``dist_checkpointing``, ``ops``, ``cli``; a module may import its own layer and lower ones. A
+format package (``formats/<name>/``) imports no other format package: what two formats share
+lives in the modules directly under ``formats/``.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PKG = Path(__file__).resolve().parents[1] / "ckpt_tool"
+LAYERS = {"planning": 1, "formats": 2, "dist_checkpointing": 3, "ops": 4, "cli": 5}
+FORMAT_PACKAGES = sorted(p.name for p in (PKG / "formats").iterdir()
+                         if (p / "__init__.py").is_file())
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in PKG.rglob("*.py"):
+        parts = list(path.relative_to(PKG.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = name.split(".")[: len(name.split(".")) - node.level
+                                         + (path.name == "__init__.py")]
+                base = ".".join(anchor + ([node.module] if node.module else []))
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base
+                       for a in node.names]
+        else:
+            continue
+        for t in targets:
+            while t and t not in modules and "." in t:
+                t = t.rsplit(".", 1)[0]
+            if t in modules and t != name:
+                found.add(t)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {n: _imports(n, p, modules) for n, p in modules.items()}
+
+
+def _layer(module: str) -> tuple[str, int]:
+    top = module.split(".")[1] if "." in module else ""
+    if top == "__main__":  # ``python -m ckpt_tool``: the command line
+        top = "cli"
+    return top, LAYERS.get(top, 0)
+
+
+def test_the_analysis_sees_the_packages():
+    graph = _graph()
+    assert "ckpt_tool.formats.mcore_dist.reader" in graph
+    assert "ckpt_tool.formats.base" in graph["ckpt_tool.formats.mcore_dist.reader"]
+    assert set(FORMAT_PACKAGES) >= {"mcore_dist", "dcp", "legacy", "torch_save", "safetensors"}
+
+
+def test_no_import_cycles():
+    graph = _graph()
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    assert cycles == []
+
+
+def test_no_upward_imports():
+    upward = [(a, b) for a, deps in _graph().items() for b in deps
+              if _layer(b)[1] > _layer(a)[1]]
+    assert upward == []
+
+
+def test_a_format_package_imports_no_other_format_package():
+    crossing = []
+    for a, deps in _graph().items():
+        pa = a.split(".")[2] if a.startswith("ckpt_tool.formats.") else None
+        for b in deps:
+            pb = b.split(".")[2] if b.startswith("ckpt_tool.formats.") else None
+            if pa in FORMAT_PACKAGES and pb in FORMAT_PACKAGES and pa != pb:
+                crossing.append((a, b))
+    assert crossing == []
