@@ -12,7 +12,7 @@ import typer
 from ckpt_tool.cli._startup import resume_gc
 from ckpt_tool.errors import CkptError
 
-__all__ = ["handle_errors", "state"]
+__all__ = ["handle_errors", "state", "describe"]
 
 F = TypeVar("F", bound=Callable[..., object])
 
@@ -24,6 +24,12 @@ class _State:
 
 
 state = _State()
+
+
+def describe(exc: BaseException) -> tuple[str, int]:
+    """The one line (without the ``ckpt: error:`` prefix) and the exit code for ``exc``, as the
+    command boundary will report it."""
+    return ("interrupted", 130) if state.interrupted else _exit_for(exc)
 
 
 def _exit_for(exc: BaseException) -> tuple[str, int]:
@@ -117,7 +123,7 @@ def handle_errors(fn: F) -> F:
             _record_interrupts()
             if state.debug:
                 traceback.print_exc(file=sys.stderr)
-            line, code = ("interrupted", 130) if state.interrupted else _exit_for(exc)
+            line, code = describe(exc)
             import os
 
             rank = os.environ.get("RANK", "0") if "WORLD_SIZE" in os.environ else "0"

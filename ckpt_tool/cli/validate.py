@@ -10,7 +10,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from ckpt_tool.cli._errors import handle_errors, state
+from ckpt_tool.cli._errors import describe, handle_errors, state
 from ckpt_tool.cli._options import CheckpointPath, JsonFlag, TrustFlag
 from ckpt_tool.cli._output import message, print_json, stdout
 
@@ -40,18 +40,23 @@ def validate(
 
     Example: ckpt validate checkpoints/gpt --expect-tp 2 --expect-pp 2 --json
     """
-    from ckpt_tool.ops.validate import read_expected_keys
+    from ckpt_tool.ops.validate import ValidateResult, read_expected_keys
     from ckpt_tool.ops.validate import validate as run_validate
-
-    keys = None if expect_keys is None else read_expected_keys(expect_keys)
     from ckpt_tool.parallel import ranks
 
-    result = run_validate(path, trust=trust, deep=deep, expect_tp=expect_tp,
-                          expect_pp=expect_pp, expect_keys=keys,
-                          expect_iteration=expect_iteration, ranks=ranks())
+    try:
+        keys = None if expect_keys is None else read_expected_keys(expect_keys)
+        result = run_validate(path, trust=trust, deep=deep, expect_tp=expect_tp,
+                              expect_pp=expect_pp, expect_keys=keys,
+                              expect_iteration=expect_iteration, ranks=ranks())
+    except Exception as exc:
+        line, code = describe(exc)
+        if json_ and code == 2:  # CI reads a verdict on stdout also when the input is unreadable
+            print_json(ValidateResult.for_unreadable(path, line).to_dict())
+        raise
     state.verdict = 0 if result.ok else 1  # kept if stdout's reader goes away
     if json_:
-        print_json([f.to_dict() for f in result.findings])
+        print_json(result.to_dict())
     else:
         render(result)
     message(verdict(result))

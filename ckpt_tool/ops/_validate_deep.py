@@ -1,0 +1,71 @@
+"""``validate --deep``: read every tensor that the integrity pass did not already count in
+place, and count its NaN/Inf elements (big tensors in slabs along dim 0)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ckpt_tool.model import CheckpointMeta
+from ckpt_tool.ops._checks import Finding, error, warning
+
+__all__ = ["deep_read"]
+
+_DEEP_SLAB_BYTES = 256 << 20
+
+
+def _slabs(meta: Any) -> list[tuple[slice, ...] | None]:
+    """Read big tensors in slabs along dim 0 (about ``_DEEP_SLAB_BYTES`` each)."""
+    if not meta.shape or meta.stored_shape is not None or meta.shape[0] <= 1 \
+            or meta.nbytes <= _DEEP_SLAB_BYTES:
+        return [None]
+    rows = max(1, _DEEP_SLAB_BYTES * meta.shape[0] // max(1, meta.nbytes))
+    return [(slice(i, min(i + rows, meta.shape[0])),) for i in range(0, meta.shape[0], rows)]
+
+
+def _nan_inf(t: Any) -> tuple[int, int]:
+    from ckpt_tool.ops._checks import nonfinite
+
+    return nonfinite(t)
+
+
+def deep_read(reader: Any, meta: CheckpointMeta, so_far: list[Finding], stats: dict[str, int],
+              counted: dict[str, tuple[int, int]],
+              nonfinite: dict[str, tuple[int, int, int]] | None = None) -> list[Finding]:
+    """Read every tensor not already reported broken; NaN/Inf counts per tensor (``counted``:
+    those already counted in place by the integrity pass) become warnings, and go into
+    ``nonfinite`` as ``(nan, inf, elements)`` for each tensor that has any."""
+    errors = [f for f in so_far if f.severity == "error"]
+    broken_keys = {f.key for f in errors if f.key}
+    broken_files = {f.file for f in errors if f.file}
+    out: list[Finding] = []
+    read = 0
+    for key in sorted(meta.tensors):
+        tm = meta.tensors[key]
+        if key in broken_keys or any(c.file in broken_files for c in tm.chunks):
+            continue  # already reported; a read would only repeat it
+        nan = inf = 0
+        if key in counted:
+            nan, inf = counted[key]
+        else:
+            try:
+                for sl in _slabs(tm):
+                    t = reader.read(key, sl)
+                    try:
+                        n, i = _nan_inf(t)
+                    except Exception as exc:  # noqa: BLE001
+                        out.append(warning(f"cannot count NaN/Inf ({type(exc).__name__}: "
+                                           f"{exc})", key=key))
+                        break
+                    nan, inf = nan + n, inf + i
+                    del t
+            except Exception as exc:  # noqa: BLE001 - every failure is a finding
+                msg = getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}"
+                out.append(error(f"cannot read the tensor: {msg}", key=key))
+                continue
+        read += 1
+        if nan or inf:
+            if nonfinite is not None:
+                nonfinite[key] = (nan, inf, tm.numel)
+            out.append(warning(f"{nan} NaN and {inf} Inf of {tm.numel} elements", key=key))
+    stats["tensors_read"] = read
+    return out
