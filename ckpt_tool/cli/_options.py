@@ -7,17 +7,20 @@ from typing import Annotated, Optional
 
 import typer
 
-__all__ = ["CheckpointPath", "JsonFlag", "TrustFlag", "OverwriteFlag", "NoVerifyFlag",
+__all__ = ["CheckpointPath", "SourcePath", "JsonFlag", "TrustFlag", "OverwriteFlag", "NoVerifyFlag",
            "MaxMemoryOption", "parse_size"]
 
+_WHERE = "Checkpoint directory, an iter_* directory, a training save directory or a file."
 CheckpointPath = Annotated[
     Path,
     typer.Argument(
-        help="Checkpoint directory, an iter_* directory, a training save directory or a file.",
-        show_default=False,
+        metavar="PATH", help=_WHERE, show_default=False,
         readable=False,  # checked by the command: one clear line, not click's usage box
     ),
 ]
+# The input of a command that writes (convert, reshard).
+SourcePath = Annotated[Path, typer.Argument(metavar="SRC", help=_WHERE, show_default=False,
+                                            readable=False)]
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout.")]
 TrustFlag = Annotated[
     bool,
@@ -31,7 +34,7 @@ OverwriteFlag = Annotated[bool, typer.Option("--overwrite", help="Replace DST if
 NoVerifyFlag = Annotated[bool, typer.Option(
     "--no-verify", help="Skip validating the output before it is moved into place.")]
 MaxMemoryOption = Annotated[Optional[str], typer.Option(
-    "--max-memory", help="Memory budget for tensor data, e.g. 2GiB (default: the largest "
+    "--max-memory", metavar="SIZE", help="Memory budget for tensor data, e.g. 2GiB (default: the largest "
     "tensor).", show_default=False)]
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,

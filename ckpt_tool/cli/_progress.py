@@ -31,12 +31,17 @@ class _RichProgress:
     def start(self, total_bytes: int, total_tensors: int) -> None:
         self._tensors = total_tensors
         self._task = self._bar.add_task(self._description, total=total_bytes,
-                                        tensors=f"0/{total_tensors} tensors")
+                                        tensors=f"0/{self._of()}")
 
     def update(self, nbytes: int, tensors_done: int) -> None:
         if self._task is not None:
             self._bar.update(self._task, advance=nbytes,
-                             tensors=f"{tensors_done}/{self._tensors} tensors")
+                             tensors=f"{tensors_done}/{self._of()}")
+
+    def _of(self) -> str:
+        from ckpt_tool.errors import plural
+
+        return plural(self._tensors, "tensor")
 
 
 @contextlib.contextmanager

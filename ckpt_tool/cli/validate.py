@@ -13,6 +13,7 @@ import typer
 from ckpt_tool.cli._errors import describe, handle_errors, state
 from ckpt_tool.cli._options import CheckpointPath, JsonFlag, TrustFlag
 from ckpt_tool.cli._output import message, print_json, stdout
+from ckpt_tool.errors import plural
 
 
 @handle_errors
@@ -23,22 +24,24 @@ def validate(
     deep: Annotated[bool, typer.Option(
         "--deep", help="Also read every tensor: report read failures and NaN/Inf counts.")] = False,
     expect_tp: Annotated[Optional[int], typer.Option(
-        "--expect-tp", min=1, help="Fail unless the checkpoint was saved with this TP size.",
+        "--expect-tp", min=1, metavar="N", help="Fail unless the checkpoint was saved with this TP size.",
         show_default=False)] = None,
     expect_pp: Annotated[Optional[int], typer.Option(
-        "--expect-pp", min=1, help="Fail unless the checkpoint was saved with this PP size.",
+        "--expect-pp", min=1, metavar="N", help="Fail unless the checkpoint was saved with this PP size.",
         show_default=False)] = None,
     expect_keys: Annotated[Optional[Path], typer.Option(
-        "--expect-keys", help="File with one key per line; fail if any is missing.",
+        "--expect-keys", metavar="FILE", help="File with one key per line; fail if any is missing.",
         show_default=False)] = None,
     expect_iteration: Annotated[Optional[int], typer.Option(
-        "--expect-iteration", help="Fail unless the checkpoint is at this iteration.",
+        "--expect-iteration", metavar="N", help="Fail unless the checkpoint is at this iteration.",
         show_default=False)] = None,
 ) -> None:
     """Check a checkpoint for completeness and integrity (CI job): exit 0 valid, 1 problems found,
     2 unreadable input. Every problem is reported, not only the first.
 
-    Example: ckpt validate checkpoints/gpt --expect-tp 2 --expect-pp 2 --json
+    \b
+    Example:
+      ckpt validate checkpoints/gpt --expect-tp 2 --expect-pp 2 --json
     """
     from ckpt_tool.ops.validate import ValidateResult, read_expected_keys
     from ckpt_tool.ops.validate import validate as run_validate
@@ -64,6 +67,11 @@ def validate(
         raise typer.Exit(1)
 
 
+# stats shown in the verdict line: key, noun, words after the number and noun
+_CHECKED = (("tensors", "tensor", ""), ("objects", "object", ""), ("files", "file", ""),
+            ("zip_items_checked", "zip item", " checked"), ("tensors_read", "tensor", " read"))
+
+
 def verdict(result: Any) -> str:
     """One line: ``valid``/``INVALID``, the format, what was checked, counts of findings and,
     when invalid, the first error."""
@@ -71,10 +79,8 @@ def verdict(result: Any) -> str:
     what = result.root or result.path
     fmt = f" ({result.format})" if result.format else ""
     s = result.stats
-    checked = ", ".join(f"{s[k]} {k.replace('_', ' ')}" for k in
-                        ("tensors", "objects", "files", "zip_items_checked", "tensors_read")
-                        if k in s)
-    counts = f"{n_err} error{'s' * (n_err != 1)}, {n_warn} warning{'s' * (n_warn != 1)}"
+    checked = ", ".join(plural(s[k], noun) + tail for k, noun, tail in _CHECKED if k in s)
+    counts = f"{plural(n_err, 'error')}, {plural(n_warn, 'warning')}"
     head = "valid" if result.ok else "INVALID"
     line = f"{head}: {what}{fmt}: {counts}" + (f" [{checked}]" if checked else "")
     if result.errors:  # the stderr line alone says what is wrong (the table has the rest)
@@ -90,7 +96,7 @@ def render(result: Any) -> None:
         return
     from rich.table import Table
 
-    table = Table(title=f"{len(result.findings)} findings", title_justify="left")
+    table = Table(title=plural(len(result.findings), "finding"), title_justify="left")
     for col in ("severity", "key", "file", "message"):
         table.add_column(col, overflow="fold")
     for f in result.findings:

@@ -134,7 +134,7 @@ def _stored_shape_note(request: WriteRequest) -> list[str]:
     keys = sorted(k for k, t in request.meta.tensors.items() if t.stored_shape is not None)
     if not keys:
         return []
-    return [f"wrote {len(keys)} tensors in their logical shape, not the N-D reformulated "
+    return [f"wrote {len(keys)} tensor{'s' * (len(keys) != 1)} in their logical shape, not the N-D reformulated "
             f"flattened layout of the source ({keys[0]}{', ...' if len(keys) > 1 else ''})"]
 
 
@@ -163,8 +163,8 @@ class TorchDistWriter(Writer):
                 moved.append(key)
         if moved:
             more = ", ..." if len(moved) > 3 else ""
-            notes.append(f"stored {len(moved)} objects that are not Megatron-Core "
-                         f"ShardedObjects (key not '<key>/shard_<offset>_<shape>') in "
+            notes.append(f"stored {len(moved)} object{'s' * (len(moved) != 1)} that are not "
+                         f"Megatron-Core ShardedObjects (key not '<key>/shard_<offset>_<shape>') in "
                          f"{COMMON_FILE}: {', '.join(moved[:3])}{more}")
         if _is_main(request):
             torch.save(common, self.directory / COMMON_FILE)

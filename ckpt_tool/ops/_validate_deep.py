@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ckpt_tool.errors import plural
 from ckpt_tool.model import CheckpointMeta
 from ckpt_tool.ops._checks import Finding, error, warning
 
@@ -66,6 +67,7 @@ def deep_read(reader: Any, meta: CheckpointMeta, so_far: list[Finding], stats: d
         if nan or inf:
             if nonfinite is not None:
                 nonfinite[key] = (nan, inf, tm.numel)
-            out.append(warning(f"{nan} NaN and {inf} Inf of {tm.numel} elements", key=key))
+            out.append(warning(f"{nan} NaN and {inf} Inf of {plural(tm.numel, 'element')}",
+                               key=key))
     stats["tensors_read"] = read
     return out
