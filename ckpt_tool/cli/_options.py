@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 __all__ = ["CheckpointPath", "SourcePath", "JsonFlag", "TrustFlag", "OverwriteFlag", "NoVerifyFlag",
-           "MaxMemoryOption", "parse_size"]
+           "MaxMemoryOption", "DebugFlag", "QuietFlag", "NoProgressFlag", "parse_size"]
 
 _WHERE = "Checkpoint directory, an iter_* directory, a training save directory or a file."
 CheckpointPath = Annotated[
@@ -30,11 +30,39 @@ TrustFlag = Annotated[
     ),
 ]
 
+
+
+def _set_debug(value: bool) -> bool:
+    if value:  # ``ckpt CMD ... --debug`` as well as ``ckpt --debug CMD ...``
+        from ckpt_tool.cli._errors import state
+
+        state.debug = True
+    return value
+
+
+def _set_quiet(value: bool) -> bool:
+    if value:  # before the command body: every message it prints is already hushed
+        from ckpt_tool.cli._output import hush
+
+        hush()
+    return value
+
+
+DebugFlag = Annotated[bool, typer.Option("--debug", callback=_set_debug,
+                                         help="Show tracebacks on errors.")]
+QuietFlag = Annotated[bool, typer.Option(
+    "--quiet", "-q", callback=_set_quiet,
+    help="Nothing on stderr but errors: no progress bar, no notes, and the last line only "
+    "when the exit code is not 0.")]
+NoProgressFlag = Annotated[bool, typer.Option(
+    "--no-progress", help="No progress bar (drawn on stderr only when it is a terminal).")]
+
 OverwriteFlag = Annotated[bool, typer.Option("--overwrite", help="Replace DST if it exists.")]
 NoVerifyFlag = Annotated[bool, typer.Option(
     "--no-verify", help="Skip validating the output before it is moved into place.")]
 MaxMemoryOption = Annotated[Optional[str], typer.Option(
-    "--max-memory", metavar="SIZE", help="Memory budget for tensor data, e.g. 2GiB (default: the largest "
+    "--max-memory", metavar="SIZE",
+    help="Memory budget for tensor data, e.g. 2GiB (default: the largest "
     "tensor).", show_default=False)]
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,

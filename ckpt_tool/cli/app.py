@@ -11,7 +11,7 @@ import typer  # noqa: E402
 
 from ckpt_tool import __version__  # noqa: E402
 from ckpt_tool.cli._errors import CkptGroup, state  # noqa: E402
-from ckpt_tool.cli._output import quiet_unless_main_rank  # noqa: E402
+from ckpt_tool.cli._output import hush, quiet_unless_main_rank  # noqa: E402
 
 app = typer.Typer(
     name="ckpt",
@@ -40,7 +40,8 @@ def root(
     ] = None,
 ) -> None:
     """Inspect, validate, reshard, convert and diff large-model training checkpoints."""
-    state.debug = debug
+    state.debug = debug  # a command's own --debug (after its name) may set it too
+    hush(False)  # until a command's --quiet
     quiet_unless_main_rank()
 
 

@@ -6,8 +6,9 @@ from typing import Annotated, List, Optional
 import typer
 
 from ckpt_tool.cli._errors import handle_errors
-from ckpt_tool.cli._options import (JsonFlag, MaxMemoryOption, NoVerifyFlag, OverwriteFlag,
-                                    SourcePath, TrustFlag, parse_size)
+from ckpt_tool.cli._options import (DebugFlag, JsonFlag, MaxMemoryOption, NoProgressFlag,
+                                    NoVerifyFlag, OverwriteFlag, QuietFlag, SourcePath,
+                                    TrustFlag, parse_size)
 from ckpt_tool.cli._output import human_bytes, message, print_json
 from ckpt_tool.cli._progress import progress_bar
 from ckpt_tool.errors import plural
@@ -36,22 +37,28 @@ def convert(
     model_only: Annotated[bool, typer.Option(
         "--model-only", help="Drop optimizer state.")] = False,
     tp: Annotated[Optional[int], typer.Option(
-        "--tp", min=1, metavar="N", help="With --to legacy: the source's TP size (reshard changes it).",
+        "--tp", min=1, metavar="N",
+        help="With --to legacy: the source's TP size (reshard changes it).",
         show_default=False)] = None,
     pp: Annotated[Optional[int], typer.Option(
-        "--pp", min=1, metavar="N", help="With --to legacy: the source's PP size (reshard changes it).",
+        "--pp", min=1, metavar="N",
+        help="With --to legacy: the source's PP size (reshard changes it).",
         show_default=False)] = None,
     max_shard_size: Annotated[Optional[str], typer.Option(
         "--max-shard-size", metavar="SIZE", help="safetensors: largest shard, e.g. 5GB.",
         show_default=False)] = None,
     max_memory: MaxMemoryOption = None,
     workers: Annotated[int, typer.Option(
-        "--workers", min=1, metavar="N", help="Files written at once by I/O threads (dist targets); peak "
+        "--workers", min=1, metavar="N",
+        help="Files written at once by I/O threads (dist targets); peak "
         "memory grows to about this many chunks.")] = 1,
     overwrite: OverwriteFlag = False,
     no_verify: NoVerifyFlag = False,
     json_: JsonFlag = False,
     trust: TrustFlag = False,
+    quiet: QuietFlag = False,
+    no_progress: NoProgressFlag = False,
+    debug: DebugFlag = False,
 ) -> None:
     """Convert a checkpoint to another format, streaming (peak memory ~ the largest tensor).
     The output appears atomically at DST once written and validated.
@@ -67,7 +74,7 @@ def convert(
     options = ConvertOptions(to=to, dtype=dtype, filter=filter_, exclude=exclude,
                              rename=parse_rename(rename or []), model_only=model_only,
                              max_memory=parse_size(max_memory, "--max-memory"))
-    with progress_bar(f"convert -> {to}", enabled=True) as bar:
+    with progress_bar(f"convert -> {to}", enabled=not (quiet or no_progress)) as bar:
         result = run_convert(src, dst, options, trust=trust, overwrite=overwrite,
                              verify=not no_verify, tp=tp, pp=pp,
                              max_shard_size=parse_size(max_shard_size, "--max-shard-size"),

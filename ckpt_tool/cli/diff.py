@@ -9,7 +9,7 @@ from typing import Annotated, Any, List, Optional
 import typer
 
 from ckpt_tool.cli._errors import handle_errors, state
-from ckpt_tool.cli._options import JsonFlag, TrustFlag
+from ckpt_tool.cli._options import DebugFlag, JsonFlag, NoProgressFlag, QuietFlag, TrustFlag
 from ckpt_tool.cli._output import message, print_json, stdout
 from ckpt_tool.errors import plural
 
@@ -40,10 +40,15 @@ def diff(
         "--keys-only", help="Compare metadata only (keys, dtypes, shapes, the summary of "
         "the common state): no tensor data is read.")] = False,
     atol: Annotated[float, typer.Option(
-        "--atol", min=0.0, metavar="X", help="Absolute tolerance: equal when |a-b| <= atol + rtol*|b|.")] = 0.0,
+        "--atol", min=0.0, metavar="X",
+        help="Absolute tolerance: equal when |a-b| <= atol + rtol*|b|.")] = 0.0,
     rtol: Annotated[float, typer.Option(
-        "--rtol", min=0.0, metavar="X", help="Relative tolerance (see --atol). With a tolerance, a dtype "
+        "--rtol", min=0.0, metavar="X",
+        help="Relative tolerance (see --atol). With a tolerance, a dtype "
         "change alone is not a difference: the values decide.")] = 0.0,
+    quiet: QuietFlag = False,
+    no_progress: NoProgressFlag = False,
+    debug: DebugFlag = False,
 ) -> None:
     """Compare two checkpoints of any formats: keys on one side only, dtype/shape changes, every
     differing tensor (count, max abs/rel diff, first differing index) and common-state fields.
@@ -60,7 +65,7 @@ def diff(
     from ckpt_tool.ops.diff import parse_rename
 
     pairs = parse_rename(rename or [])
-    with progress_bar("diff", enabled=not keys_only) as bar:
+    with progress_bar("diff", enabled=not (keys_only or quiet or no_progress)) as bar:
         result = run_diff(a, b, rename=pairs, filter=filter_, keys_only=keys_only, atol=atol,
                           rtol=rtol, trust=trust, progress=bar)
     state.verdict = 0 if result.identical else 1  # kept if stdout's reader goes away
@@ -68,7 +73,7 @@ def diff(
         print_json(result.to_dict())
     else:
         render(result)
-    message(verdict(result))
+    message(verdict(result), failure=not result.identical)
     if not result.identical:
         raise typer.Exit(1)
 

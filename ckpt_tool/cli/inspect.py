@@ -5,7 +5,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from ckpt_tool.cli._errors import handle_errors
-from ckpt_tool.cli._options import CheckpointPath, JsonFlag, TrustFlag
+from ckpt_tool.cli._options import CheckpointPath, DebugFlag, JsonFlag, TrustFlag
 from ckpt_tool.cli._output import human_bytes, print_json, stdout
 from ckpt_tool.errors import plural
 
@@ -27,6 +27,7 @@ def inspect(
         "--objects", help="List every stored object (unique key, file, size) in full.")] = False,
     common: Annotated[bool, typer.Option(
         "--common", help="Print the full common state (every field, args in full).")] = False,
+    debug: DebugFlag = False,
 ) -> None:
     """Show a checkpoint's tensors, objects and common state (metadata only).
 

@@ -6,8 +6,8 @@ from typing import Annotated, Any, List, Optional
 import typer
 
 from ckpt_tool.cli._errors import handle_errors, state
-from ckpt_tool.cli._options import (JsonFlag, NoVerifyFlag, OverwriteFlag, SourcePath,
-                                    TrustFlag)
+from ckpt_tool.cli._options import (DebugFlag, JsonFlag, NoProgressFlag, NoVerifyFlag,
+                                    OverwriteFlag, QuietFlag, SourcePath, TrustFlag)
 from ckpt_tool.cli._output import human_bytes, message, print_json, stdout
 from ckpt_tool.cli._progress import progress_bar
 from ckpt_tool.errors import plural
@@ -19,7 +19,8 @@ _Int = Optional[int]
 def reshard(
     src: SourcePath,
     dst: Annotated[Optional[Path], typer.Argument(
-        metavar="DST", help="Output directory (not needed with --check/--dry-run).", show_default=False)] = None,
+        metavar="DST",
+        help="Output directory (not needed with --check/--dry-run).", show_default=False)] = None,
     tp: Annotated[_Int, typer.Option("--tp", min=1, metavar="N", show_default=False,
                                      help="Target tensor-parallel size (default: the "
                                      "source's).")] = None,
@@ -29,10 +30,12 @@ def reshard(
     ep: Annotated[_Int, typer.Option("--ep", min=1, metavar="N", show_default=False,
                                      help="Target expert-parallel size (default: the "
                                      "source's).")] = None,
-    etp: Annotated[_Int, typer.Option("--etp", min=1, metavar="N", help="Target expert tensor-parallel "
-                                      "size (default: --tp).", show_default=False)] = None,
-    vpp: Annotated[_Int, typer.Option("--vpp", min=1, metavar="N", help="Virtual pipeline stages per rank "
-                                      "(legacy targets).", show_default=False)] = None,
+    etp: Annotated[_Int, typer.Option("--etp", min=1, metavar="N", show_default=False,
+                                      help="Target expert tensor-parallel size (default: "
+                                      "--tp).")] = None,
+    vpp: Annotated[_Int, typer.Option("--vpp", min=1, metavar="N", show_default=False,
+                                      help="Virtual pipeline stages per rank (legacy "
+                                      "targets).")] = None,
     first_layers: Annotated[_Int, typer.Option(
         "--decoder-first-pipeline-num-layers", min=0, metavar="N", show_default=False,
         help="Layers on the first pipeline stage.")] = None,
@@ -44,7 +47,8 @@ def reshard(
         help="Target format: torch_dist or legacy (default: torch_dist for dist input, legacy "
         "for legacy input).")] = None,
     rules: Annotated[Optional[List[Path]], typer.Option(
-        "--rules", metavar="FILE", help="TOML file of layout rules that add to / override the built-in ones "
+        "--rules", metavar="FILE",
+        help="TOML file of layout rules that add to / override the built-in ones "
         "(repeatable).", show_default=False)] = None,
     drop_optimizer: Annotated[bool, typer.Option(
         "--drop-optimizer", help="Leave optimizer state out (needed for optimizer state "
@@ -56,7 +60,8 @@ def reshard(
         "--vocab-size", min=1, metavar="N", show_default=False,
         help="The tokenizer's (unpadded) vocab size, when the args lack it.")] = None,
     vocab_fill: Annotated[str, typer.Option(
-        "--vocab-fill", metavar="copy|zero", help="New padded vocab rows: copy (the last row, as Megatron-LM's "
+        "--vocab-fill", metavar="copy|zero",
+        help="New padded vocab rows: copy (the last row, as Megatron-LM's "
         "converter) or zero.")] = "copy",
     local_spec: Annotated[Optional[bool], typer.Option(
         "--local-spec/--te-spec", show_default=False,
@@ -75,6 +80,9 @@ def reshard(
     no_verify: NoVerifyFlag = False,
     json_: JsonFlag = False,
     trust: TrustFlag = False,
+    quiet: QuietFlag = False,
+    no_progress: NoProgressFlag = False,
+    debug: DebugFlag = False,
 ) -> None:
     """Rewrite a checkpoint for another TP/PP/EP layout (feasibility is checked first: every
     reason the target cannot work is reported with its fix; exit 1 then). Sizes not given keep
@@ -97,7 +105,7 @@ def reshard(
                          drop_optimizer=drop_optimizer,
                          make_vocab_size_divisible_by=divisible_by, vocab_size=vocab_size,
                          vocab_fill=vocab_fill, local_spec=local_spec)
-    with progress_bar("reshard", enabled=not (check or dry_run)) as bar:
+    with progress_bar("reshard", enabled=not (check or dry_run or quiet or no_progress)) as bar:
         result = run_reshard(src, dst, req, check=check, dry_run=dry_run, trust=trust,
                              overwrite=overwrite, verify=not no_verify, progress=bar,
                              workers=workers)
@@ -106,7 +114,7 @@ def reshard(
         print_json(result.to_dict())
     else:
         _render(result.plan, show_ranks=dry_run)
-    message(_verdict(result, check or dry_run))
+    message(_verdict(result, check or dry_run), failure=not result.ok)
     if not result.ok:
         raise typer.Exit(1)
 

@@ -11,7 +11,8 @@ from typing import Annotated, Any, Optional
 import typer
 
 from ckpt_tool.cli._errors import describe, handle_errors, state
-from ckpt_tool.cli._options import CheckpointPath, JsonFlag, TrustFlag
+from ckpt_tool.cli._options import (CheckpointPath, DebugFlag, JsonFlag, NoProgressFlag,
+                                    QuietFlag, TrustFlag)
 from ckpt_tool.cli._output import message, print_json, stdout
 from ckpt_tool.errors import plural
 
@@ -24,10 +25,12 @@ def validate(
     deep: Annotated[bool, typer.Option(
         "--deep", help="Also read every tensor: report read failures and NaN/Inf counts.")] = False,
     expect_tp: Annotated[Optional[int], typer.Option(
-        "--expect-tp", min=1, metavar="N", help="Fail unless the checkpoint was saved with this TP size.",
+        "--expect-tp", min=1, metavar="N",
+        help="Fail unless the checkpoint was saved with this TP size.",
         show_default=False)] = None,
     expect_pp: Annotated[Optional[int], typer.Option(
-        "--expect-pp", min=1, metavar="N", help="Fail unless the checkpoint was saved with this PP size.",
+        "--expect-pp", min=1, metavar="N",
+        help="Fail unless the checkpoint was saved with this PP size.",
         show_default=False)] = None,
     expect_keys: Annotated[Optional[Path], typer.Option(
         "--expect-keys", metavar="FILE", help="File with one key per line; fail if any is missing.",
@@ -35,6 +38,9 @@ def validate(
     expect_iteration: Annotated[Optional[int], typer.Option(
         "--expect-iteration", metavar="N", help="Fail unless the checkpoint is at this iteration.",
         show_default=False)] = None,
+    quiet: QuietFlag = False,
+    no_progress: NoProgressFlag = False,
+    debug: DebugFlag = False,
 ) -> None:
     """Check a checkpoint for completeness and integrity (CI job): exit 0 valid, 1 problems found,
     2 unreadable input. Every problem is reported, not only the first.
@@ -43,15 +49,18 @@ def validate(
     Example:
       ckpt validate checkpoints/gpt --expect-tp 2 --expect-pp 2 --json
     """
+    from ckpt_tool.cli._progress import progress_bar
     from ckpt_tool.ops.validate import ValidateResult, read_expected_keys
     from ckpt_tool.ops.validate import validate as run_validate
     from ckpt_tool.parallel import ranks
 
     try:
         keys = None if expect_keys is None else read_expected_keys(expect_keys)
-        result = run_validate(path, trust=trust, deep=deep, expect_tp=expect_tp,
-                              expect_pp=expect_pp, expect_keys=keys,
-                              expect_iteration=expect_iteration, ranks=ranks())
+        with progress_bar("validate", enabled=not (quiet or no_progress)) as bar:
+            result = run_validate(path, trust=trust, deep=deep, expect_tp=expect_tp,
+                                  expect_pp=expect_pp, expect_keys=keys,
+                                  expect_iteration=expect_iteration, ranks=ranks(),
+                                  progress=bar)
     except Exception as exc:
         line, code = describe(exc)
         if json_ and code == 2:  # CI reads a verdict on stdout also when the input is unreadable
@@ -62,7 +71,7 @@ def validate(
         print_json(result.to_dict())
     else:
         render(result)
-    message(verdict(result))
+    message(verdict(result), failure=not result.ok)
     if not result.ok:
         raise typer.Exit(1)
 

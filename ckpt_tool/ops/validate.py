@@ -113,8 +113,13 @@ def read_expected_keys(path: str | Path) -> list[str]:
 def validate(path: str | Path, *, trust: bool = False, deep: bool = False,
              expect_tp: int | None = None, expect_pp: int | None = None,
              expect_keys: Iterable[str] | None = None,
-             expect_iteration: int | None = None, ranks: Any = None) -> ValidateResult:
+             expect_iteration: int | None = None, ranks: Any = None,
+             progress: Any = None) -> ValidateResult:
     """Check the checkpoint at ``path`` and return every finding (see the module docstring).
+
+    ``progress``: a sink with ``start(total_bytes, total_count, unit)`` and ``update(nbytes,
+    count_done)``, started once per pass over the data: the files scanned (CRC32, NaN/Inf in
+    place), then, with ``deep``, the tensors read through the reader.
 
     ``ranks`` (a ``ckpt_tool.parallel.Ranks`` under torchrun): every rank of the job calls
     this, the byte scan is split over them and every rank gets every finding."""
@@ -173,7 +178,7 @@ def validate(path: str | Path, *, trust: bool = False, deep: bool = False,
         if meta.format in _ARCHIVE_FORMATS:
             skip = set(getattr(reader, "_object_transforms", {}) or {})
             crc_findings, counted = scan_archives(base, meta, sizes, stats, skip, deep=deep,
-                                                  ranks=ranks)
+                                                  ranks=ranks, progress=progress)
             findings.extend(crc_findings)
         if meta.format in _DCP_FORMATS:
             findings.extend(_stale_data_files(base, meta))
@@ -187,7 +192,8 @@ def validate(path: str | Path, *, trust: bool = False, deep: bool = False,
             expect_keys=None if expect_keys is None else list(expect_keys),
             expect_iteration=expect_iteration))
         if deep:
-            findings.extend(deep_read(reader, meta, findings, stats, counted, nonfinite))
+            findings.extend(deep_read(reader, meta, findings, stats, counted, nonfinite,
+                                      progress))
     finally:
         reader.close()
     findings.extend(_sub_checkpoint_findings(Path(meta.root), trust=trust, deep=deep,
