@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ckpt_tool.errors import InputError
+from ckpt_tool.errors import InputError, NotACheckpointError
 
 __all__ = ["LATEST_FILE", "resolve_checkpoint_dir", "iteration_dir_name", "read_latest"]
 
@@ -50,6 +50,8 @@ def resolve_checkpoint_dir(path: str | Path) -> Path:
     if p.is_file():
         if p.name in _METADATA_FILES or p.name == LATEST_FILE:
             p = p.parent
+        elif p.suffix == ".distcp":
+            raise _data_file_error(p)
         else:
             return p
     if p.is_dir() and not any((p / m).exists() for m in _METADATA_FILES) \
@@ -68,3 +70,19 @@ def _list_iters(save_dir: Path) -> str:
     names = sorted(x.name for x in save_dir.iterdir()
                    if x.is_dir() and (x.name.startswith("iter_") or x.name == "release"))
     return ", ".join(names[-5:]) if names else "none found"
+
+
+def _data_file_error(p: Path) -> NotACheckpointError:
+    """A ``*.distcp`` file alone: one data file of a DCP-based checkpoint (a sequence of
+    ``torch.save`` items that only the directory's ``.metadata`` describes), not a checkpoint."""
+    d = p.parent
+    tail = "the .metadata beside it describes its items"
+    if (d / "metadata.json").is_file():
+        kind = "a Megatron-Core torch_dist checkpoint"
+    elif (d / ".metadata").is_file() or any(d.glob("*.metadata")):
+        kind = "a PyTorch DCP checkpoint"
+    else:
+        kind = "a DCP/torch_dist checkpoint"
+        tail = "its directory has no .metadata to describe its items: an interrupted save?"
+    return NotACheckpointError(f"one data file of {kind}, not a checkpoint by itself: {tail}",
+                               path=p, hint=f"pass the checkpoint directory: {d}")
