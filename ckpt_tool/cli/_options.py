@@ -8,7 +8,8 @@ from typing import Annotated, Optional
 import typer
 
 __all__ = ["CheckpointPath", "SourcePath", "JsonFlag", "TrustFlag", "OverwriteFlag", "NoVerifyFlag",
-           "MaxMemoryOption", "DebugFlag", "QuietFlag", "NoProgressFlag", "parse_size"]
+           "MaxMemoryOption", "DebugFlag", "QuietFlag", "NoProgressFlag", "IterationOption",
+           "at_iteration", "parse_size"]
 
 _WHERE = "Checkpoint directory, an iter_* directory, a training save directory or a file."
 CheckpointPath = Annotated[
@@ -56,6 +57,24 @@ QuietFlag = Annotated[bool, typer.Option(
     "when the exit code is not 0.")]
 NoProgressFlag = Annotated[bool, typer.Option(
     "--no-progress", help="No progress bar (drawn on stderr only when it is a terminal).")]
+
+IterationOption = Annotated[Optional[int], typer.Option(
+    "--iteration", metavar="N", min=0, show_default=False,
+    help="Training save directory: read iter_N (default: the one "
+    "latest_checkpointed_iteration.txt names, else the latest).")]
+
+
+def at_iteration(path: Path, iteration: int | None) -> Path:
+    """What to read for ``path`` and ``--iteration``; says on stderr which iteration is read
+    when a save directory has no tracker file."""
+    from ckpt_tool.cli._output import message
+    from ckpt_tool.formats._resolve import select_iteration
+
+    target, note = select_iteration(path, iteration)
+    if note:
+        message(f"note: {note}")
+    return target
+
 
 OverwriteFlag = Annotated[bool, typer.Option("--overwrite", help="Replace DST if it exists.")]
 NoVerifyFlag = Annotated[bool, typer.Option(

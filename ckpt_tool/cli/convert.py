@@ -6,9 +6,9 @@ from typing import Annotated, List, Optional
 import typer
 
 from ckpt_tool.cli._errors import handle_errors
-from ckpt_tool.cli._options import (DebugFlag, JsonFlag, MaxMemoryOption, NoProgressFlag,
-                                    NoVerifyFlag, OverwriteFlag, QuietFlag, SourcePath,
-                                    TrustFlag, parse_size)
+from ckpt_tool.cli._options import (DebugFlag, IterationOption, JsonFlag, MaxMemoryOption,
+                                    NoProgressFlag, NoVerifyFlag, OverwriteFlag, QuietFlag,
+                                    SourcePath, TrustFlag, at_iteration, parse_size)
 from ckpt_tool.cli._output import human_bytes, message, print_json
 from ckpt_tool.cli._progress import progress_bar
 from ckpt_tool.errors import plural
@@ -56,6 +56,7 @@ def convert(
     no_verify: NoVerifyFlag = False,
     json_: JsonFlag = False,
     trust: TrustFlag = False,
+    iteration: IterationOption = None,
     quiet: QuietFlag = False,
     no_progress: NoProgressFlag = False,
     debug: DebugFlag = False,
@@ -71,6 +72,7 @@ def convert(
     from ckpt_tool.ops._convert_plan import ConvertOptions, parse_rename
     from ckpt_tool.ops.convert import convert as run_convert
 
+    src = at_iteration(src, iteration)
     options = ConvertOptions(to=to, dtype=dtype, filter=filter_, exclude=exclude,
                              rename=parse_rename(rename or []), model_only=model_only,
                              max_memory=parse_size(max_memory, "--max-memory"))

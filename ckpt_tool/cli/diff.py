@@ -9,7 +9,8 @@ from typing import Annotated, Any, List, Optional
 import typer
 
 from ckpt_tool.cli._errors import handle_errors, state
-from ckpt_tool.cli._options import DebugFlag, JsonFlag, NoProgressFlag, QuietFlag, TrustFlag
+from ckpt_tool.cli._options import (DebugFlag, IterationOption, JsonFlag, NoProgressFlag,
+                                    QuietFlag, TrustFlag, at_iteration)
 from ckpt_tool.cli._output import message, print_json, stdout
 from ckpt_tool.errors import plural
 
@@ -46,6 +47,7 @@ def diff(
         "--rtol", min=0.0, metavar="X",
         help="Relative tolerance (see --atol). With a tolerance, a dtype "
         "change alone is not a difference: the values decide.")] = 0.0,
+    iteration: IterationOption = None,
     quiet: QuietFlag = False,
     no_progress: NoProgressFlag = False,
     debug: DebugFlag = False,
@@ -62,8 +64,12 @@ def diff(
     """
     from ckpt_tool.cli._progress import progress_bar
     from ckpt_tool.ops.diff import diff as run_diff
+    from ckpt_tool.formats._resolve import iteration_dirs
     from ckpt_tool.ops.diff import parse_rename
 
+    # --iteration applies to each side that is a training save directory
+    a = at_iteration(a, iteration if iteration_dirs(a) else None)
+    b = at_iteration(b, iteration if iteration_dirs(b) else None)
     pairs = parse_rename(rename or [])
     with progress_bar("diff", enabled=not (keys_only or quiet or no_progress)) as bar:
         result = run_diff(a, b, rename=pairs, filter=filter_, keys_only=keys_only, atol=atol,

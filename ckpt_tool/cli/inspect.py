@@ -5,7 +5,8 @@ from typing import Annotated, Any, Optional
 import typer
 
 from ckpt_tool.cli._errors import handle_errors
-from ckpt_tool.cli._options import CheckpointPath, DebugFlag, JsonFlag, TrustFlag
+from ckpt_tool.cli._options import (CheckpointPath, DebugFlag, IterationOption, JsonFlag,
+                                    TrustFlag, at_iteration)
 from ckpt_tool.cli._output import human_bytes, print_json, stdout
 from ckpt_tool.errors import plural
 
@@ -27,6 +28,7 @@ def inspect(
         "--objects", help="List every stored object (unique key, file, size) in full.")] = False,
     common: Annotated[bool, typer.Option(
         "--common", help="Print the full common state (every field, args in full).")] = False,
+    iteration: IterationOption = None,
     debug: DebugFlag = False,
 ) -> None:
     """Show a checkpoint's tensors, objects and common state (metadata only).
@@ -40,6 +42,7 @@ def inspect(
     from ckpt_tool.ops.inspect import inspect as run_inspect
 
     compile_filter(filter_)  # a bad regex is a usage error before any I/O
+    path = at_iteration(path, iteration)
     result = run_inspect(path, trust=trust, pattern=filter_, full_common=common)
     if json_:
         print_json(result.to_dict(tree=tree))

@@ -6,8 +6,9 @@ from typing import Annotated, Any, List, Optional
 import typer
 
 from ckpt_tool.cli._errors import handle_errors, state
-from ckpt_tool.cli._options import (DebugFlag, JsonFlag, NoProgressFlag, NoVerifyFlag,
-                                    OverwriteFlag, QuietFlag, SourcePath, TrustFlag)
+from ckpt_tool.cli._options import (DebugFlag, IterationOption, JsonFlag, NoProgressFlag,
+                                    NoVerifyFlag, OverwriteFlag, QuietFlag, SourcePath,
+                                    TrustFlag, at_iteration)
 from ckpt_tool.cli._output import human_bytes, message, print_json, stdout
 from ckpt_tool.cli._progress import progress_bar
 from ckpt_tool.errors import plural
@@ -80,6 +81,7 @@ def reshard(
     no_verify: NoVerifyFlag = False,
     json_: JsonFlag = False,
     trust: TrustFlag = False,
+    iteration: IterationOption = None,
     quiet: QuietFlag = False,
     no_progress: NoProgressFlag = False,
     debug: DebugFlag = False,
@@ -99,6 +101,7 @@ def reshard(
 
     if vocab_fill not in ("copy", "zero"):
         raise UsageError(f"bad --vocab-fill {vocab_fill!r}", hint="use copy or zero")
+    src = at_iteration(src, iteration)
     req = ReshardRequest(tp=tp, pp=pp, ep=ep, etp=etp, vpp=vpp, first_stage_layers=first_layers,
                          last_stage_layers=last_layers, to=to,
                          rules=tuple(str(r) for r in rules or ()),

@@ -11,8 +11,8 @@ from typing import Annotated, Any, Optional
 import typer
 
 from ckpt_tool.cli._errors import describe, handle_errors, state
-from ckpt_tool.cli._options import (CheckpointPath, DebugFlag, JsonFlag, NoProgressFlag,
-                                    QuietFlag, TrustFlag)
+from ckpt_tool.cli._options import (CheckpointPath, DebugFlag, IterationOption, JsonFlag,
+                                    NoProgressFlag, QuietFlag, TrustFlag, at_iteration)
 from ckpt_tool.cli._output import message, print_json, stdout
 from ckpt_tool.errors import plural
 
@@ -38,6 +38,7 @@ def validate(
     expect_iteration: Annotated[Optional[int], typer.Option(
         "--expect-iteration", metavar="N", help="Fail unless the checkpoint is at this iteration.",
         show_default=False)] = None,
+    iteration: IterationOption = None,
     quiet: QuietFlag = False,
     no_progress: NoProgressFlag = False,
     debug: DebugFlag = False,
@@ -55,6 +56,8 @@ def validate(
     from ckpt_tool.parallel import ranks
 
     try:
+        if iteration is not None:  # (without, a missing tracker file is a finding)
+            path = at_iteration(path, iteration)
         keys = None if expect_keys is None else read_expected_keys(expect_keys)
         with progress_bar("validate", enabled=not (quiet or no_progress)) as bar:
             result = run_validate(path, trust=trust, deep=deep, expect_tp=expect_tp,

@@ -222,9 +222,19 @@ def _sub_checkpoint_findings(root: Path, *, trust: bool, deep: bool,
 def _follow_tracker(p: Path, findings: list[Finding]) -> Path | None:
     """The iteration dir a training save dir's tracker names (``p`` itself otherwise); None
     (with an error finding) when the tracker is unreadable or names a missing iteration."""
-    from ckpt_tool.formats._resolve import LATEST_FILE, iteration_dir_name, read_latest
+    from ckpt_tool.formats._resolve import (LATEST_FILE, iteration_dir_name, iteration_dirs,
+                                            iterations_text, read_latest)
 
     save = p.parent if p.is_file() and p.name == LATEST_FILE else p
+    if save.is_dir() and not (save / LATEST_FILE).is_file() \
+            and not any((save / m).exists() for m in ("metadata.json", ".metadata")):
+        iters = iteration_dirs(save)
+        if iters:  # the latest is validated (resolve_checkpoint_dir picks it)
+            findings.append(warning(
+                f"no {LATEST_FILE}: Megatron-LM finds no checkpoint to resume from here "
+                f"(iterations: {iterations_text(iters)}; the latest, {iters[-1].name}, is "
+                "validated)", file=LATEST_FILE))
+        return p
     if not save.is_dir() or not (save / LATEST_FILE).is_file():
         return p
     if any((save / m).exists() for m in ("metadata.json", ".metadata")):
