@@ -9,7 +9,7 @@ import typer
 
 __all__ = ["CheckpointPath", "SourcePath", "JsonFlag", "TrustFlag", "OverwriteFlag", "NoVerifyFlag",
            "MaxMemoryOption", "DebugFlag", "QuietFlag", "NoProgressFlag", "IterationOption",
-           "at_iteration", "parse_size"]
+           "at_iteration", "parse_size", "completer"]
 
 _WHERE = "Checkpoint directory, an iter_* directory, a training save directory or a file."
 CheckpointPath = Annotated[
@@ -83,6 +83,21 @@ MaxMemoryOption = Annotated[Optional[str], typer.Option(
     "--max-memory", metavar="SIZE",
     help="Memory budget for tensor data, e.g. 2GiB (default: the largest "
     "tensor).", show_default=False)]
+
+def completer(*choices: str):
+    """Shell completion of an option's values: those of ``choices`` that start with what was
+    typed. No choices: the target formats of ``convert`` (``formats.writer.WRITERS``)."""
+
+    def complete(incomplete: str) -> list[str]:
+        names = choices
+        if not names:
+            from ckpt_tool.formats.writer import WRITERS
+
+            names = tuple(WRITERS)
+        return [n for n in names if n.startswith(incomplete)]
+
+    return complete
+
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
           "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12,

@@ -17,7 +17,8 @@ app = typer.Typer(
     name="ckpt",
     help="Inspect, validate, reshard, convert and diff large-model training checkpoints.",
     no_args_is_help=True,
-    add_completion=False,
+    # --install-completion / --show-completion; the shell is detected only when one is used
+    add_completion=True,
     pretty_exceptions_enable=False,
     # plain help: wrapped at the terminal's width (at most 80 columns), never truncated
     rich_markup_mode=None,

@@ -8,7 +8,8 @@ import typer
 from ckpt_tool.cli._errors import handle_errors
 from ckpt_tool.cli._options import (DebugFlag, IterationOption, JsonFlag, MaxMemoryOption,
                                     NoProgressFlag, NoVerifyFlag, OverwriteFlag, QuietFlag,
-                                    SourcePath, TrustFlag, at_iteration, parse_size)
+                                    SourcePath, TrustFlag, at_iteration, completer,
+                                    parse_size)
 from ckpt_tool.cli._output import human_bytes, message, print_json
 from ckpt_tool.cli._progress import progress_bar
 from ckpt_tool.errors import plural
@@ -20,11 +21,11 @@ def convert(
     dst: Annotated[Path, typer.Argument(metavar="DST", show_default=False,
                                         help="Output directory (or file, for --to torch).")],
     to: Annotated[str, typer.Option(
-        "--to", metavar="FORMAT", show_default=False,
+        "--to", metavar="FORMAT", show_default=False, autocompletion=completer(),
         help="Target format: torch_dist, zarr, dcp, legacy, torch or safetensors.")],
     dtype: Annotated[Optional[str], typer.Option(
-        "--dtype", metavar="DTYPE", help="Cast floating tensors: bf16, fp16 or fp32.",
-        show_default=False)] = None,
+        "--dtype", metavar="DTYPE", autocompletion=completer("bf16", "fp16", "fp32"),
+        help="Cast floating tensors: bf16, fp16 or fp32.", show_default=False)] = None,
     filter_: Annotated[Optional[str], typer.Option(
         "--filter", metavar="REGEX", help="Keep only keys matching this regex.",
         show_default=False)] = None,

@@ -8,7 +8,7 @@ import typer
 from ckpt_tool.cli._errors import handle_errors, state
 from ckpt_tool.cli._options import (DebugFlag, IterationOption, JsonFlag, NoProgressFlag,
                                     NoVerifyFlag, OverwriteFlag, QuietFlag, SourcePath,
-                                    TrustFlag, at_iteration)
+                                    TrustFlag, at_iteration, completer)
 from ckpt_tool.cli._output import human_bytes, message, print_json, stdout
 from ckpt_tool.cli._progress import progress_bar
 from ckpt_tool.errors import plural
@@ -45,6 +45,7 @@ def reshard(
         help="Layers on the last pipeline stage.")] = None,
     to: Annotated[Optional[str], typer.Option(
         "--to", metavar="FORMAT", show_default=False,
+        autocompletion=completer("torch_dist", "legacy"),
         help="Target format: torch_dist or legacy (default: torch_dist for dist input, legacy "
         "for legacy input).")] = None,
     rules: Annotated[Optional[List[Path]], typer.Option(
@@ -61,7 +62,7 @@ def reshard(
         "--vocab-size", min=1, metavar="N", show_default=False,
         help="The tokenizer's (unpadded) vocab size, when the args lack it.")] = None,
     vocab_fill: Annotated[str, typer.Option(
-        "--vocab-fill", metavar="copy|zero",
+        "--vocab-fill", metavar="copy|zero", autocompletion=completer("copy", "zero"),
         help="New padded vocab rows: copy (the last row, as Megatron-LM's "
         "converter) or zero.")] = "copy",
     local_spec: Annotated[Optional[bool], typer.Option(
