@@ -226,18 +226,15 @@ def _follow_tracker(p: Path, findings: list[Finding]) -> Path | None:
                                             iterations_text, read_latest)
 
     save = p.parent if p.is_file() and p.name == LATEST_FILE else p
-    if save.is_dir() and not (save / LATEST_FILE).is_file() \
-            and not any((save / m).exists() for m in ("metadata.json", ".metadata")):
+    if not save.is_dir() or any((save / m).exists() for m in ("metadata.json", ".metadata")):
+        return p
+    if not (save / LATEST_FILE).is_file():
         iters = iteration_dirs(save)
         if iters:  # the latest is validated (resolve_checkpoint_dir picks it)
             findings.append(warning(
                 f"no {LATEST_FILE}: Megatron-LM finds no checkpoint to resume from here "
                 f"(iterations: {iterations_text(iters)}; the latest, {iters[-1].name}, is "
                 "validated)", file=LATEST_FILE))
-        return p
-    if not save.is_dir() or not (save / LATEST_FILE).is_file():
-        return p
-    if any((save / m).exists() for m in ("metadata.json", ".metadata")):
         return p
     try:
         latest = read_latest(save)
@@ -246,11 +243,10 @@ def _follow_tracker(p: Path, findings: list[Finding]) -> Path | None:
         return None
     target = save / iteration_dir_name(latest)
     if not target.is_dir():
-        iters = sorted(x.name for x in save.iterdir()
-                       if x.is_dir() and (x.name.startswith("iter_") or x.name == "release"))
         findings.append(error(
             f"{LATEST_FILE} names iteration {latest} but {target.name}/ is missing "
-            f"(present: {', '.join(iters[-5:]) or 'none'})", file=LATEST_FILE))
+            f"(present: {', '.join(d.name for d in iteration_dirs(save)[-5:]) or 'none'})",
+            file=LATEST_FILE))
         return None
     return target
 
