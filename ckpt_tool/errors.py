@@ -18,7 +18,14 @@ __all__ = [
     "UnsafePickleError",
     "UnsupportedError",
     "FindingsError",
+    "plural",
 ]
+
+
+def plural(n: int, noun: str, plural_form: str | None = None) -> str:
+    """``plural(1, "tensor")`` -> ``"1 tensor"``, ``plural(2, "tensor")`` -> ``"2 tensors"``
+    (for the counts in messages: "1 finding", "1 file")."""
+    return f"{n} {noun if n == 1 else plural_form or noun + 's'}"
 
 
 class CkptError(Exception):

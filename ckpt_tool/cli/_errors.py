@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 import traceback
-from typing import Callable, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
 
 import typer
+from typer.core import TyperGroup
 
 from ckpt_tool.cli._startup import resume_gc
 from ckpt_tool.errors import CkptError
 
-__all__ = ["handle_errors", "state"]
+__all__ = ["handle_errors", "state", "describe", "CkptGroup", "usage_line"]
 
 F = TypeVar("F", bound=Callable[..., object])
 
@@ -24,6 +26,12 @@ class _State:
 
 
 state = _State()
+
+
+def describe(exc: BaseException) -> tuple[str, int]:
+    """The one line (without the ``ckpt: error:`` prefix) and the exit code for ``exc``, as the
+    command boundary will report it."""
+    return ("interrupted", 130) if state.interrupted else _exit_for(exc)
 
 
 def _exit_for(exc: BaseException) -> tuple[str, int]:
@@ -117,7 +125,7 @@ def handle_errors(fn: F) -> F:
             _record_interrupts()
             if state.debug:
                 traceback.print_exc(file=sys.stderr)
-            line, code = ("interrupted", 130) if state.interrupted else _exit_for(exc)
+            line, code = describe(exc)
             import os
 
             rank = os.environ.get("RANK", "0") if "WORLD_SIZE" in os.environ else "0"
@@ -126,3 +134,60 @@ def handle_errors(fn: F) -> F:
             raise typer.Exit(code) from None
 
     return wrapper  # type: ignore[return-value]
+
+
+# -- usage errors (raised by the command-line parser, before any command body runs) -------
+
+def usage_line(exc: typer.TyperException) -> str:
+    """A parser's usage error as one line: ``no such option: --frob (try 'ckpt convert
+    --help')``."""
+    possibilities = _close(getattr(exc, "option_name", ""), getattr(exc, "possibilities", ()))
+    if hasattr(exc, "possibilities"):  # no such option (perhaps a near miss: ``--dry_run``)
+        text = exc.message + (f"; did you mean {' or '.join(possibilities)}?"
+                              if possibilities else "")
+    else:
+        text = exc.format_message()
+    text = " ".join(text.split()).rstrip(".")
+    if text[:1].isupper() and text[1:2].islower():
+        text = text[0].lower() + text[1:]
+    ctx: Any = getattr(exc, "ctx", None)
+    if ctx is not None:
+        text += f" (try '{ctx.command_path} --help')"
+    return text
+
+
+def _close(name: str, possibilities: Any) -> list[str]:
+    """The parser's suggestions that are near misses of ``name`` (its own are loose: ``--to``
+    for ``--frob``)."""
+    import difflib
+
+    return sorted(p for p in possibilities or ()
+                  if difflib.SequenceMatcher(None, name, p).ratio() >= 0.75)
+
+
+@contextlib.contextmanager
+def _one_line_usage_errors() -> Iterator[None]:
+    try:
+        yield
+    except typer.TyperException as exc:
+        code = getattr(exc, "exit_code", 2)
+        if type(exc).__name__ == "NoArgsIsHelpError":  # ``ckpt`` alone: the help, on stderr
+            sys.stderr.write(exc.format_message().rstrip("\n") + "\n")
+        else:
+            print(f"ckpt: error: {usage_line(exc)}", file=sys.stderr)
+        raise typer.Exit(code) from None
+
+
+class CkptGroup(TyperGroup):
+    """The root command. A usage error (unknown option or command, a bad or missing value) is
+    one line on stderr and exit 2, like every other error, instead of the parser's usage block;
+    ``--help`` shows the usage."""
+
+    def make_context(self, info_name: Any, args: Any, parent: Any = None,
+                     **extra: Any) -> Any:
+        with _one_line_usage_errors():
+            return super().make_context(info_name, args, parent=parent, **extra)
+
+    def invoke(self, ctx: Any) -> Any:
+        with _one_line_usage_errors():  # the subcommand's own arguments are parsed in here
+            return super().invoke(ctx)

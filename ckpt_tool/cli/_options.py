@@ -7,17 +7,21 @@ from typing import Annotated, Optional
 
 import typer
 
-__all__ = ["CheckpointPath", "JsonFlag", "TrustFlag", "OverwriteFlag", "NoVerifyFlag",
-           "MaxMemoryOption", "parse_size"]
+__all__ = ["CheckpointPath", "SourcePath", "JsonFlag", "TrustFlag", "OverwriteFlag", "NoVerifyFlag",
+           "MaxMemoryOption", "DebugFlag", "QuietFlag", "NoProgressFlag", "IterationOption",
+           "at_iteration", "parse_size", "completer"]
 
+_WHERE = "Checkpoint directory, an iter_* directory, a training save directory or a file."
 CheckpointPath = Annotated[
     Path,
     typer.Argument(
-        help="Checkpoint directory, an iter_* directory, a training save directory or a file.",
-        show_default=False,
+        metavar="PATH", help=_WHERE, show_default=False,
         readable=False,  # checked by the command: one clear line, not click's usage box
     ),
 ]
+# The input of a command that writes (convert, reshard).
+SourcePath = Annotated[Path, typer.Argument(metavar="SRC", help=_WHERE, show_default=False,
+                                            readable=False)]
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout.")]
 TrustFlag = Annotated[
     bool,
@@ -27,12 +31,73 @@ TrustFlag = Annotated[
     ),
 ]
 
+
+
+def _set_debug(value: bool) -> bool:
+    if value:  # ``ckpt CMD ... --debug`` as well as ``ckpt --debug CMD ...``
+        from ckpt_tool.cli._errors import state
+
+        state.debug = True
+    return value
+
+
+def _set_quiet(value: bool) -> bool:
+    if value:  # before the command body: every message it prints is already hushed
+        from ckpt_tool.cli._output import hush
+
+        hush()
+    return value
+
+
+DebugFlag = Annotated[bool, typer.Option("--debug", callback=_set_debug,
+                                         help="Show tracebacks on errors.")]
+QuietFlag = Annotated[bool, typer.Option(
+    "--quiet", "-q", callback=_set_quiet,
+    help="Nothing on stderr but errors: no progress bar, no notes, and the last line only "
+    "when the exit code is not 0.")]
+NoProgressFlag = Annotated[bool, typer.Option(
+    "--no-progress", help="No progress bar (drawn on stderr only when it is a terminal).")]
+
+IterationOption = Annotated[Optional[int], typer.Option(
+    "--iteration", metavar="N", min=0, show_default=False,
+    help="Training save directory: read iter_N (default: the one "
+    "latest_checkpointed_iteration.txt names, else the latest).")]
+
+
+def at_iteration(path: Path, iteration: int | None) -> Path:
+    """What to read for ``path`` and ``--iteration``; says on stderr which iteration is read
+    when a save directory has no tracker file."""
+    from ckpt_tool.cli._output import message
+    from ckpt_tool.formats.save_dir import select_iteration
+
+    target, note = select_iteration(path, iteration)
+    if note:
+        message(f"note: {note}")
+    return target
+
+
 OverwriteFlag = Annotated[bool, typer.Option("--overwrite", help="Replace DST if it exists.")]
 NoVerifyFlag = Annotated[bool, typer.Option(
     "--no-verify", help="Skip validating the output before it is moved into place.")]
 MaxMemoryOption = Annotated[Optional[str], typer.Option(
-    "--max-memory", help="Memory budget for tensor data, e.g. 2GiB (default: the largest "
+    "--max-memory", metavar="SIZE",
+    help="Memory budget for tensor data, e.g. 2GiB (default: the largest "
     "tensor).", show_default=False)]
+
+def completer(*choices: str):
+    """Shell completion of an option's values: those of ``choices`` that start with what was
+    typed. No choices: the target formats of ``convert`` (``formats.writer.WRITERS``)."""
+
+    def complete(incomplete: str) -> list[str]:
+        names = choices
+        if not names:
+            from ckpt_tool.formats.writer import WRITERS
+
+            names = tuple(WRITERS)
+        return [n for n in names if n.startswith(incomplete)]
+
+    return complete
+
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
           "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12,

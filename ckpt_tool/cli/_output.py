@@ -11,11 +11,13 @@ import json
 import sys
 from typing import Any
 
-__all__ = ["stdout", "stderr", "print_json", "message", "human_bytes", "quiet_unless_main_rank"]
+__all__ = ["stdout", "stderr", "print_json", "message", "human_bytes", "quiet_unless_main_rank",
+           "hush"]
 
 # Piped output is read by people too (``| less``): don't squeeze tables to 80 columns there.
 _PIPE_WIDTH = 200
 _quiet = [False]  # messages dropped (a torchrun rank other than 0)
+_hushed = [False]  # --quiet: only messages that explain a failure
 
 
 class _LazyConsole:
@@ -52,11 +54,18 @@ def print_json(data: Any) -> None:
     sys.stdout.flush()
 
 
-def message(text: str) -> None:
-    """A message for people, on stderr, as plain text (no markup, no highlighting)."""
-    if not _quiet[0]:
+def message(text: str, *, failure: bool = False) -> None:
+    """A message for people, on stderr, as plain text (no markup, no highlighting). With
+    ``--quiet`` only a ``failure`` (the verdict line of a non-zero exit) is printed."""
+    if not _quiet[0] and (failure or not _hushed[0]):
         sys.stderr.write(text + "\n")
         sys.stderr.flush()
+
+
+def hush(value: bool = True) -> None:
+    """``--quiet``: from now on :func:`message` prints failures only (reset by the root
+    command for every run)."""
+    _hushed[0] = value
 
 
 def quiet_unless_main_rank() -> None:

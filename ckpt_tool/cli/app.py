@@ -10,15 +10,19 @@ pause_gc()  # before typer: see _startup
 import typer  # noqa: E402
 
 from ckpt_tool import __version__  # noqa: E402
-from ckpt_tool.cli._errors import state  # noqa: E402
-from ckpt_tool.cli._output import quiet_unless_main_rank  # noqa: E402
+from ckpt_tool.cli._errors import CkptGroup, state  # noqa: E402
+from ckpt_tool.cli._output import hush, quiet_unless_main_rank  # noqa: E402
 
 app = typer.Typer(
     name="ckpt",
     help="Inspect, validate, reshard, convert and diff large-model training checkpoints.",
     no_args_is_help=True,
-    add_completion=False,
+    # --install-completion / --show-completion; the shell is detected only when one is used
+    add_completion=True,
     pretty_exceptions_enable=False,
+    # plain help: wrapped at the terminal's width (at most 80 columns), never truncated
+    rich_markup_mode=None,
+    cls=CkptGroup,
 )
 
 
@@ -37,7 +41,8 @@ def root(
     ] = None,
 ) -> None:
     """Inspect, validate, reshard, convert and diff large-model training checkpoints."""
-    state.debug = debug
+    state.debug = debug  # a command's own --debug (after its name) may set it too
+    hush(False)  # until a command's --quiet
     quiet_unless_main_rank()
 
 
@@ -48,11 +53,16 @@ def _register() -> None:
     from ckpt_tool.cli import reshard as reshard_cmd
     from ckpt_tool.cli import validate as validate_cmd
 
-    app.command("inspect")(inspect_cmd.inspect)
-    app.command("validate")(validate_cmd.validate)
-    app.command("reshard")(reshard_cmd.reshard)
-    app.command("convert")(convert_cmd.convert)
-    app.command("diff")(diff_cmd.diff)
+    # short_help: the commands list shows whole sentences, never one cut off at 80 columns
+    app.command("inspect", short_help="Show tensors, objects and common state (metadata "
+                "only).")(inspect_cmd.inspect)
+    app.command("validate", short_help="Check completeness and integrity (the CI "
+                "job).")(validate_cmd.validate)
+    app.command("reshard", short_help="Rewrite for another TP/PP/EP layout, ready to "
+                "resume.")(reshard_cmd.reshard)
+    app.command("convert", short_help="Rewrite in another format, "
+                "streaming.")(convert_cmd.convert)
+    app.command("diff", short_help="Compare two checkpoints of any formats.")(diff_cmd.diff)
 
 
 _register()
@@ -65,7 +75,7 @@ def main() -> None:
 
     code: object = 0
     try:
-        app()
+        app(prog_name="ckpt")  # also under ``python -m ckpt_tool`` and torchrun
     except SystemExit as exc:
         # an interrupted command leaves through exit_cleanly too: while the interpreter shuts
         # down, a torch interrupted mid-import can end the process by SIGINT instead of 130

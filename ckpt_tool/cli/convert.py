@@ -6,60 +6,78 @@ from typing import Annotated, List, Optional
 import typer
 
 from ckpt_tool.cli._errors import handle_errors
-from ckpt_tool.cli._options import (CheckpointPath, JsonFlag, MaxMemoryOption, NoVerifyFlag,
-                                    OverwriteFlag, TrustFlag, parse_size)
+from ckpt_tool.cli._options import (DebugFlag, IterationOption, JsonFlag, MaxMemoryOption,
+                                    NoProgressFlag, NoVerifyFlag, OverwriteFlag, QuietFlag,
+                                    SourcePath, TrustFlag, at_iteration, completer,
+                                    parse_size)
 from ckpt_tool.cli._output import human_bytes, message, print_json
 from ckpt_tool.cli._progress import progress_bar
+from ckpt_tool.errors import plural
 
 
 @handle_errors
 def convert(
-    src: CheckpointPath,
-    dst: Annotated[Path, typer.Argument(help="Output directory (or file, for --to torch).",
-                                        show_default=False)],
+    src: SourcePath,
+    dst: Annotated[Path, typer.Argument(metavar="DST", show_default=False,
+                                        help="Output directory (or file, for --to torch).")],
     to: Annotated[str, typer.Option(
-        "--to", help="Target format: torch_dist, zarr, dcp, legacy, torch, safetensors.",
-        show_default=False)],
+        "--to", metavar="FORMAT", show_default=False, autocompletion=completer(),
+        help="Target format: torch_dist, zarr, dcp, legacy, torch or safetensors.")],
     dtype: Annotated[Optional[str], typer.Option(
-        "--dtype", help="Cast floating tensors: bf16, fp16 or fp32.", show_default=False)] = None,
+        "--dtype", metavar="DTYPE", autocompletion=completer("bf16", "fp16", "fp32"),
+        help="Cast floating tensors: bf16, fp16 or fp32.", show_default=False)] = None,
     filter_: Annotated[Optional[str], typer.Option(
-        "--filter", help="Keep only keys matching this regex.", show_default=False)] = None,
+        "--filter", metavar="REGEX", help="Keep only keys matching this regex.",
+        show_default=False)] = None,
     exclude: Annotated[Optional[str], typer.Option(
-        "--exclude", help="Drop keys matching this regex.", show_default=False)] = None,
+        "--exclude", metavar="REGEX", help="Drop keys matching this regex.",
+        show_default=False)] = None,
     rename: Annotated[Optional[List[str]], typer.Option(
-        "--rename", help="Prefix mapping OLD=NEW (repeatable).", show_default=False)] = None,
+        "--rename", metavar="OLD=NEW", help="Key prefix mapping (repeatable).",
+        show_default=False)] = None,
     model_only: Annotated[bool, typer.Option(
         "--model-only", help="Drop optimizer state.")] = False,
     tp: Annotated[Optional[int], typer.Option(
-        "--tp", min=1, help="With --to legacy: the source's TP size (reshard changes it).",
+        "--tp", min=1, metavar="N",
+        help="With --to legacy: the source's TP size (reshard changes it).",
         show_default=False)] = None,
     pp: Annotated[Optional[int], typer.Option(
-        "--pp", min=1, help="With --to legacy: the source's PP size (reshard changes it).",
+        "--pp", min=1, metavar="N",
+        help="With --to legacy: the source's PP size (reshard changes it).",
         show_default=False)] = None,
     max_shard_size: Annotated[Optional[str], typer.Option(
-        "--max-shard-size", help="safetensors: largest shard, e.g. 5GB.",
+        "--max-shard-size", metavar="SIZE", help="safetensors: largest shard, e.g. 5GB.",
         show_default=False)] = None,
     max_memory: MaxMemoryOption = None,
     workers: Annotated[int, typer.Option(
-        "--workers", min=1, help="Files written at once by I/O threads (dist targets); peak "
+        "--workers", min=1, metavar="N",
+        help="Files written at once by I/O threads (dist targets); peak "
         "memory grows to about this many chunks.")] = 1,
     overwrite: OverwriteFlag = False,
     no_verify: NoVerifyFlag = False,
     json_: JsonFlag = False,
     trust: TrustFlag = False,
+    iteration: IterationOption = None,
+    quiet: QuietFlag = False,
+    no_progress: NoProgressFlag = False,
+    debug: DebugFlag = False,
 ) -> None:
     """Convert a checkpoint to another format, streaming (peak memory ~ the largest tensor).
     The output appears atomically at DST once written and validated.
 
-    Example: ckpt convert checkpoints/gpt/iter_0001000 gpt-hf --to safetensors --dtype bf16
+    \b
+    Example:
+      ckpt convert checkpoints/gpt/iter_0001000 gpt-hf --to safetensors \\
+          --dtype bf16
     """
     from ckpt_tool.ops._convert_plan import ConvertOptions, parse_rename
     from ckpt_tool.ops.convert import convert as run_convert
 
+    src = at_iteration(src, iteration)
     options = ConvertOptions(to=to, dtype=dtype, filter=filter_, exclude=exclude,
                              rename=parse_rename(rename or []), model_only=model_only,
                              max_memory=parse_size(max_memory, "--max-memory"))
-    with progress_bar(f"convert -> {to}", enabled=True) as bar:
+    with progress_bar(f"convert -> {to}", enabled=not (quiet or no_progress)) as bar:
         result = run_convert(src, dst, options, trust=trust, overwrite=overwrite,
                              verify=not no_verify, tp=tp, pp=pp,
                              max_shard_size=parse_size(max_shard_size, "--max-shard-size"),
@@ -69,6 +87,7 @@ def convert(
     if json_:
         print_json(result.to_dict())
     message(f"converted {result.source} ({result.source_format}) -> {result.target} "
-            f"({result.format}): {result.tensors} tensors, {result.objects} objects, "
+            f"({result.format}): {plural(result.tensors, 'tensor')}, "
+            f"{plural(result.objects, 'object')}, "
             f"{human_bytes(result.nbytes)} in {result.seconds:.1f} s"
             + ("" if result.verified else " (not verified)"))

@@ -9,8 +9,10 @@ from typing import Annotated, Any, List, Optional
 import typer
 
 from ckpt_tool.cli._errors import handle_errors, state
-from ckpt_tool.cli._options import JsonFlag, TrustFlag
+from ckpt_tool.cli._options import (DebugFlag, IterationOption, JsonFlag, NoProgressFlag,
+                                    QuietFlag, TrustFlag, at_iteration)
 from ckpt_tool.cli._output import message, print_json, stdout
+from ckpt_tool.errors import plural
 
 # Rows per section of the table (the JSON document always has every difference).
 _ROWS = 200
@@ -36,29 +38,40 @@ def diff(
         "--filter", metavar="REGEX", show_default=False,
         help="Only keys (B's names) matching this Python regex; skips the common state.")] = None,
     keys_only: Annotated[bool, typer.Option(
-        "--keys-only", help="Compare metadata only (keys, dtypes, shapes, common-state "
-        "summary): no tensor data is read.")] = False,
+        "--keys-only", help="Compare metadata only (keys, dtypes, shapes, the summary of "
+        "the common state): no tensor data is read.")] = False,
     atol: Annotated[float, typer.Option(
-        "--atol", min=0.0, help="Absolute tolerance: equal when |a-b| <= atol + rtol*|b|.")] = 0.0,
+        "--atol", min=0.0, metavar="X",
+        help="Absolute tolerance: equal when |a-b| <= atol + rtol*|b|.")] = 0.0,
     rtol: Annotated[float, typer.Option(
-        "--rtol", min=0.0, help="Relative tolerance (see --atol). With a tolerance, a dtype "
+        "--rtol", min=0.0, metavar="X",
+        help="Relative tolerance (see --atol). With a tolerance, a dtype "
         "change alone is not a difference: the values decide.")] = 0.0,
+    iteration: IterationOption = None,
+    quiet: QuietFlag = False,
+    no_progress: NoProgressFlag = False,
+    debug: DebugFlag = False,
 ) -> None:
     """Compare two checkpoints of any formats: keys on one side only, dtype/shape changes, every
     differing tensor (count, max abs/rel diff, first differing index) and common-state fields.
     Values are exact by default; NaN equals NaN at the same position. Exit 0 identical, 1
     different, 2 unreadable input.
 
-    Example: ckpt diff run1/iter_0000100 export/model.safetensors --json
-
-    Example: ckpt diff old new --rename module.= --filter 'decoder\\.' --rtol 1e-2
+    \b
+    Examples:
+      ckpt diff run1/iter_0000100 export/model.safetensors --json
+      ckpt diff old new --rename module.= --filter 'decoder\\.' --rtol 1e-2
     """
     from ckpt_tool.cli._progress import progress_bar
     from ckpt_tool.ops.diff import diff as run_diff
+    from ckpt_tool.formats.save_dir import iteration_dirs
     from ckpt_tool.ops.diff import parse_rename
 
+    # --iteration applies to each side that is a training save directory
+    a = at_iteration(a, iteration if iteration_dirs(a) else None)
+    b = at_iteration(b, iteration if iteration_dirs(b) else None)
     pairs = parse_rename(rename or [])
-    with progress_bar("diff", enabled=not keys_only) as bar:
+    with progress_bar("diff", enabled=not (keys_only or quiet or no_progress)) as bar:
         result = run_diff(a, b, rename=pairs, filter=filter_, keys_only=keys_only, atol=atol,
                           rtol=rtol, trust=trust, progress=bar)
     state.verdict = 0 if result.identical else 1  # kept if stdout's reader goes away
@@ -66,7 +79,7 @@ def diff(
         print_json(result.to_dict())
     else:
         render(result)
-    message(verdict(result))
+    message(verdict(result), failure=not result.identical)
     if not result.identical:
         raise typer.Exit(1)
 
@@ -74,19 +87,21 @@ def diff(
 def verdict(result: Any) -> str:
     """One line: ``identical``/``DIFFERENT``, both inputs and formats, the counts."""
     s = result.stats
-    counts = {
-        "only in A": len(result.only_in_a), "only in B": len(result.only_in_b),
-        "dtype changes": len(result.dtype_changes), "shape changes": len(result.shape_changes),
-        "tensors with different values": len(result.values),
-        "common-state differences": len(result.common_differences),
-        "objects only in A": len(result.objects_only_in_a),
-        "objects only in B": len(result.objects_only_in_b),
-    }
-    what = ", ".join(f"{n} {k}" for k, n in counts.items() if n) or "no differences"
+    counts = [  # (number, noun, words after them): "1 tensor with different values"
+        (len(result.only_in_a), "", "only in A"), (len(result.only_in_b), "", "only in B"),
+        (len(result.dtype_changes), "dtype change", ""),
+        (len(result.shape_changes), "shape change", ""),
+        (len(result.values), "tensor", "with different values"),
+        (len(result.common_differences), "common-state difference", ""),
+        (len(result.objects_only_in_a), "object", "only in A"),
+        (len(result.objects_only_in_b), "object", "only in B"),
+    ]
+    what = ", ".join(" ".join(x for x in (plural(n, noun) if noun else str(n), tail) if x)
+                     for n, noun, tail in counts if n) or "no differences"
     tol = f", atol={result.atol:g} rtol={result.rtol:g}" if result.atol or result.rtol else ""
     checked = ("keys only" if result.keys_only else
-               f"{s.get('tensors_compared', 0)} of {s.get('tensors_common', 0)} common tensors "
-               "compared")
+               f"{s.get('tensors_compared', 0)} of "
+               f"{plural(s.get('tensors_common', 0), 'common tensor')} compared")
     head = "identical" if result.identical else "DIFFERENT"
     line = (f"{head}: {result.a} ({result.format_a}) vs {result.b} ({result.format_b}): {what} "
             f"[{checked}{tol}]")

@@ -5,8 +5,10 @@ from typing import Annotated, Any, Optional
 import typer
 
 from ckpt_tool.cli._errors import handle_errors
-from ckpt_tool.cli._options import CheckpointPath, JsonFlag, TrustFlag
+from ckpt_tool.cli._options import (CheckpointPath, DebugFlag, IterationOption, JsonFlag,
+                                    TrustFlag, at_iteration)
 from ckpt_tool.cli._output import human_bytes, print_json, stdout
+from ckpt_tool.errors import plural
 
 # The default view lists objects one per row up to this many, then one row per key.
 _OBJECTS_IN_FULL = 24
@@ -26,17 +28,21 @@ def inspect(
         "--objects", help="List every stored object (unique key, file, size) in full.")] = False,
     common: Annotated[bool, typer.Option(
         "--common", help="Print the full common state (every field, args in full).")] = False,
+    iteration: IterationOption = None,
+    debug: DebugFlag = False,
 ) -> None:
     """Show a checkpoint's tensors, objects and common state (metadata only).
 
-    Example: ckpt inspect checkpoints/gpt/iter_0000010 --json
-
-    Example: ckpt inspect checkpoints/gpt --tree --filter 'decoder\\.layers\\.mlp'
+    \b
+    Examples:
+      ckpt inspect checkpoints/gpt/iter_0000010 --json
+      ckpt inspect checkpoints/gpt --tree --filter 'decoder\\.layers\\.mlp'
     """
     from ckpt_tool.ops.inspect import compile_filter
     from ckpt_tool.ops.inspect import inspect as run_inspect
 
     compile_filter(filter_)  # a bad regex is a usage error before any I/O
+    path = at_iteration(path, iteration)
     result = run_inspect(path, trust=trust, pattern=filter_, full_common=common)
     if json_:
         print_json(result.to_dict(tree=tree))
@@ -95,7 +101,7 @@ def _render_table(result: Any) -> None:
     from rich.table import Table
 
     meta = result.meta
-    table = Table(title=f"{len(meta.tensors)} tensors", title_justify="left", expand=False)
+    table = Table(title=plural(len(meta.tensors), "tensor"), title_justify="left", expand=False)
     for col, just in (("key", "left"), ("dtype", "left"), ("shape", "left"),
                       ("chunks", "right"), ("split", "left"), ("bytes", "right")):
         table.add_column(col, justify=just, overflow="fold")
@@ -121,7 +127,7 @@ def _render_tree(result: Any) -> None:
             return (f"{name}  [dim]{node['dtype']} {_shape(node['shape'])}[/dim]  "
                     f"{escape(node['split'])}  {human_bytes(node['nbytes'])}")
         n = node["tensors"]
-        return (f"[bold]{name}[/bold]  ({n} tensor{'s' * (n != 1)}, "
+        return (f"[bold]{name}[/bold]  ({plural(n, 'tensor')}, "
                 f"{human_bytes(node['nbytes'])})")
 
     def add(parent: Any, node: dict[str, Any]) -> None:
@@ -152,8 +158,9 @@ def _render_objects(meta: Any, all_objects: bool) -> None:
             objs.add_row(o.unique_key, o.file or "", size)
     else:
         groups = object_groups(meta)
-        objs = Table(title=f"{len(meta.objects)} sharded objects in {len(groups)} keys "
-                           "(--objects lists each)", title_justify="left")
+        objs = Table(title=f"{plural(len(meta.objects), 'sharded object')} in "
+                           f"{plural(len(groups), 'key')} (--objects lists each)",
+                     title_justify="left")
         for col, just in (("key", "left"), ("objects", "right"), ("bytes", "right")):
             objs.add_column(col, justify=just, overflow="fold")
         for g in groups:

@@ -10,9 +10,11 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from ckpt_tool.cli._errors import handle_errors, state
-from ckpt_tool.cli._options import CheckpointPath, JsonFlag, TrustFlag
+from ckpt_tool.cli._errors import describe, handle_errors, state
+from ckpt_tool.cli._options import (CheckpointPath, DebugFlag, IterationOption, JsonFlag,
+                                    NoProgressFlag, QuietFlag, TrustFlag, at_iteration)
 from ckpt_tool.cli._output import message, print_json, stdout
+from ckpt_tool.errors import plural
 
 
 @handle_errors
@@ -23,40 +25,63 @@ def validate(
     deep: Annotated[bool, typer.Option(
         "--deep", help="Also read every tensor: report read failures and NaN/Inf counts.")] = False,
     expect_tp: Annotated[Optional[int], typer.Option(
-        "--expect-tp", min=1, help="Fail unless the checkpoint was saved with this TP size.",
+        "--expect-tp", min=1, metavar="N",
+        help="Fail unless the checkpoint was saved with this TP size.",
         show_default=False)] = None,
     expect_pp: Annotated[Optional[int], typer.Option(
-        "--expect-pp", min=1, help="Fail unless the checkpoint was saved with this PP size.",
+        "--expect-pp", min=1, metavar="N",
+        help="Fail unless the checkpoint was saved with this PP size.",
         show_default=False)] = None,
     expect_keys: Annotated[Optional[Path], typer.Option(
-        "--expect-keys", help="File with one key per line; fail if any is missing.",
+        "--expect-keys", metavar="FILE", help="File with one key per line; fail if any is missing.",
         show_default=False)] = None,
     expect_iteration: Annotated[Optional[int], typer.Option(
-        "--expect-iteration", help="Fail unless the checkpoint is at this iteration.",
+        "--expect-iteration", metavar="N", help="Fail unless the checkpoint is at this iteration.",
         show_default=False)] = None,
+    iteration: IterationOption = None,
+    quiet: QuietFlag = False,
+    no_progress: NoProgressFlag = False,
+    debug: DebugFlag = False,
 ) -> None:
     """Check a checkpoint for completeness and integrity (CI job): exit 0 valid, 1 problems found,
     2 unreadable input. Every problem is reported, not only the first.
 
-    Example: ckpt validate checkpoints/gpt --expect-tp 2 --expect-pp 2 --json
+    \b
+    Example:
+      ckpt validate checkpoints/gpt --expect-tp 2 --expect-pp 2 --json
     """
-    from ckpt_tool.ops.validate import read_expected_keys
+    from ckpt_tool.cli._progress import progress_bar
+    from ckpt_tool.ops.validate import ValidateResult, read_expected_keys
     from ckpt_tool.ops.validate import validate as run_validate
-
-    keys = None if expect_keys is None else read_expected_keys(expect_keys)
     from ckpt_tool.parallel import ranks
 
-    result = run_validate(path, trust=trust, deep=deep, expect_tp=expect_tp,
-                          expect_pp=expect_pp, expect_keys=keys,
-                          expect_iteration=expect_iteration, ranks=ranks())
+    try:
+        if iteration is not None:  # (without, a missing tracker file is a finding)
+            path = at_iteration(path, iteration)
+        keys = None if expect_keys is None else read_expected_keys(expect_keys)
+        with progress_bar("validate", enabled=not (quiet or no_progress)) as bar:
+            result = run_validate(path, trust=trust, deep=deep, expect_tp=expect_tp,
+                                  expect_pp=expect_pp, expect_keys=keys,
+                                  expect_iteration=expect_iteration, ranks=ranks(),
+                                  progress=bar)
+    except Exception as exc:
+        line, code = describe(exc)
+        if json_ and code == 2:  # CI reads a verdict on stdout also when the input is unreadable
+            print_json(ValidateResult.for_unreadable(path, line).to_dict())
+        raise
     state.verdict = 0 if result.ok else 1  # kept if stdout's reader goes away
     if json_:
-        print_json([f.to_dict() for f in result.findings])
+        print_json(result.to_dict())
     else:
         render(result)
-    message(verdict(result))
+    message(verdict(result), failure=not result.ok)
     if not result.ok:
         raise typer.Exit(1)
+
+
+# stats shown in the verdict line: key, noun, words after the number and noun
+_CHECKED = (("tensors", "tensor", ""), ("objects", "object", ""), ("files", "file", ""),
+            ("zip_items_checked", "zip item", " checked"), ("tensors_read", "tensor", " read"))
 
 
 def verdict(result: Any) -> str:
@@ -66,10 +91,8 @@ def verdict(result: Any) -> str:
     what = result.root or result.path
     fmt = f" ({result.format})" if result.format else ""
     s = result.stats
-    checked = ", ".join(f"{s[k]} {k.replace('_', ' ')}" for k in
-                        ("tensors", "objects", "files", "zip_items_checked", "tensors_read")
-                        if k in s)
-    counts = f"{n_err} error{'s' * (n_err != 1)}, {n_warn} warning{'s' * (n_warn != 1)}"
+    checked = ", ".join(plural(s[k], noun) + tail for k, noun, tail in _CHECKED if k in s)
+    counts = f"{plural(n_err, 'error')}, {plural(n_warn, 'warning')}"
     head = "valid" if result.ok else "INVALID"
     line = f"{head}: {what}{fmt}: {counts}" + (f" [{checked}]" if checked else "")
     if result.errors:  # the stderr line alone says what is wrong (the table has the rest)
@@ -85,7 +108,7 @@ def render(result: Any) -> None:
         return
     from rich.table import Table
 
-    table = Table(title=f"{len(result.findings)} findings", title_justify="left")
+    table = Table(title=plural(len(result.findings), "finding"), title_justify="left")
     for col in ("severity", "key", "file", "message"):
         table.add_column(col, overflow="fold")
     for f in result.findings:

@@ -351,5 +351,6 @@ def stored_shape_note(request: WriteRequest) -> list[str]:
     keys = sorted(k for k, t in request.meta.tensors.items() if t.stored_shape is not None)
     if not keys:
         return []
-    return [f"wrote {len(keys)} tensors in their logical shape, not the N-D reformulated "
+    return [f"wrote {len(keys)} tensor{'s' * (len(keys) != 1)} in their logical shape, not the "
+            f"N-D reformulated "
             f"flattened layout of the source ({keys[0]}{', ...' if len(keys) > 1 else ''})"]

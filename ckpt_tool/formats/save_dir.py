@@ -2,19 +2,24 @@
 
 Megatron-LM training writes ``<save>/latest_checkpointed_iteration.txt`` (an integer or
 ``release``) next to ``<save>/iter_0000100/`` (7 digits) or ``<save>/release/``. Every format
-that lives in a directory resolves its input through :func:`resolve_checkpoint_dir`.
+that lives in a directory resolves its input through :func:`resolve_checkpoint_dir`. A save
+directory without the tracker file (copied without it, or a save that never finished) resolves
+to its latest iteration; :func:`select_iteration` picks another and says what was found.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
-from ckpt_tool.errors import InputError
+from ckpt_tool.errors import InputError, NotACheckpointError, UsageError
 
-__all__ = ["LATEST_FILE", "resolve_checkpoint_dir", "iteration_dir_name", "read_latest"]
+__all__ = ["LATEST_FILE", "resolve_checkpoint_dir", "iteration_dir_name", "read_latest",
+           "iteration_dirs", "select_iteration", "iterations_text"]
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 _METADATA_FILES = ("metadata.json", ".metadata")
+_ITER_DIR = re.compile(r"iter_(\d+)")
 
 
 def iteration_dir_name(iteration: int | str) -> str:
@@ -50,6 +55,8 @@ def resolve_checkpoint_dir(path: str | Path) -> Path:
     if p.is_file():
         if p.name in _METADATA_FILES or p.name == LATEST_FILE:
             p = p.parent
+        elif p.suffix == ".distcp":
+            raise _data_file_error(p)
         else:
             return p
     if p.is_dir() and not any((p / m).exists() for m in _METADATA_FILES) \
@@ -61,10 +68,82 @@ def resolve_checkpoint_dir(path: str | Path) -> Path:
                 f"{LATEST_FILE} names iteration {latest} but {target.name}/ is missing", path=p,
                 hint=f"pass one of the iter_* directories explicitly: {_list_iters(p)}")
         return target
+    if p.is_dir() and not any((p / m).exists() for m in _METADATA_FILES):
+        iters = iteration_dirs(p)  # a save directory without its tracker: the latest
+        if iters:
+            return iters[-1]
     return p
+
+
+def iteration_dirs(save_dir: Path) -> list[Path]:
+    """The iteration directories of a training save directory: ``release`` first, then the
+    ``iter_*`` ones by number (the last is the latest); empty for any other directory."""
+    try:
+        found = [x for x in Path(save_dir).iterdir() if x.is_dir()
+                 and (_ITER_DIR.fullmatch(x.name) or x.name == "release")]
+    except OSError:
+        return []
+    return sorted(found, key=lambda x: -1 if x.name == "release" else int(x.name[5:]))
+
+
+def _iteration_of(d: Path) -> int | str:
+    return "release" if d.name == "release" else int(d.name[5:])
+
+
+def select_iteration(path: str | Path, iteration: int | None = None) -> tuple[Path, str | None]:
+    """What to read for ``path`` at ``iteration`` (``--iteration``), and a note for people.
+
+    ``iteration`` None: ``path`` itself (:func:`resolve_checkpoint_dir` follows the tracker
+    file, or takes the latest iteration); the note lists the iterations when a save directory
+    has no tracker file. ``iteration`` N: the ``iter_*`` directory of N in the save directory
+    ``path`` (or ``path`` itself when it is that directory); an InputError lists the
+    iterations when N is not there, a UsageError says when ``path`` is no save directory."""
+    p = Path(path)
+    iters = iteration_dirs(p) if p.is_dir() else []
+    if iteration is None:
+        if not iters or (p / LATEST_FILE).is_file() \
+                or any((p / m).exists() for m in _METADATA_FILES):
+            return p, None
+        return p, (f"{p}: no {LATEST_FILE}; iterations: {iterations_text(iters)}; reading the latest, "
+                   f"{iters[-1].name} (--iteration N reads another)")
+    if _ITER_DIR.fullmatch(p.name) and int(p.name[5:]) == iteration:
+        return p, None
+    if not iters:
+        raise UsageError(f"--iteration {iteration}: {p} is not a training save directory (no "
+                         "iter_* directories in it)", hint="pass the save directory")
+    for d in iters:
+        if _iteration_of(d) == iteration:
+            return d, None
+    raise InputError(f"no iteration {iteration} here (iterations: {iterations_text(iters)})", path=p,
+                     hint="pick one of them with --iteration")
+
+
+def iterations_text(iters: list[Path], most: int = 12) -> str:
+    """``"10, 20, 30"``: the iterations of :func:`iteration_dirs` (at most ``most`` shown)."""
+    names = [str(_iteration_of(d)) for d in iters]
+    if len(names) > most:
+        tail = most - 4
+        names = names[:3] + [f"... ({len(names) - 3 - tail} more)"] + names[-tail:]
+    return ", ".join(names)
 
 
 def _list_iters(save_dir: Path) -> str:
     names = sorted(x.name for x in save_dir.iterdir()
                    if x.is_dir() and (x.name.startswith("iter_") or x.name == "release"))
     return ", ".join(names[-5:]) if names else "none found"
+
+
+def _data_file_error(p: Path) -> NotACheckpointError:
+    """A ``*.distcp`` file alone: one data file of a DCP-based checkpoint (a sequence of
+    ``torch.save`` items that only the directory's ``.metadata`` describes), not a checkpoint."""
+    d = p.parent
+    tail = "the .metadata beside it describes its items"
+    if (d / "metadata.json").is_file():
+        kind = "a Megatron-Core torch_dist checkpoint"
+    elif (d / ".metadata").is_file() or any(d.glob("*.metadata")):
+        kind = "a PyTorch DCP checkpoint"
+    else:
+        kind = "a DCP/torch_dist checkpoint"
+        tail = "its directory has no .metadata to describe its items: an interrupted save?"
+    return NotACheckpointError(f"one data file of {kind}, not a checkpoint by itself: {tail}",
+                               path=p, hint=f"pass the checkpoint directory: {d}")

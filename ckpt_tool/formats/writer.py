@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
+from ckpt_tool.errors import plural
 from ckpt_tool.model import CheckpointMeta
 
 __all__ = ["TensorSource", "WriteRequest", "WriterOptions", "Writer", "WRITERS", "writer_for",
@@ -103,7 +104,7 @@ def dropped_objects_note(request: WriteRequest, why: str) -> list[str]:
     if not objects:
         return []
     shown = ", ".join(o.unique_key for o in objects[:3]) + (", ..." if len(objects) > 3 else "")
-    return [f"dropped {len(objects)} ShardedObject(s) ({shown}): {why}"]
+    return [f"dropped {plural(len(objects), 'ShardedObject')} ({shown}): {why}"]
 
 
 # Target format name -> "module:Class"; imported lazily so `ckpt inspect` never pays for them.

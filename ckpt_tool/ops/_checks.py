@@ -11,6 +11,7 @@ import threading
 from ckpt_tool._crc import crc32
 from typing import Any, Iterable, Mapping
 
+from ckpt_tool.errors import plural
 from ckpt_tool.model import DTYPE_ITEMSIZE, CheckpointMeta, ChunkRef, Finding, TensorMeta
 
 __all__ = ["Finding", "error", "warning", "check_coverage", "check_storage",
@@ -133,7 +134,8 @@ def check_coverage(t: TensorMeta) -> list[Finding]:
                              f"{list(shape)}): a gap besides the overlap", key=key))
     if not overlaps and not bad and covered < total:
         if not t.chunks:
-            out.append(error(f"no chunk stored for a tensor of {total} elements", key=key))
+            out.append(error(f"no chunk stored for a tensor of {plural(total, 'element')}",
+                             key=key))
         else:
             out.append(error(f"chunks cover {covered} of {total} elements ({where} "
                              f"{list(shape)}): a gap, some chunks are missing", key=key))
@@ -189,8 +191,9 @@ def check_storage(meta: CheckpointMeta, sizes: Mapping[str, int | None]) -> list
         if len(items) == 1:
             msg = f"{what} needs bytes [{off}, {end}), the file has {size}"
         else:
-            msg = (f"{len(items)} items end past its {size} bytes (first: {what} of {key}, "
-                   f"bytes [{off}, {end}); needs at least {max(x[3] for x in items)} bytes)")
+            msg = (f"{len(items)} items end past its {plural(size, 'byte')} (first: {what} of "
+                   f"{key}, bytes [{off}, {end}); needs at least "
+                   f"{plural(max(x[3] for x in items), 'byte')})")
         out.append(error(f"data file {file} is truncated: {msg}",
                          key=key if len(items) == 1 else None, file=file))
     return out

@@ -17,7 +17,7 @@ import math
 import re
 from dataclasses import dataclass, field, replace
 
-from ckpt_tool.errors import UsageError
+from ckpt_tool.errors import UsageError, plural
 from ckpt_tool.model import (CheckpointMeta, ChunkRef, ObjectMeta, TensorMeta, dtype_itemsize,
                              is_optimizer_key)
 
@@ -143,7 +143,8 @@ def plan_convert(meta: CheckpointMeta, options: ConvertOptions) -> ConvertPlan:
     notes = []
     n_out = len(meta.tensors) - len(tensors)
     if n_out:
-        notes.append(f"left out {n_out} of {len(meta.tensors)} tensors (--filter/--exclude/"
+        notes.append(f"left out {n_out} of {plural(len(meta.tensors), 'tensor')} "
+                     "(--filter/--exclude/"
                      "--model-only)")
     target = CheckpointMeta(format=options.to, root="", tensors=tensors,
                             objects=tuple(objects), common=common,

@@ -26,6 +26,8 @@ import hashlib
 import json
 import mmap
 import os
+import threading
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -183,8 +185,30 @@ def _whole(u: Unit) -> bool:
     return u.items is None
 
 
+class _Tracker:
+    """Tells a progress sink (``start(total_bytes, total_count, unit)``, ``update(nbytes,
+    count_done)``) the bytes scanned and the files finished, from any worker thread."""
+
+    def __init__(self, sink: Any, units: list[Unit]) -> None:
+        self._sink = sink
+        self._left = Counter(u.file for u in units)  # units still to scan, per file
+        self._files = 0
+        self._lock = threading.Lock()
+        if sink is not None:
+            sink.start(sum(u.nbytes for u in units), len(self._left), unit="file")
+
+    def done(self, units: list[Unit]) -> None:
+        if self._sink is None:
+            return
+        with self._lock:
+            for u in units:
+                self._left[u.file] -= 1
+                self._files += self._left[u.file] == 0
+            self._sink.update(sum(u.nbytes for u in units), self._files)
+
+
 def _run(base: Path, units: list[Unit], sizes: dict[str, int | None],
-         helper: ThreadPoolExecutor) -> list[Out]:
+         helper: ThreadPoolExecutor, tracker: _Tracker) -> list[Out]:
     """The results (findings in unit order): DCP-item units in batches (:func:`_scan_batch`),
     whole-file archives one unit at a time, over worker threads (or on this one, with
     ``helper`` mapping ahead: :func:`_in_turn`)."""
@@ -208,8 +232,11 @@ def _run(base: Path, units: list[Unit], sizes: dict[str, int | None],
     def one(job: list[int]) -> list[Out]:
         u = units[job[0]]
         if _whole(u):
-            return [scan_unit(base, u, int(sizes[u.file] or 0), _SMALL, _SLAB)]
-        return _scan_batch(base, _map_batch(base, [units[i] for i in job], sizes))
+            out = [scan_unit(base, u, int(sizes[u.file] or 0), _SMALL, _SLAB)]
+        else:
+            out = _scan_batch(base, _map_batch(base, [units[i] for i in job], sizes))
+        tracker.done([units[i] for i in job])
+        return out
 
     # Every CRC call and numpy operation releases the GIL and takes it back: threads pay off
     # only when each of those works on enough bytes; on small items, hand-offs of the GIL
@@ -221,12 +248,13 @@ def _run(base: Path, units: list[Unit], sizes: dict[str, int | None],
         with ThreadPoolExecutor(workers, thread_name_prefix="ckpt-scan") as pool:
             parts = list(pool.map(one, jobs))
     else:
-        parts = _in_turn(base, units, jobs, sizes, helper)
+        parts = _in_turn(base, units, jobs, sizes, helper, tracker)
     return [r for part in parts for r in part]
 
 
 def _in_turn(base: Path, units: list[Unit], jobs: list[list[int]],
-             sizes: dict[str, int | None], helper: ThreadPoolExecutor) -> list[list[Out]]:
+             sizes: dict[str, int | None], helper: ThreadPoolExecutor,
+             tracker: _Tracker) -> list[list[Out]]:
     """The jobs one after another on this thread, while ``helper`` fills the page tables of
     the next batch's mapping and unmaps the last one (kernel work, without the GIL). The
     mappings are made here, while the helper is idle: the kernel serialises mmap, munmap and
@@ -256,6 +284,7 @@ def _in_turn(base: Path, units: list[Unit], jobs: list[list[int]],
                 parts.append([scan_unit(base, u, int(sizes[u.file] or 0), _SMALL, _SLAB)])
             else:
                 parts.append(_scan_batch(base, now[0], done.append))
+            tracker.done([units[i] for i in job])
     finally:
         for regions in done + ([ahead[0].regions] if ahead else []):
             helper.submit(_close, regions)  # after the prefaults, by the same thread
@@ -264,12 +293,14 @@ def _in_turn(base: Path, units: list[Unit], jobs: list[list[int]],
 
 def scan_archives(base: Path, meta: CheckpointMeta, sizes: dict[str, int | None],
                   stats: dict[str, int], skip_objects: set[str], *, deep: bool = False,
-                  ranks: Any = None) -> tuple[list[Finding], dict[str, tuple[int, int]]]:
+                  ranks: Any = None,
+                  progress: Any = None) -> tuple[list[Finding], dict[str, tuple[int, int]]]:
     """CRC32 findings of every torch.save archive of a DCP-based or legacy/torch.save
     checkpoint and, with ``deep``, ``{key: (NaN, Inf)}`` for every tensor whose chunks were
     all counted in place (the others are for the reader). Sets ``stats["zip_items_checked"]``.
     ``ranks``: every rank of a torchrun job calls this; each scans its share of the bytes and
     all get every result (collectives: never pass it when only one rank runs the scan).
+    ``progress``: told the bytes scanned and the files finished (this rank's share).
     """
     from ckpt_tool.parallel import Ranks, split_by_bytes
 
@@ -281,7 +312,7 @@ def scan_archives(base: Path, meta: CheckpointMeta, sizes: dict[str, int | None]
             share = set(split_by_bytes([(i, max(1, u.nbytes)) for i, u in enumerate(units)],
                                        job.world)[job.rank])
             units = [u for i, u in enumerate(units) if i in share]
-        results = _run(base, units, sizes, helper)
+        results = _run(base, units, sizes, helper, _Tracker(progress, units))
         if job.world > 1:  # every rank gets every result: the verdict is the same everywhere
             plain = [Out(r.findings, {k: [int(x) for x in v] for k, v in r.counts.items()},
                          set(r.uncounted), int(r.checked), None, r.bulk)

@@ -18,7 +18,7 @@ import re
 from dataclasses import replace
 from typing import Any
 
-from ckpt_tool.errors import UnsupportedError
+from ckpt_tool.errors import UnsupportedError, plural
 from ckpt_tool.formats.base import Reader
 from ckpt_tool.model import CheckpointMeta, ChunkRef, TensorMeta
 from ckpt_tool.planning.feasibility import model_sizes_from
@@ -83,8 +83,9 @@ class UnflattenedOptimizerView(Reader):
             raise UnsupportedError(f"{where}: the rebuilt bucket layout does not match the "
                                    f"checkpoint: {problems[0]}{more}",
                                    hint="reshard with --drop-optimizer (nothing is guessed)")
-        self.summary = (f"unflattened from {self.form}: {len(self.buckets)} buckets in "
-                        f"{len({b.dp_group_idx for b in self.buckets})} model-parallel domains "
+        domains = len({b.dp_group_idx for b in self.buckets})
+        self.summary = (f"unflattened from {self.form}: {plural(len(self.buckets), 'bucket')} in "
+                        f"{plural(domains, 'model-parallel domain')} "
                         f"proven against {self.proven_by}")
         self._sources: dict[str, list[tuple[Piece, BucketParam, Bucket]]] = {}
         self._meta = self._build_meta(meta)

@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
-from ckpt_tool.errors import UsageError
+from ckpt_tool.errors import UsageError, plural
 from ckpt_tool.leftovers import OLD_MARK, STAGING_MARK, reclaim, target_lock
 
 __all__ = ["check_output_target", "staged_output", "staged_output_ranks", "fsync_tree",
@@ -171,6 +171,7 @@ def verify_output(path: Path, *, trust: bool, what: str, ranks: Any = None) -> N
     if not result.ok:
         first = result.errors[0]
         raise FindingsError(
-            f"the {what} checkpoint does not validate ({len(result.errors)} errors; first: "
+            f"the {what} checkpoint does not validate ({plural(len(result.errors), 'error')}; "
+            "first: "
             f"{first.key or first.file or ''}: {first.message})",
             hint="this is a bug in ckpt: please report it; --no-verify skips the check")

@@ -37,6 +37,7 @@ from ckpt_tool.ops._checks import (Finding, check_coverage, check_expectations, 
                                    error, warning)
 from ckpt_tool.ops._integrity import (BoundedReader, check_integrity_json, check_zip_item,
                                       scan_archives)
+from ckpt_tool.ops._validate_deep import deep_read
 
 __all__ = ["Finding", "ValidateResult", "validate", "read_expected_keys", "BoundedReader",
            "check_zip_item"]
@@ -54,6 +55,10 @@ class ValidateResult:
     format: str | None = None
     findings: list[Finding] = field(default_factory=list)
     stats: dict[str, int] = field(default_factory=dict)
+    # ``deep``: per tensor with any NaN/Inf, ``(nan, inf, elements)``; None without ``deep``
+    nonfinite: dict[str, tuple[int, int, int]] | None = None
+    # the input could not be read at all (exit 2): the one-line reason; no other field is set
+    unreadable: str | None = None
 
     @property
     def errors(self) -> list[Finding]:
@@ -65,11 +70,34 @@ class ValidateResult:
 
     @property
     def ok(self) -> bool:
-        return not self.errors
+        return not self.errors and self.unreadable is None
+
+    @classmethod
+    def for_unreadable(cls, path: str | Path, reason: str) -> "ValidateResult":
+        """The verdict on an input that cannot be read at all (the CLI exits 2): one error
+        finding saying why, so that a CI job reads the same document as for any other run."""
+        return cls(str(path), findings=[error(reason)], unreadable=reason)
+
+    def counts(self) -> dict[str, int]:
+        """``errors``, ``warnings``; with ``deep`` also ``nan``, ``inf`` (element totals) and
+        ``tensors_with_nan_or_inf``."""
+        out = {"errors": len(self.errors), "warnings": len(self.warnings)}
+        if self.nonfinite is not None:
+            out["nan"] = sum(v[0] for v in self.nonfinite.values())
+            out["inf"] = sum(v[1] for v in self.nonfinite.values())
+            out["tensors_with_nan_or_inf"] = len(self.nonfinite)
+        return out
 
     def to_dict(self) -> dict[str, Any]:
-        return {"path": self.path, "root": self.root, "format": self.format, "ok": self.ok,
-                "stats": self.stats, "findings": [f.to_dict() for f in self.findings]}
+        """The verdict document of ``ckpt validate --json``."""
+        out: dict[str, Any] = {
+            "ok": self.ok, "path": self.path, "root": self.root, "format": self.format,
+            "unreadable": self.unreadable, "counts": self.counts(),
+            "findings": [f.to_dict() for f in self.findings], "stats": self.stats}
+        if self.nonfinite is not None:
+            out["nonfinite"] = {k: {"nan": n, "inf": i, "elements": e}
+                                for k, (n, i, e) in sorted(self.nonfinite.items())}
+        return out
 
 
 def read_expected_keys(path: str | Path) -> list[str]:
@@ -85,8 +113,13 @@ def read_expected_keys(path: str | Path) -> list[str]:
 def validate(path: str | Path, *, trust: bool = False, deep: bool = False,
              expect_tp: int | None = None, expect_pp: int | None = None,
              expect_keys: Iterable[str] | None = None,
-             expect_iteration: int | None = None, ranks: Any = None) -> ValidateResult:
+             expect_iteration: int | None = None, ranks: Any = None,
+             progress: Any = None) -> ValidateResult:
     """Check the checkpoint at ``path`` and return every finding (see the module docstring).
+
+    ``progress``: a sink with ``start(total_bytes, total_count, unit)`` and ``update(nbytes,
+    count_done)``, started once per pass over the data: the files scanned (CRC32, NaN/Inf in
+    place), then, with ``deep``, the tensors read through the reader.
 
     ``ranks`` (a ``ckpt_tool.parallel.Ranks`` under torchrun): every rank of the job calls
     this, the byte scan is split over them and every rank gets every finding."""
@@ -98,9 +131,11 @@ def validate(path: str | Path, *, trust: bool = False, deep: bool = False,
     check_readable(p)  # missing, symlink loop, permission denied: InputError (exit 2)
     findings: list[Finding] = []
     stats: dict[str, int] = {}
+    nonfinite: dict[str, tuple[int, int, int]] | None = {} if deep else None
 
     def done(root: Path | None = None, fmt: str | None = None) -> ValidateResult:
-        return ValidateResult(str(p), None if root is None else str(root), fmt, findings, stats)
+        return ValidateResult(str(p), None if root is None else str(root), fmt, findings, stats,
+                              nonfinite)
 
     root = _follow_tracker(p, findings)
     if root is None:
@@ -143,7 +178,7 @@ def validate(path: str | Path, *, trust: bool = False, deep: bool = False,
         if meta.format in _ARCHIVE_FORMATS:
             skip = set(getattr(reader, "_object_transforms", {}) or {})
             crc_findings, counted = scan_archives(base, meta, sizes, stats, skip, deep=deep,
-                                                  ranks=ranks)
+                                                  ranks=ranks, progress=progress)
             findings.extend(crc_findings)
         if meta.format in _DCP_FORMATS:
             findings.extend(_stale_data_files(base, meta))
@@ -157,24 +192,29 @@ def validate(path: str | Path, *, trust: bool = False, deep: bool = False,
             expect_keys=None if expect_keys is None else list(expect_keys),
             expect_iteration=expect_iteration))
         if deep:
-            findings.extend(_deep(reader, meta, findings, stats, counted))
+            findings.extend(deep_read(reader, meta, findings, stats, counted, nonfinite,
+                                      progress))
     finally:
         reader.close()
-    findings.extend(_sub_checkpoint_findings(Path(meta.root), trust=trust, deep=deep))
+    findings.extend(_sub_checkpoint_findings(Path(meta.root), trust=trust, deep=deep,
+                                             nonfinite=nonfinite))
     return done(Path(meta.root), meta.format)
 
 
-def _sub_checkpoint_findings(root: Path, *, trust: bool, deep: bool) -> list[Finding]:
+def _sub_checkpoint_findings(root: Path, *, trust: bool, deep: bool,
+                             nonfinite: dict[str, tuple[int, int, int]] | None) -> list[Finding]:
     """Findings of complete dist checkpoints nested in this one (``modelopt_state/``), with
-    their files named relative to the outer checkpoint."""
+    their files named relative to the outer checkpoint (NaN/Inf counts keyed ``sub/key``)."""
     import dataclasses
 
     sub = root / "modelopt_state"
     if not root.is_dir() or not sub.is_dir():
         return []
-    inner = validate(sub, trust=trust, deep=deep).findings
+    inner = validate(sub, trust=trust, deep=deep)
+    if nonfinite is not None and inner.nonfinite:
+        nonfinite.update({f"{sub.name}/{k}": v for k, v in inner.nonfinite.items()})
     return [dataclasses.replace(f, file=f"{sub.name}/{f.file}" if f.file else sub.name)
-            for f in inner]
+            for f in inner.findings]
 
 
 # -- 1. completeness ------------------------------------------------------------------------
@@ -182,12 +222,19 @@ def _sub_checkpoint_findings(root: Path, *, trust: bool, deep: bool) -> list[Fin
 def _follow_tracker(p: Path, findings: list[Finding]) -> Path | None:
     """The iteration dir a training save dir's tracker names (``p`` itself otherwise); None
     (with an error finding) when the tracker is unreadable or names a missing iteration."""
-    from ckpt_tool.formats.save_dir import LATEST_FILE, iteration_dir_name, read_latest
+    from ckpt_tool.formats.save_dir import (LATEST_FILE, iteration_dir_name, iteration_dirs,
+                                            iterations_text, read_latest)
 
     save = p.parent if p.is_file() and p.name == LATEST_FILE else p
-    if not save.is_dir() or not (save / LATEST_FILE).is_file():
+    if not save.is_dir() or any((save / m).exists() for m in ("metadata.json", ".metadata")):
         return p
-    if any((save / m).exists() for m in ("metadata.json", ".metadata")):
+    if not (save / LATEST_FILE).is_file():
+        iters = iteration_dirs(save)
+        if iters:  # the latest is validated (resolve_checkpoint_dir picks it)
+            findings.append(warning(
+                f"no {LATEST_FILE}: Megatron-LM finds no checkpoint to resume from here "
+                f"(iterations: {iterations_text(iters)}; the latest, {iters[-1].name}, is "
+                "validated)", file=LATEST_FILE))
         return p
     try:
         latest = read_latest(save)
@@ -196,11 +243,10 @@ def _follow_tracker(p: Path, findings: list[Finding]) -> Path | None:
         return None
     target = save / iteration_dir_name(latest)
     if not target.is_dir():
-        iters = sorted(x.name for x in save.iterdir()
-                       if x.is_dir() and (x.name.startswith("iter_") or x.name == "release"))
         findings.append(error(
             f"{LATEST_FILE} names iteration {latest} but {target.name}/ is missing "
-            f"(present: {', '.join(iters[-5:]) or 'none'})", file=LATEST_FILE))
+            f"(present: {', '.join(d.name for d in iteration_dirs(save)[-5:]) or 'none'})",
+            file=LATEST_FILE))
         return None
     return target
 
@@ -352,62 +398,3 @@ def _beside(target: Path) -> list[Finding]:
     return [warning("what an interrupted write of this path left (a rerun of the command "
                     "that writes it reclaims it)", file=f"../{f.name}")
             for f in leftovers(target)]
-
-
-# -- 7. deep --------------------------------------------------------------------------------
-
-_DEEP_SLAB_BYTES = 256 << 20
-
-
-def _slabs(meta: Any) -> list[tuple[slice, ...] | None]:
-    """Read big tensors in slabs along dim 0 (about ``_DEEP_SLAB_BYTES`` each)."""
-    if not meta.shape or meta.stored_shape is not None or meta.shape[0] <= 1 \
-            or meta.nbytes <= _DEEP_SLAB_BYTES:
-        return [None]
-    rows = max(1, _DEEP_SLAB_BYTES * meta.shape[0] // max(1, meta.nbytes))
-    return [(slice(i, min(i + rows, meta.shape[0])),) for i in range(0, meta.shape[0], rows)]
-
-
-def _nan_inf(t: Any) -> tuple[int, int]:
-    from ckpt_tool.ops._checks import nonfinite
-
-    return nonfinite(t)
-
-
-def _deep(reader: Any, meta: CheckpointMeta, so_far: list[Finding],
-          stats: dict[str, int], counted: dict[str, tuple[int, int]]) -> list[Finding]:
-    """Read every tensor not already reported broken; NaN/Inf counts per tensor (``counted``:
-    those already counted in place by the integrity pass)."""
-    errors = [f for f in so_far if f.severity == "error"]
-    broken_keys = {f.key for f in errors if f.key}
-    broken_files = {f.file for f in errors if f.file}
-    out: list[Finding] = []
-    read = 0
-    for key in sorted(meta.tensors):
-        tm = meta.tensors[key]
-        if key in broken_keys or any(c.file in broken_files for c in tm.chunks):
-            continue  # already reported; a read would only repeat it
-        nan = inf = 0
-        if key in counted:
-            nan, inf = counted[key]
-        else:
-            try:
-                for sl in _slabs(tm):
-                    t = reader.read(key, sl)
-                    try:
-                        n, i = _nan_inf(t)
-                    except Exception as exc:  # noqa: BLE001
-                        out.append(warning(f"cannot count NaN/Inf ({type(exc).__name__}: "
-                                           f"{exc})", key=key))
-                        break
-                    nan, inf = nan + n, inf + i
-                    del t
-            except Exception as exc:  # noqa: BLE001 - every failure is a finding
-                msg = getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}"
-                out.append(error(f"cannot read the tensor: {msg}", key=key))
-                continue
-        read += 1
-        if nan or inf:
-            out.append(warning(f"{nan} NaN and {inf} Inf of {tm.numel} elements", key=key))
-    stats["tensors_read"] = read
-    return out

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
+from ckpt_tool.errors import plural
 from ckpt_tool.model import CheckpointMeta, ObjectMeta
 from ckpt_tool.model import Finding
 from ckpt_tool.planning.sizes import Layout, ModelSizes, padded_vocab_size, stage_layer_counts
@@ -393,12 +394,12 @@ def _check_objects(out: list[Problem], objects: list[ObjectMeta], target: Layout
     rng = [o for o in objects if o.key == "rng_state"]
     same = source is not None and (source.tp, source.pp) == (target.tp, target.pp)
     if rng and not same:
-        out.append(Problem(NOTE, f"{len(rng)} rng_state object(s) keyed by the old (pp, tp) "
-                           "dropped: train with --no-load-rng (as Megatron-LM does on a TP/PP "
+        out.append(Problem(NOTE, f"{plural(len(rng), 'rng_state object')} keyed by the old "
+                           "(pp, tp) dropped: train with --no-load-rng (as Megatron-LM does on a TP/PP "
                            "change)", None, key="rng_state"))
     extra = sorted({o.key for o in objects if o.key.endswith("_extra_state")})
     if extra:
-        out.append(Problem(NOTE, f"{len(extra)} per-layer _extra_state key(s) kept: keyed by "
-                           "global layer, which a new tp/pp does not change (legacy targets "
+        out.append(Problem(NOTE, f"{plural(len(extra), 'per-layer _extra_state key')} kept: "
+                           "keyed by global layer, which a new tp/pp does not change (legacy targets "
                            "store them under stage-local layer numbers)", None,
                            key="_extra_state"))

@@ -28,6 +28,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
+from ckpt_tool.errors import plural
 from ckpt_tool.model import CheckpointMeta
 from ckpt_tool.planning.layout import RuleSet, rule_for
 from ckpt_tool.planning.pieces import LocalTensor, rank_pieces
@@ -249,7 +250,8 @@ def prove_bucket_layout(buckets: Sequence[Bucket], meta: CheckpointMeta,
     stored_keys = {k for k in meta.tensors if _BUCKET_RE.match(k)}
     expected_keys = {b.key(s) for b in buckets for s in STATES}
     if stored_keys - expected_keys:
-        problems.append(f"{len(stored_keys - expected_keys)} stored bucket tensor(s) not in the "
+        problems.append(f"{plural(len(stored_keys - expected_keys), 'stored bucket tensor')} "
+                        "not in the "
                         f"rebuilt layout, e.g. {sorted(stored_keys - expected_keys)[0]}")
     for idx, group in sorted(by_group.items()):
         if idx not in per_bucket:

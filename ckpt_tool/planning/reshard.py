@@ -20,6 +20,7 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
+from ckpt_tool.errors import plural
 from ckpt_tool.model import CheckpointMeta, ChunkRef, ObjectMeta, TensorMeta
 from ckpt_tool.planning.feasibility import (ERROR, NOTE, RESHARDABLE_OPTIMIZERS, WARNING,
                                             OptimizerInfo,
@@ -201,7 +202,8 @@ def _resolve_rules(meta: CheckpointMeta, rules: RuleSet, source: Layout, skip: s
     if len(unknown) > _UNKNOWN_LISTED:  # one problem, not a page of them
         shown = ", ".join(repr(k) for k in unknown[:3])
         problems.append(Problem(
-            ERROR, f"no layout rule knows how {len(unknown)} keys split across tensor-parallel "
+            ERROR, f"no layout rule knows how {plural(len(unknown), 'key')} split across "
+            "tensor-parallel "
             f"ranks, and their chunk grids cannot tell ({shown}, ...): is this a "
             "Megatron-Core GPT-family checkpoint?",
             "add rules to the --rules TOML file, e.g.\n" + example_rule(unknown[0]),
@@ -245,7 +247,8 @@ def plan_reshard(meta: CheckpointMeta, target: Layout, rules: RuleSet | None = N
     if (options.target_format == "legacy" and opt.sharding in RESHARDABLE_OPTIMIZERS
             and not options.drop_optimizer):
         problems.append(Problem(WARNING, f"legacy rank files cannot hold the {opt.describe()}:"
-                                f" its {len(opt.keys)} tensors are left out",
+                                f" its {plural(len(opt.keys), 'tensor')} "
+                                f"{'is' if len(opt.keys) == 1 else 'are'} left out",
                                 "resume with --no-load-optim, or reshard to torch_dist",
                                 key="optimizer"))
     plan = ReshardPlan(source, target, sizes, options, problems, optimizer=opt,

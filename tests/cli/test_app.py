@@ -1,4 +1,9 @@
-"""The root command: help lists every subcommand, each with its own help."""
+"""The root command: help lists every subcommand, each with its own help; shell completion."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -62,3 +67,28 @@ def test_without_a_process_group_main_exits_as_usual(monkeypatch):
     with pytest.raises(SystemExit) as exc:
         app_module.main()
     assert exc.value.code == 2
+
+
+def test_shell_completion_is_offered():
+    result = runner.invoke(app, ["--help"])
+    assert "--install-completion" in result.stdout and "--show-completion" in result.stdout
+    result = runner.invoke(app, ["--show-completion", "bash"])
+    assert result.exit_code == 0 and "_CKPT_COMPLETE=complete_bash" in result.stdout
+
+
+@pytest.mark.parametrize("words, cword, expected", [
+    ("ckpt val", 1, ["validate"]),
+    ("ckpt validate x --de", 3, ["--deep", "--debug"]),
+    ("ckpt convert a b --to s", 5, ["safetensors"]),
+    ("ckpt reshard a --to ", 4, ["torch_dist", "legacy"]),
+])
+def test_shell_completion_answers(words, cword, expected):
+    """What bash gets from ``ckpt`` (the script of --show-completion asks this way)."""
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(repo), "_CKPT_COMPLETE": "complete_bash",
+           "COMP_WORDS": words, "COMP_CWORD": str(cword)}
+    proc = subprocess.run([sys.executable, "-m", "ckpt_tool"], capture_output=True, text=True,
+                          env=env, cwd=repo, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == expected
+

@@ -253,3 +253,32 @@ def test_tracker_with_garbage(tmp_path, content):
     _check("inspect", save, 2, "latest_checkpointed_iteration.txt", "not an iteration number")
     _check("validate", save, 1, "INVALID", "latest_checkpointed_iteration.txt",
            "not an iteration number")
+
+
+@pytest.mark.parametrize("cmd", CMDS)
+@pytest.mark.parametrize("where, kind", [(MCORE, "Megatron-Core torch_dist checkpoint"),
+                                         (DCP, "PyTorch DCP checkpoint")])
+def test_one_distcp_file_is_named_as_a_data_file(cmd, where, kind):
+    """A ``*.distcp`` file alone is one data file of its directory's checkpoint, not a
+    1-tensor torch.save file: the line says so and points at the directory."""
+    f = sorted(where.glob("*.distcp"))[0]
+    line = _check(cmd, f, 2, "one data file of a " + kind, "not a checkpoint by itself",
+                  f"pass the checkpoint directory: {where}")
+    assert "torch" not in line.split(": ")[0]
+
+
+@pytest.mark.parametrize("cmd", CMDS)
+def test_one_distcp_file_without_metadata_beside_it(tmp_path, cmd):
+    f = Path(shutil.copy(sorted(DCP.glob("*.distcp"))[0], tmp_path / "__0_0.distcp"))
+    _check(cmd, f, 2, "one data file of a DCP/torch_dist checkpoint",
+           "no .metadata", f"pass the checkpoint directory: {tmp_path}")
+
+
+def test_one_distcp_file_for_convert_and_diff(tmp_path):
+    f = sorted(DCP.glob("*.distcp"))[0]
+    for argv in (["convert", str(f), str(tmp_path / "out"), "--to", "safetensors"],
+                 ["diff", str(f), str(DCP)]):
+        result = runner.invoke(app, argv)
+        assert result.exit_code == 2
+        assert "one data file of a PyTorch DCP checkpoint" in result.stderr
+        assert not (tmp_path / "out").exists()

@@ -71,7 +71,7 @@ def test_value_difference_json_and_table(tmp_path):
     result = runner.invoke(app, ["diff", str(a), str(b)])
     assert result.exit_code == 1
     assert "different values" in result.stdout and "1 of 128" in result.stdout
-    assert "1 tensors with different values" in result.stderr
+    assert "1 tensor with different values" in result.stderr
     assert runner.invoke(app, ["diff", str(a), str(b), "--atol", "0.3"]).exit_code == 0
 
 

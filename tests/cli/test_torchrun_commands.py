@@ -93,11 +93,11 @@ def test_validate_deep_splits_files_and_reports_every_finding(tmp_path):
         rank_file.write_bytes(bytes(data))
     proc = _torchrun("validate", "--deep", str(bad), "--json")
     assert proc.returncode == 1, proc.stderr[-3000:]
-    findings = json.loads(proc.stdout)
+    findings = json.loads(proc.stdout)["findings"]
     damaged = sorted(f["file"] for f in findings if "CRC" in f["message"])
     assert damaged == ["mp_rank_00_001/model_optim_rng.pt", "mp_rank_01_001/model_optim_rng.pt"]
     proc = _torchrun("validate", "--deep", str(src), "--json")
-    assert proc.returncode == 0 and json.loads(proc.stdout) == []
+    assert proc.returncode == 0 and json.loads(proc.stdout)["findings"] == []
 
 
 PROGRESS_WORKER = r'''

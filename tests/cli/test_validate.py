@@ -17,10 +17,14 @@ DCP = FIXTURES / "dcp_plain"
 
 
 def _run(*args):
+    """``ckpt validate ARGS --json``: the result and the verdict's findings (JSON on stdout for
+    every exit code but a usage error)."""
     result = runner.invoke(app, ["validate", *map(str, args), "--json"])
     assert "Traceback" not in result.output, result.output
-    findings = json.loads(result.stdout) if result.exit_code in (0, 1) else None
-    return result, findings
+    doc = json.loads(result.stdout)
+    assert doc["ok"] is (result.exit_code == 0)
+    assert doc["counts"]["errors"] == sum(f["severity"] == "error" for f in doc["findings"])
+    return result, doc["findings"]
 
 
 @pytest.fixture
@@ -114,8 +118,9 @@ def test_expect_keys(tmp_path):
 
 
 def test_expect_keys_file_missing_exits_2(tmp_path):
-    result, _ = _run(MCORE, "--expect-keys", tmp_path / "nope.txt")
+    result, findings = _run(MCORE, "--expect-keys", tmp_path / "nope.txt")
     assert result.exit_code == 2
+    assert "nope.txt" in findings[0]["message"]
 
 
 def test_several_problems_all_reported(mcore):
@@ -137,7 +142,7 @@ def test_unreadable_input_exits_2(tmp_path):
     (tmp_path / "empty").mkdir()
     result, _ = _run(tmp_path / "empty")
     assert result.exit_code == 2
-    assert result.output.strip().startswith("ckpt: error:")
+    assert result.stderr.strip().startswith("ckpt: error:")
 
 
 def test_deep_reports_nan(tmp_path):
@@ -147,7 +152,60 @@ def test_deep_reports_nan(tmp_path):
     w = torch.zeros(8, dtype=torch.bfloat16)
     w[3] = float("nan")
     dcp_api.save({"w": w}, checkpoint_id=tmp_path / "ck", no_dist=True)
-    result, findings = _run(tmp_path / "ck", "--deep")
+    result = runner.invoke(app, ["validate", str(tmp_path / "ck"), "--deep", "--json"])
     assert result.exit_code == 0
-    assert findings == [{"severity": "warning", "key": "w", "file": None,
-                         "message": "1 NaN and 0 Inf of 8 elements"}]
+    doc = json.loads(result.stdout)
+    assert doc["findings"] == [{"severity": "warning", "key": "w", "file": None,
+                                "message": "1 NaN and 0 Inf of 8 elements"}]
+    assert doc["nonfinite"] == {"w": {"nan": 1, "inf": 0, "elements": 8}}
+    assert doc["counts"] == {"errors": 0, "warnings": 1, "nan": 1, "inf": 0,
+                             "tensors_with_nan_or_inf": 1}
+    assert doc["ok"] is True and doc["stats"]["tensors_read"] == 1
+
+
+def test_deep_clean_checkpoint_has_empty_counts():
+    result = runner.invoke(app, ["validate", str(DCP), "--deep", "--json"])
+    assert result.exit_code == 0
+    doc = json.loads(result.stdout)
+    assert doc["nonfinite"] == {}
+    assert doc["counts"] == {"errors": 0, "warnings": 0, "nan": 0, "inf": 0,
+                             "tensors_with_nan_or_inf": 0}
+
+
+def test_json_is_a_verdict_object(mcore):
+    (mcore / "__1_0.distcp").unlink()
+    (mcore / "junk.tmp").write_text("x")
+    result = runner.invoke(app, ["validate", str(mcore), "--json"])
+    assert result.exit_code == 1
+    doc = json.loads(result.stdout)
+    assert doc["ok"] is False and doc["unreadable"] is None
+    assert doc["path"] == str(mcore) and doc["format"] == "torch_dist"
+    assert doc["counts"] == {"errors": len(doc["findings"]) - 1, "warnings": 1}
+    assert doc["counts"]["errors"] >= 1
+    assert doc["stats"]["tensors"] > 0 and doc["stats"]["files"] > 0
+    assert "nonfinite" not in doc  # only with --deep
+    assert result.stderr.strip().splitlines()[-1].startswith("INVALID:")
+
+
+@pytest.mark.parametrize("make", ["missing", "empty", "random"])
+def test_unreadable_input_still_prints_a_verdict_on_stdout(tmp_path, make):
+    path = tmp_path / make
+    if make == "empty":
+        path.mkdir()
+    elif make == "random":
+        path.write_bytes(bytes(range(256)) * 4)
+    result = runner.invoke(app, ["validate", str(path), "--json"])
+    assert result.exit_code == 2
+    doc = json.loads(result.stdout)
+    line = result.stderr.strip()
+    assert len(line.splitlines()) == 1 and line.startswith("ckpt: error: ")
+    assert doc["ok"] is False and doc["format"] is None and doc["path"] == str(path)
+    assert doc["unreadable"] == line[len("ckpt: error: "):]
+    assert doc["counts"] == {"errors": 1, "warnings": 0}
+    assert doc["findings"] == [{"severity": "error", "key": None, "file": None,
+                                "message": doc["unreadable"]}]
+
+
+def test_without_json_an_unreadable_input_prints_nothing_on_stdout(tmp_path):
+    result = runner.invoke(app, ["validate", str(tmp_path / "missing")])
+    assert result.exit_code == 2 and result.stdout == ""

@@ -155,9 +155,9 @@ def test_safetensors_is_what_the_real_library_reads(tmp_path, fixture_readers):
     assert md["format"] == "pt" and md["source"] == "torch_dist:/ckpt/iter_0000010"
     assert md["iteration"] == "10" and md["checkpoint_version"] == "3.0"
     assert "args" not in md
-    assert any(n.startswith("dropped 4 common value(s) (args, content_metadata, "
+    assert any(n.startswith("dropped 4 common values (args, content_metadata, "
                             "opt_param_scheduler, optimizer)") for n in notes)
-    assert any(n.startswith("dropped 20 ShardedObject(s)") for n in notes)
+    assert any(n.startswith("dropped 20 ShardedObjects") for n in notes)
     raw = (tmp_path / "model.safetensors").read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
     assert n % 8 == 0 and raw[8:8 + n].rstrip(b" ").endswith(b"}")
@@ -253,7 +253,7 @@ def test_torch_common_values(tmp_path, fixture_readers):
     notes = _write("torch", tmp_path / "plain", request)
     assert set(torch.load(tmp_path / "plain" / "model.pt", weights_only=True)) == set(expected)
     assert any("args" in n and "iteration" in n for n in notes)
-    assert any(n.startswith("dropped 8 ShardedObject(s)") for n in notes)
+    assert any(n.startswith("dropped 8 ShardedObjects") for n in notes)
     notes = _write("torch", tmp_path / "keep", request, extra={"torch_keep_common": True})
     loaded = torch.load(tmp_path / "keep" / "model.pt", weights_only=True)
     assert loaded["iteration"] == 10 and loaded["checkpoint_version"] == 3.0
@@ -357,7 +357,7 @@ def test_zarr_grids_padding_and_dtypes(tmp_path):
     za = {k: json.loads((tmp_path / k / ".zarray").read_text()) for k in t}
     assert za["regular"]["chunks"] == [4, 3] and za["regular"]["dtype"] == "bfloat16"
     assert za["irregular"]["chunks"] == [1, 6]  # 24 bytes a row: one row per chunk
-    assert any("1 tensor(s) had no regular chunk grid (irregular)" in n for n in notes)
+    assert any("1 tensor had no regular chunk grid (irregular)" in n for n in notes)
     # edge chunk "1.1" holds rows 4-5 x col 3 (+ zero padding): full 4x3 bf16 chunk file
     assert (tmp_path / "regular" / "1.1").stat().st_size == 4 * 3 * 2
     for k, v in t.items():
@@ -382,7 +382,7 @@ def test_zarr_objects_and_common(tmp_path):
     notes = _write("zarr", tmp_path, WriteRequest(
         meta=_meta(t, objects=objs), source=MemSource(t), common={"iteration": 3},
         objects=payloads.get))
-    assert notes == ["dropped 1 object(s) (extra.note): not ShardedObject keys "
+    assert notes == ["dropped 1 object (extra.note): not ShardedObject keys "
                      "(<key>/shard_<offsets>_<shape>), which the zarr layout cannot address"]
     assert torch.load(tmp_path / "rng_state" / "shard_0.1_2.2.pt") == {"seed": 5}
     assert torch.load(tmp_path / "common.pt") == {"iteration": 3}

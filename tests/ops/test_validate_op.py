@@ -353,7 +353,7 @@ def test_deep_reads_big_tensors_in_slabs(tmp_path, monkeypatch):
     import torch
     import torch.distributed.checkpoint as dcp_api
 
-    import ckpt_tool.ops.validate as v
+    import ckpt_tool.ops._validate_deep as v
 
     w = torch.zeros(10, 4)
     w[7, 2] = float("nan")
@@ -364,6 +364,7 @@ def test_deep_reads_big_tensors_in_slabs(tmp_path, monkeypatch):
     assert len(v._slabs(inspect(tmp_path / "ck").meta.tensors["w"])) == 4
     r = validate(tmp_path / "ck", deep=True)
     assert [f.message for f in r.findings] == ["1 NaN and 0 Inf of 40 elements"]
+    assert r.nonfinite == {"w": (1, 0, 40)}
 
 
 def test_modelopt_state_sub_checkpoint_is_validated(mcore):

@@ -84,7 +84,7 @@ def _notes(plan: Any, request: WriteRequest) -> list[str]:
     kept = {o.unique_key for o in plan.target_meta.objects} if plan.target_meta else set()
     dropped = [o.unique_key for o in request.meta.objects if o.unique_key not in kept]
     if dropped:
-        notes.append(f"dropped {len(dropped)} objects (e.g. {dropped[0]}): per-rank state "
+        notes.append(f"dropped {len(dropped)} object{'s' * (len(dropped) != 1)} (e.g. {dropped[0]}): per-rank state "
                      "that legacy files of this layout cannot hold")
     return notes
 

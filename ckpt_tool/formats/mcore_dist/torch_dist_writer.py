@@ -64,8 +64,8 @@ class TorchDistWriter(Writer):
                 moved.append(key)
         if moved:
             more = ", ..." if len(moved) > 3 else ""
-            notes.append(f"stored {len(moved)} objects that are not Megatron-Core "
-                         f"ShardedObjects (key not '<key>/shard_<offset>_<shape>') in "
+            notes.append(f"stored {len(moved)} object{'s' * (len(moved) != 1)} that are not "
+                         f"Megatron-Core ShardedObjects (key not '<key>/shard_<offset>_<shape>') in "
                          f"{COMMON_FILE}: {', '.join(moved[:3])}{more}")
         if is_main_rank(request):
             torch.save(common, self.directory / COMMON_FILE)

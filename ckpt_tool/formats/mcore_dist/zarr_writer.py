@@ -33,7 +33,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from ckpt_tool.errors import UnsupportedError
+from ckpt_tool.errors import UnsupportedError, plural
 from ckpt_tool.formats.write_pieces import (DEFAULT_MAX_MEMORY, my_share, pull_piece,
                                          run_share, slab_pieces, tensor_bytes)
 from ckpt_tool.formats.writer import WriteRequest, Writer
@@ -162,7 +162,7 @@ class ZarrWriter(Writer):
             grids.append(chunk)
         if regridded:
             shown = ", ".join(regridded[:5]) + (", ..." if len(regridded) > 5 else "")
-            notes.append(f"{len(regridded)} tensor(s) had no regular chunk grid ({shown}): "
+            notes.append(f"{plural(len(regridded), 'tensor')} had no regular chunk grid ({shown}): "
                          f"stored with regular chunks of at most {budget} bytes")
         objects, dropped = [], []
         for o in request.meta.objects:
@@ -171,8 +171,8 @@ class ZarrWriter(Writer):
         if dropped:
             shown = ", ".join(o.unique_key for o in dropped[:5]) + (", ..." if len(dropped) > 5
                                                                     else "")
-            notes.append(f"dropped {len(dropped)} object(s) ({shown}): not ShardedObject keys "
-                         "(<key>/shard_<offsets>_<shape>), which the zarr layout cannot address")
+            notes.append(f"dropped {plural(len(dropped), 'object')} ({shown}): not ShardedObject "
+                         "keys (<key>/shard_<offsets>_<shape>), which the zarr layout cannot address")
         ranks = request.ranks
         main = ranks is None or ranks.is_main
         mine = my_share(ranks, [t.nbytes for t in tensors])

@@ -25,7 +25,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from ckpt_tool.errors import UnsupportedError, UsageError
+from ckpt_tool.errors import UnsupportedError, UsageError, plural
 from ckpt_tool.formats.write_pieces import (
     DEFAULT_MAX_MEMORY,
     my_share,
@@ -140,7 +140,8 @@ class SafetensorsWriter(Writer):
         for k, v in kept.items():
             metadata.setdefault(k, json.dumps(v) if not isinstance(v, str) else v)
         if dropped:
-            notes.append(f"dropped {len(dropped)} common value(s) ({', '.join(sorted(dropped))}):"
+            notes.append(f"dropped {plural(len(dropped), 'common value')} "
+                         f"({', '.join(sorted(dropped))}):"
                          " safetensors __metadata__ holds strings only"
                          + (f"; kept {', '.join(sorted(kept))} as strings" if kept else ""))
         notes += dropped_objects_note(request, "safetensors holds tensors only")

@@ -37,7 +37,7 @@ from ckpt_tool._crc import crc32
 from pathlib import Path
 from typing import Any
 
-from ckpt_tool.errors import UnsupportedError
+from ckpt_tool.errors import UnsupportedError, plural
 from ckpt_tool.formats.write_pieces import (DEFAULT_MAX_MEMORY, pull_piece, slab_pieces,
                                          tensor_bytes)
 from ckpt_tool.formats.torch_save_files import zip_data_offsets
@@ -137,7 +137,8 @@ class TorchSaveWriter(Writer):
             why = ("not loadable with weights_only=True, or clashing with a tensor key" if keep
                    else "the file holds tensors only (extra torch_keep_common keeps the "
                         "weights_only-safe ones)")
-            notes.append(f"dropped {len(dropped)} common value(s) ({', '.join(sorted(dropped))})"
+            notes.append(f"dropped {plural(len(dropped), 'common value')} "
+                         f"({', '.join(sorted(dropped))})"
                          f": {why}")
         notes += dropped_objects_note(
             request, "a torch.save file of full tensors has no place for them")

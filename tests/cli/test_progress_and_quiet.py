@@ -1,0 +1,163 @@
+"""Progress bars on a terminal (``validate`` too, ``--deep`` included), ``--quiet`` and
+``--no-progress``, and ``--debug`` after the command's name."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import pty
+import struct
+import subprocess
+import sys
+import termios
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from ckpt_tool.cli.app import app
+
+runner = CliRunner()
+REPO = Path(__file__).resolve().parents[2]
+FIX = REPO / "fixtures"
+DCP = FIX / "dcp_plain"
+ZARR = FIX / "mcore015_zarr_gpt_tp2pp2"
+BAR = "━"  # Rich's bar
+
+
+def _on_a_terminal(*args: str) -> tuple[int, str, str]:
+    """``python -m ckpt_tool ARGS`` with stderr on a pseudo-terminal (stdout a pipe): the exit
+    code, stdout and what the terminal received."""
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))
+    env = {**os.environ, "TERM": "xterm-256color", "PYTHONPATH": str(REPO)}
+    env.pop("COLUMNS", None)
+    proc = subprocess.Popen([sys.executable, "-m", "ckpt_tool", *args], cwd=REPO, env=env,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=slave)
+    os.close(slave)
+    got = []
+    while True:
+        try:
+            data = os.read(master, 1 << 16)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not data:
+            break
+        got.append(data)
+    os.close(master)
+    out = proc.stdout.read().decode()
+    proc.wait(timeout=120)
+    return proc.returncode, out, b"".join(got).decode(errors="replace")
+
+
+def test_validate_deep_draws_a_bar_of_files_scanned():
+    code, out, term = _on_a_terminal("validate", str(DCP), "--deep", "--json")
+    assert code == 0 and out.lstrip().startswith("{")
+    assert BAR in term and "validate" in term and "2/2 files" in term
+    assert "valid:" in term
+
+
+def test_validate_deep_draws_a_bar_of_tensors_read():
+    code, _, term = _on_a_terminal("validate", str(ZARR), "--deep")
+    assert code == 0
+    assert BAR in term and "16/16 tensors" in term
+
+
+@pytest.mark.parametrize("flag", ["--no-progress", "--quiet", "-q"])
+def test_no_bar_with_no_progress_or_quiet(flag):
+    code, _, term = _on_a_terminal("validate", str(DCP), "--deep", flag)
+    assert code == 0 and BAR not in term
+    if flag == "--no-progress":
+        assert "valid:" in term
+    else:
+        assert term.strip() == ""  # quiet: nothing but errors
+
+
+def test_convert_no_progress_and_quiet(tmp_path):
+    code, _, term = _on_a_terminal("convert", str(DCP), str(tmp_path / "a"), "--to",
+                                   "safetensors")
+    assert code == 0 and BAR in term and "converted" in term
+    code, _, term = _on_a_terminal("convert", str(DCP), str(tmp_path / "b"), "--to",
+                                   "safetensors", "--no-progress")
+    assert code == 0 and BAR not in term and "converted" in term
+    code, _, term = _on_a_terminal("convert", str(DCP), str(tmp_path / "c"), "--to",
+                                   "safetensors", "--quiet")
+    assert code == 0 and term.strip() == ""
+    assert (tmp_path / "c").is_dir()
+
+
+def test_quiet_keeps_the_verdict_of_a_failure_and_errors(tmp_path):
+    import shutil
+
+    ck = Path(shutil.copytree(DCP, tmp_path / "ck"))
+    victim = sorted(ck.glob("*.distcp"))[0]
+    victim.write_bytes(victim.read_bytes()[:100])
+    result = runner.invoke(app, ["validate", str(ck), "-q"])
+    assert result.exit_code == 1
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("INVALID:")
+    result = runner.invoke(app, ["validate", str(tmp_path / "missing"), "--quiet"])
+    assert result.exit_code == 2 and result.stderr.startswith("ckpt: error:")
+    # and a later run without --quiet speaks again
+    assert "valid:" in runner.invoke(app, ["validate", str(DCP)]).stderr
+
+
+@pytest.mark.parametrize("cmd", ["validate", "convert", "diff", "reshard"])
+def test_commands_with_progress_take_both_flags(cmd):
+    text = runner.invoke(app, [cmd, "--help"]).stdout
+    assert "--quiet" in text and "-q" in text and "--no-progress" in text
+
+
+def test_diff_quiet(tmp_path):
+    result = runner.invoke(app, ["diff", str(DCP), str(DCP), "--quiet"])
+    assert result.exit_code == 0 and result.stderr == ""
+    result = runner.invoke(app, ["diff", str(DCP), str(DCP), "--no-progress"])
+    assert result.exit_code == 0 and result.stderr.startswith("identical:")
+
+
+@pytest.mark.parametrize("argv", [["--debug", "validate", "{missing}"],
+                                  ["validate", "{missing}", "--debug"],
+                                  ["inspect", "{missing}", "--debug"],
+                                  ["diff", "{missing}", "{missing}", "--debug"]])
+def test_debug_before_or_after_the_command(tmp_path, argv):
+    argv = [a.format(missing=tmp_path / "missing") for a in argv]
+    result = runner.invoke(app, argv)
+    assert result.exit_code == 2
+    assert "Traceback (most recent call last)" in result.stderr
+    assert result.stderr.splitlines()[-1].startswith("ckpt: error:")
+    # without it, one line (the state does not leak into the next run)
+    result = runner.invoke(app, [a for a in argv if a != "--debug"])
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+
+
+def test_debug_after_the_command_through_the_program(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-m", "ckpt_tool", "validate",
+                           str(tmp_path / "missing"), "--debug"], capture_output=True,
+                          text=True, env=env, cwd=REPO, timeout=120)
+    assert proc.returncode == 2 and "Traceback" in proc.stderr
+
+
+def test_library_validate_reports_progress_per_pass():
+    from ckpt_tool.ops.validate import validate
+
+    class Sink:
+        def __init__(self):
+            self.passes = []
+
+        def start(self, total_bytes, total, unit="tensor"):
+            self.passes.append([unit, total_bytes, total, 0, 0])
+
+        def update(self, nbytes, done):
+            self.passes[-1][3] += nbytes
+            self.passes[-1][4] = done
+
+    sink = Sink()
+    assert validate(ZARR, deep=True, progress=sink).ok
+    assert [p[0] for p in sink.passes] == ["tensor"]
+    unit, total_bytes, total, seen, done = sink.passes[0]
+    assert seen == total_bytes > 0 and done == total == 16
+    sink = Sink()
+    assert validate(DCP, deep=True, progress=sink).ok
+    assert [(p[0], p[2], p[4]) for p in sink.passes] == [("file", 2, 2)]
+    assert sink.passes[0][1] == sink.passes[0][3] > 0
