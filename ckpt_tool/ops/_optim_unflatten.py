@@ -42,6 +42,7 @@ def unflatten_bucketed_optimizer(reader: Reader, rules: RuleSet | None = None) -
     cannot be rebuilt or proven)."""
     meta = reader.metadata()
     found = meta.extras.get("optimizer_sharding") or {}
+    _refuse_unknown_forms(meta, found)
     if found.get("type") == "dp_reshardable":
         return UnflattenedOptimizerView(reader, rules)
     if found.get("type") == "dp_zero_gather_scatter":
@@ -55,6 +56,34 @@ def unflatten_bucketed_optimizer(reader: Reader, rules: RuleSet | None = None) -
             reader, "converted from legacy distrib_optim.pt (model space per parameter)",
             drop_objects=("distrib_optim", "optimizer"))
     return reader
+
+
+# distrib_optim_sharding_type values Megatron-Core 0.16's DistributedOptimizer knows
+MCORE_SHARDING_TYPES = ("dp_reshardable", "fully_reshardable", "fully_sharded_model_space",
+                        "dp_zero_gather_scatter", "fully_sharded_bucket_space", "fsdp_dtensor")
+_BUCKET_STATE = re.compile(r"^(?:chained_\d+\.)?optimizer\.distributed\.dp_group_idx_\d+\."
+                           r"gbuf_idx_\d+\.dtype_.+\.bucket_idx_\d+\.([^.]+)$")
+
+
+def _refuse_unknown_forms(meta: CheckpointMeta, found: dict[str, Any]) -> None:
+    """UnsupportedError (one line) for optimizer state that Megatron-Core would not load or
+    that is not rebuilt: a declared sharding type it does not know, per-bucket states other
+    than Adam's (param, exp_avg, exp_avg_sq)."""
+    declared = found.get("declared")
+    if found.get("type") and declared and declared not in MCORE_SHARDING_TYPES:
+        raise UnsupportedError(f"{meta.root}: the content metadata's distrib_optim_sharding_type "
+                               f"{declared!r} is not a form Megatron-Core knows (one of "
+                               f"{', '.join(MCORE_SHARDING_TYPES)})",
+                               hint="reshard with --drop-optimizer")
+    if found.get("type") != "dp_reshardable":
+        return
+    for k in meta.tensors:
+        m = _BUCKET_STATE.match(k)
+        if m and m.group(1) not in STATES:
+            raise UnsupportedError(f"{meta.root}: optimizer state {m.group(1)!r} in the "
+                                   f"per-bucket tensors ({k}) is not rebuilt: only Adam's "
+                                   f"{', '.join(STATES)} are", hint="reshard with "
+                                   "--drop-optimizer (nothing is guessed)")
 
 
 class UnflattenedOptimizerView(Reader):
