@@ -20,7 +20,8 @@ from __future__ import annotations
 
 from typing import Mapping, Sequence
 
-__all__ = ["GPT_PARAMETER_ORDER", "MOE_MLP_ORDER", "StageParam", "stage_params"]
+__all__ = ["GPT_PARAMETER_ORDER", "MOE_MLP_ORDER", "LAYER_PREFIX", "StageParam", "stage_params",
+           "moe_expert_keys"]
 
 LAYER_PREFIX = "decoder.layers."
 _ATTN_NORM = ["self_attention.linear_qkv.layer_norm_weight",
