@@ -157,9 +157,10 @@ def optimizer_bucket_layout(meta: CheckpointMeta, sizes: ModelSizes, source: Lay
     expert tp-ep-pp group, padded over the expert data-parallel size); routed experts are
     placed contiguously by expert-parallel rank."""
     spec = spec or ("local" if args.get("transformer_impl") == "local" else "transformer_engine")
-    if source.vpp and source.vpp > 1:
-        raise BucketLayoutError("virtual pipeline stages: the bucket layout of model chunks is "
-                                "not rebuilt")
+    vpp = source.vpp or 1
+    if vpp > 1 and args.get("overlap_param_gather_with_optimizer_step"):
+        raise BucketLayoutError("virtual pipeline with overlap_param_gather_with_optimizer_step: "
+                                "one dense optimizer per model chunk is not rebuilt")
     if sizes.num_layers is None:
         raise BucketLayoutError("the number of layers is unknown (no args.num_layers)")
     ps = _parallel_sizes(source, args)
@@ -179,30 +180,53 @@ def optimizer_bucket_layout(meta: CheckpointMeta, sizes: ModelSizes, source: Lay
     expert_parallel = ps.ep > 1 and bool(experts[0])
     out: list[Bucket] = []
     for pp_rank in range(ps.pp):
-        layers = lm.layers_of(pp_rank)
-        first, last = pp_rank == 0, pp_rank == ps.pp - 1
-        size = _bucket_size(args, ps.dp, pp_rank)
-        dense = [p for p in stage_params(model_keys, spec, layers, first, last, experts[0])
-                 if not (expert_parallel and p[2] is not None)]
-        has_experts = expert_parallel and bool(layers)
-        for tp_rank in range(ps.tp):
-            locals_ = [_local(meta, k, layer, None if e is None else [e], sizes, ps.tp,
-                              tp_rank, rules) for k, layer, e in dense]
-            out += _lay_out(Bucket(tp_rank + ps.tp * pp_rank, tp_rank, pp_rank, 0, dtype, 0,
-                                   prefix="chained_0." if has_experts else "", dp=ps.dp),
-                            locals_, size, ps.divisor(ps.dp), tied)
-        if not has_experts:
-            continue
-        for ep_rank in range(ps.ep):
-            mine = [p for p in stage_params(model_keys, spec, layers, first, last,
-                                            experts[ep_rank]) if p[2] is not None]
-            for etp_rank in range(ps.etp):
-                locals_ = [_local(meta, k, layer, [e], sizes, ps.etp, etp_rank, rules)
-                           for k, layer, e in mine]
-                idx = etp_rank + ps.etp * (ep_rank + ps.ep * pp_rank)
-                out += _lay_out(Bucket(idx, etp_rank, pp_rank, 0, dtype, 0, prefix="chained_1.",
-                                       dp=ps.edp, ep_rank=ep_rank),
-                                locals_, size, ps.divisor(ps.edp), tied)
+        has_experts = expert_parallel and bool(lm.layers_of(pp_rank))
+        gbufs: dict[tuple[str, int], int] = {}  # buffers so far per optimizer domain
+        for vp in range(vpp):
+            out += _chunk_buckets(meta, sizes, ps, spec, rules, lm, experts, pp_rank, vp, vpp,
+                                  has_experts, dtype, tied, gbufs,
+                                  _bucket_size(args, ps.dp, pp_rank) if vp == 0 else None)
+    return out
+
+
+def _chunk_buckets(meta: CheckpointMeta, sizes: ModelSizes, ps: _Sizes, spec: str,
+                   rules: RuleSet, lm: LayerMap, experts: list[list[int]], pp_rank: int, vp: int,
+                   vpp: int, has_experts: bool, dtype: str, tied: bool,
+                   gbufs: dict[tuple[str, int], int], size: int | None) -> list[Bucket]:
+    """The buckets of one model chunk's buffers on every rank of pipeline stage ``pp_rank``
+    (Megatron-LM buckets only each stage's first chunk: ``disable_bucketing`` for the
+    others)."""
+    layers = lm.layers_of(pp_rank, vp if vpp > 1 else None)
+    first, last = pp_rank == 0 and vp == 0, pp_rank == ps.pp - 1 and vp == vpp - 1
+    model_keys = _model_keys(meta)
+    out: list[Bucket] = []
+
+    def add(template: Bucket, locals_: list[tuple[str, LocalTensor]], dp: int) -> None:
+        if not locals_:  # DDP makes no buffer without parameters
+            return
+        gbuf = gbufs.get(template.domain, 0)
+        gbufs[template.domain] = gbuf + 1
+        out.extend(_lay_out(replace(template, gbuf_idx=gbuf), locals_, size, ps.divisor(dp),
+                            tied))
+
+    dense = [p for p in stage_params(model_keys, spec, layers, first, last, experts[0])
+             if not (has_experts and p[2] is not None)]
+    for tp_rank in range(ps.tp):
+        add(Bucket(tp_rank + ps.tp * pp_rank, tp_rank, pp_rank, 0, dtype, 0,
+                   prefix="chained_0." if has_experts else "", dp=ps.dp),
+            [_local(meta, k, layer, None if e is None else [e], sizes, ps.tp, tp_rank, rules)
+             for k, layer, e in dense], ps.dp)
+    if not has_experts:
+        return out
+    for ep_rank in range(ps.ep):
+        mine = [p for p in stage_params(model_keys, spec, layers, first, last, experts[ep_rank])
+                if p[2] is not None]
+        for etp_rank in range(ps.etp):
+            idx = etp_rank + ps.etp * (ep_rank + ps.ep * pp_rank)
+            add(Bucket(idx, etp_rank, pp_rank, 0, dtype, 0, prefix="chained_1.", dp=ps.edp,
+                       ep_rank=ep_rank),
+                [_local(meta, k, layer, [e], sizes, ps.etp, etp_rank, rules)
+                 for k, layer, e in mine], ps.edp)
     return out
 
 
