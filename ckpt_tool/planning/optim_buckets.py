@@ -17,7 +17,10 @@ The registration order of a GPT's parameters, dense and MoE, is data
 (:mod:`ckpt_tool.planning.param_order`). MoE models at ``expert_model_parallel_size > 1`` have
 two optimizers in a ``ChainedOptimizer`` whose keys carry ``chained_0.`` (dense buffers) and
 ``chained_1.`` (the routed experts' buffers: their own ``dp_group_idx``, padded and split over
-the expert data-parallel size). A rebuilt layout is accepted only when it reproduces
+the expert data-parallel size). With a virtual pipeline each optimizer has one buffer per model
+chunk (``gbuf_idx`` counts them in chunk order) and, as Megatron-LM builds DDP
+(``disable_bucketing`` for every chunk but the first), only each stage's first chunk is
+bucketed. A rebuilt layout is accepted only when it reproduces
 the stored ``per_bucket_numel`` / ``per_bucket_numel_unpadded`` and the boundaries of every
 stored piece (each parameter's part on each DP rank, and each padding, is its own chunk).
 """

@@ -1,12 +1,15 @@
-"""torchrun worker: the REAL Megatron-Core builds the tiny MoE GPT of
-``fixtures/mcore016_moe_ep2_distopt_buckets`` (bf16, DDP, the chained DistributedOptimizer) at
+"""torchrun worker: the REAL Megatron-Core builds the tiny MoE GPT of FIXTURE (default
+``mcore016_moe_ep2_distopt_buckets``; bf16, DDP, the chained DistributedOptimizer) at
 a target layout and resumes from CKPT exactly as Megatron-LM does
 (``_mcore_resume.load_as_megatron_lm``). On every rank, every fp32 main parameter, ``exp_avg``
 and ``exp_avg_sq`` slice the optimizers hold (each chained optimizer's own ``gbuf_ranges``) must
 be bit-identical to the fixture's expected per-parameter state, and every bf16 model parameter
 must equal its expected main parameter rounded to bf16.
 
-    torchrun --nproc-per-node N _moe_resume_worker.py TP PP EP CKPT
+    torchrun --nproc-per-node N _moe_resume_worker.py TP PP EP CKPT [FIXTURE]
+
+FIXTURE's ``generate.py`` provides ``init(tp, pp, ep)`` and ``build(tp, pp, ep)`` (no virtual
+pipeline at the target) and its ``expected/optim.safetensors`` the per-parameter state.
 """
 
 from __future__ import annotations
@@ -17,12 +20,13 @@ import sys
 
 os.environ.setdefault("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-FIXTURE = os.path.join(REPO, "fixtures", "mcore016_moe_ep2_distopt_buckets")
+FIXTURE = os.path.join(REPO, "fixtures", sys.argv[5] if len(sys.argv) > 5
+                       else "mcore016_moe_ep2_distopt_buckets")
 sys.path.insert(0, os.path.join(REPO, "fixtures"))
 
 
 def _generator():
-    spec = importlib.util.spec_from_file_location("moe_ep2_fixture",
+    spec = importlib.util.spec_from_file_location("moe_fixture",
                                                   os.path.join(FIXTURE, "generate.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

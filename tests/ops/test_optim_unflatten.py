@@ -121,6 +121,7 @@ def test_gathered_state_is_proven_against_the_model(monkeypatch):
 
 # --- MoE: the ChainedOptimizer's dense and expert buffers (expert parallel 2) ---------------
 MOE = FIX / "mcore016_moe_ep2_distopt_buckets"
+MOE_VPP = FIX / "mcore016_moe_pp2vpp2ep2_distopt_buckets"
 
 
 def _dist_name(name):
@@ -139,18 +140,26 @@ def _dist_name(name):
     return f"decoder.layers.{rest}", (layer,)
 
 
-def test_moe_dense_and_expert_buckets_equal_the_real_optimizers_state():
+@pytest.mark.parametrize("fixture,domains,buffers,params", [
+    # EP2 at PP1: dense DP 4, expert DP 2
+    (MOE, {("chained_0.", 0): 4, ("chained_1.", 0): 2, ("chained_1.", 1): 2}, 1, 38),
+    # PP2 VPP2 EP2: dense DP 2, expert DP 1, one buffer per model chunk
+    (MOE_VPP, {("chained_0.", 0): 2, ("chained_0.", 1): 2, **{("chained_1.", i): 1
+                                                             for i in range(4)}}, 2, 72),
+])
+def test_moe_dense_and_expert_buckets_equal_the_real_optimizers_state(fixture, domains, buffers,
+                                                                      params):
     """Every per-parameter fp32 main param / exp_avg / exp_avg_sq read through the view is
     bit-identical to what the real chained optimizers held (expected/optim.safetensors)."""
     from safetensors.torch import load_file
 
-    view = unflatten_bucketed_optimizer(open_checkpoint(MOE))
+    view = unflatten_bucketed_optimizer(open_checkpoint(fixture))
     assert isinstance(view, UnflattenedOptimizerView)
     assert view.chained == ["chained_0.", "chained_1."]
-    domains = {b.domain: b.dp for b in view.buckets}
-    assert domains == {("chained_0.", 0): 4, ("chained_1.", 0): 2, ("chained_1.", 1): 2}
-    expected = load_file(MOE / "expected" / "optim.safetensors")
-    assert len(expected) == 3 * 38
+    assert {b.domain: b.dp for b in view.buckets} == domains
+    assert {b.gbuf_idx for b in view.buckets} == set(range(buffers))
+    expected = load_file(fixture / "expected" / "optim.safetensors")
+    assert len(expected) == 3 * params
     for k, want in expected.items():
         state, name = k.split(".", 1)
         key, idx = _dist_name(name)
