@@ -262,3 +262,18 @@ def test_unknown_declared_sharding_type_is_refused(tmp_path):
     with pytest.raises(UnsupportedError, match="'bucket_space_v9' is not a form Megatron-Core"):
         reshard(src, tmp_path / "out", ReshardRequest(ep=1))
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("fixture,args,needle", [
+    (MOE_VPP, {"overlap_param_gather_with_optimizer_step": True},
+     "one dense optimizer per model chunk is not rebuilt"),
+    (MOE, {"context_parallel_size": 2}, "context parallelism"),
+    (MOE, {"num_experts": 3}, "stacked experts, args.num_experts 3"),
+])
+def test_layouts_that_are_not_rebuilt_are_refused_by_name(fixture, args, needle):
+    from ckpt_tool.planning.optim_buckets import BucketLayoutError
+
+    meta, sizes, source, real, _ = _layout(fixture.name)
+    sizes = sizes.with_(num_experts=args.get("num_experts", sizes.num_experts))
+    with pytest.raises(BucketLayoutError, match=needle):
+        optimizer_bucket_layout(meta, sizes, source, {**real, **args})
