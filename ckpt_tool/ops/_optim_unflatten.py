@@ -21,11 +21,13 @@ from typing import Any
 from ckpt_tool.errors import UnsupportedError
 from ckpt_tool.formats.base import Reader
 from ckpt_tool.model import CheckpointMeta, ChunkRef, TensorMeta, split_chained
+from ckpt_tool.ops._optim_model_space import _MAIN_0_15, ModelSpaceDistOptimizerView
 from ckpt_tool.planning.feasibility import model_sizes_from
 from ckpt_tool.planning.source_layout import args_of, source_layout_from
 from ckpt_tool.planning.layout import RuleSet
 from ckpt_tool.planning.optim_buckets import (STATES, Bucket, BucketLayoutError, BucketParam,
                                               optimizer_bucket_layout, prove_bucket_layout)
+from ckpt_tool.planning.param_order import moe_expert_keys
 from ckpt_tool.planning.pieces import Piece
 
 __all__ = ["UnflattenedOptimizerView", "GatheredOptimizerView", "ModelSpaceDistOptimizerView",
@@ -223,7 +225,13 @@ class UnflattenedOptimizerView(Reader):
         layout's optimizer: a ChainedOptimizer saves one entry per optimizer, and at ``ep`` 1
         the routed experts join the dense optimizer (its param groups; the expert optimizer and
         its entry go)."""
-        if not self.chained or int(getattr(target, "ep", 1) or 1) > 1:
+        expert_parallel = int(getattr(target, "ep", 1) or 1) > 1
+        if not self.chained and expert_parallel and any(
+                p.key in moe_expert_keys() for b in self.buckets for p in b.params):
+            raise UnsupportedError("the source has one optimizer (its experts in the dense "
+                                   "buffers): the expert optimizer's param groups at ep > 1 "
+                                   "are not in it", hint="reshard with --drop-optimizer")
+        if not self.chained or expert_parallel:
             return common
         return {**common, "optimizer": common["optimizer"][0]}
 
@@ -334,65 +342,3 @@ class GatheredOptimizerView(UnflattenedOptimizerView):
                                 f"{b.bucket_idx}: the main parameter at element {p.start} "
                                 f"does not round to {p.key}"]
         return []
-
-
-_MAIN_0_15 = "optimizer.state.fp32_param."
-_MCORE_LM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable",
-                      "singleton_local_shards": False, "chained_optim_avoid_prefix": True}
-
-
-class ModelSpaceDistOptimizerView(Reader):
-    """DistributedOptimizer state that a reader already presents per parameter but under the
-    older name of the fp32 main parameter (``optimizer.state.fp32_param.<key>``: Megatron-Core
-    0.15's ``fully_sharded_model_space``, the legacy ``distrib_optim.pt`` whose slots the legacy
-    reader rebuilds) in the form Megatron-Core 0.16 resumes from at any layout:
-    ``fully_reshardable`` (``optimizer.state.{param,exp_avg,exp_avg_sq}.<key>``), its common
-    ``optimizer`` entry and the content metadata Megatron-LM writes, with ``fully_reshardable``
-    as the sharding type. ``drop_objects``: keys of objects the new form has no place for."""
-
-    def __init__(self, reader: Reader, summary: str, drop_objects: tuple[str, ...] = ()):
-        super().__init__(reader.path, trust=reader.trust)
-        self.inner = reader
-        self.format_name = reader.format_name
-        meta = reader.metadata()
-        self._names: dict[str, str] = {}
-        tensors: dict[str, TensorMeta] = {}
-        for k, t in meta.tensors.items():
-            new = ("optimizer.state.param." + k[len(_MAIN_0_15):]
-                   if k.startswith(_MAIN_0_15) else k)
-            self._names[new] = k
-            tensors[new] = replace(t, key=new)
-        objects = tuple(o for o in meta.objects if o.key not in drop_objects)
-        extras = dict(meta.extras)
-        extras["optimizer_sharding"] = {"type": "fully_reshardable", "declared": None,
-                                        "source": summary}
-        common = dict(meta.common)
-        common["content_metadata"] = self._content_metadata(common.get("content_metadata"))
-        self._meta = replace(meta, tensors=tensors, objects=objects, extras=extras,
-                             common=common)
-
-    @staticmethod
-    def _content_metadata(cm: Any) -> dict[str, Any]:
-        return {**(cm if isinstance(cm, dict) else _MCORE_LM_METADATA),
-                "distrib_optim_sharding_type": "fully_reshardable"}
-
-    def metadata(self) -> CheckpointMeta:
-        return self._meta
-
-    def common(self) -> dict[str, Any]:
-        common = dict(self.inner.common())
-        optimizer = dict(common.get("optimizer") or {})
-        optimizer.pop("param_state", None)
-        optimizer["param_state_sharding_type"] = "fully_reshardable"
-        common["optimizer"] = optimizer
-        common["content_metadata"] = self._content_metadata(common.get("content_metadata"))
-        return common
-
-    def read(self, key: str, slices: tuple[slice, ...] | None = None) -> Any:
-        return self.inner.read(self._names.get(key, key), slices)
-
-    def read_object(self, unique_key: str) -> Any:
-        return self.inner.read_object(unique_key)
-
-    def close(self) -> None:
-        self.inner.close()

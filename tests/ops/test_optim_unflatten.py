@@ -277,3 +277,17 @@ def test_layouts_that_are_not_rebuilt_are_refused_by_name(fixture, args, needle)
     sizes = sizes.with_(num_experts=args.get("num_experts", sizes.num_experts))
     with pytest.raises(BucketLayoutError, match=needle):
         optimizer_bucket_layout(meta, sizes, source, {**real, **args})
+
+
+def test_one_optimizer_is_not_split_into_dense_and_expert_ones(monkeypatch):
+    """A source whose experts sit in the dense optimizer (ep 1) holds no expert param groups:
+    an ep > 1 target (two chained optimizers) is refused, not guessed."""
+    from ckpt_tool.planning.sizes import Layout
+
+    view = unflatten_bucketed_optimizer(open_checkpoint(MOE))
+    common = view.common()
+    assert view.common_for_target(common, Layout(ep=4)) is common
+    assert view.common_for_target(common, Layout(ep=1))["optimizer"] is common["optimizer"][0]
+    monkeypatch.setattr(UnflattenedOptimizerView, "chained", property(lambda self: []))
+    with pytest.raises(UnsupportedError, match="expert optimizer's param groups"):
+        view.common_for_target(view.common(), Layout(ep=2))
