@@ -72,9 +72,9 @@ def moe_expert_keys() -> list[str]:
 
 def stage_params(keys: Mapping[str, object] | Sequence[str], spec: str, layers: Sequence[int],
                  first: bool, last: bool, experts: Sequence[int] = ()) -> list[StageParam]:
-    """One pipeline stage's parameters in registration order, restricted to ``keys`` (the
-    checkpoint's model keys). ``experts``: the global routed experts this rank holds, in
-    local order (empty for a dense model)."""
+    """One pipeline stage's (or model chunk's) parameters in registration order, restricted to
+    ``keys`` (the checkpoint's model keys). ``experts``: the global routed experts this rank
+    holds, in local order (empty for a dense model)."""
     order = GPT_PARAMETER_ORDER[spec]
     present = set(keys)
     moe = any(k in present for k in moe_expert_keys())
@@ -82,10 +82,8 @@ def stage_params(keys: Mapping[str, object] | Sequence[str], spec: str, layers: 
     if first:
         out += [(k, None, None) for k in order["first"] if k in present]
     for layer in layers:
-        names = [LAYER_PREFIX + s for s in order["attention"]]
-        for name in names:
-            if name in present:
-                out.append((name, layer, None))
+        out += [(LAYER_PREFIX + s, layer, None) for s in order["attention"]
+                if LAYER_PREFIX + s in present]
         if not moe:
             out += [(LAYER_PREFIX + s, layer, None) for s in order["mlp"]
                     if LAYER_PREFIX + s in present]
