@@ -291,3 +291,24 @@ def test_one_optimizer_is_not_split_into_dense_and_expert_ones(monkeypatch):
     monkeypatch.setattr(UnflattenedOptimizerView, "chained", property(lambda self: []))
     with pytest.raises(UnsupportedError, match="expert optimizer's param groups"):
         view.common_for_target(view.common(), Layout(ep=2))
+
+
+def test_cli_reshards_the_moe_buckets_to_ep1(tmp_path):
+    """``ckpt reshard SRC DST --ep 1`` with no other flag: model-space state, one optimizer
+    entry (the experts join the dense optimizer at ep 1), the content metadata selecting it."""
+    from typer.testing import CliRunner
+
+    from ckpt_tool.cli.app import app
+
+    out = tmp_path / "ep1"
+    result = CliRunner().invoke(app, ["reshard", str(MOE), str(out), "--ep", "1"])
+    assert result.exit_code == 0, result.output
+    assert "16 buckets" in " ".join(result.stdout.replace("│", " ").split())
+    reader = open_checkpoint(out)
+    meta, common = reader.metadata(), reader.common()
+    assert not any(k.startswith("chained_") for k in meta.tensors)
+    assert sorted(common["optimizer"]) == ["optimizer", "param_state_sharding_type"]
+    assert common["content_metadata"]["distrib_optim_sharding_type"] == "fully_reshardable"
+    assert common["args"].expert_model_parallel_size == 1
+    key = "decoder.layers.mlp.experts.experts.linear_fc1.weight"
+    assert torch.equal(reader.read(f"optimizer.state.param.{key}").bfloat16(), reader.read(key))
