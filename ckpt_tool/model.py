@@ -9,6 +9,7 @@ Dtypes are torch dtype names without the ``torch.`` prefix (``"bfloat16"``, ``"f
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +22,7 @@ __all__ = [
     "ObjectMeta",
     "CheckpointMeta",
     "is_optimizer_key",
+    "split_chained",
 ]
 
 DTYPE_ITEMSIZE: dict[str, int] = {
@@ -33,11 +35,22 @@ DTYPE_ITEMSIZE: dict[str, int] = {
 
 
 _OPTIMIZER_PREFIXES = ("optimizer.", "optim.", "optimizer/", "opt_param_scheduler")
+# Megatron-Core's ChainedOptimizer (dense + expert optimizers) prefixes each optimizer's keys
+# with ``chained_{i}.`` in the forms that are not fully reshardable.
+_CHAINED_RE = re.compile(r"^chained_(\d+)\.(?=optimizer\.)")
 
 
 def is_optimizer_key(key: str) -> bool:
-    """True for optimizer state (Megatron-Core ``optimizer.*``, DCP ``optim.*``, schedulers)."""
-    return key.startswith(_OPTIMIZER_PREFIXES)
+    """True for optimizer state (Megatron-Core ``optimizer.*`` and ``chained_{i}.optimizer.*``,
+    DCP ``optim.*``, schedulers)."""
+    return key.startswith(_OPTIMIZER_PREFIXES) or _CHAINED_RE.match(key) is not None
+
+
+def split_chained(key: str) -> tuple[int | None, str]:
+    """``(i, rest)`` for a ChainedOptimizer key ``chained_{i}.optimizer.…``, else
+    ``(None, key)``."""
+    m = _CHAINED_RE.match(key)
+    return (int(m.group(1)), key[m.end():]) if m else (None, key)
 
 
 def dtype_itemsize(dtype: str) -> int:

@@ -20,19 +20,22 @@ from typing import Any
 
 from ckpt_tool.errors import UnsupportedError, plural
 from ckpt_tool.formats.base import Reader
-from ckpt_tool.model import CheckpointMeta, ChunkRef, TensorMeta
+from ckpt_tool.model import CheckpointMeta, ChunkRef, TensorMeta, split_chained
+from ckpt_tool.ops._optim_model_space import _MAIN_0_15, ModelSpaceDistOptimizerView
 from ckpt_tool.planning.feasibility import model_sizes_from
 from ckpt_tool.planning.source_layout import args_of, source_layout_from
 from ckpt_tool.planning.layout import RuleSet
 from ckpt_tool.planning.optim_buckets import (STATES, Bucket, BucketLayoutError, BucketParam,
                                               optimizer_bucket_layout, prove_bucket_layout)
+from ckpt_tool.planning.param_order import moe_expert_keys
 from ckpt_tool.planning.pieces import Piece
 
 __all__ = ["UnflattenedOptimizerView", "GatheredOptimizerView", "ModelSpaceDistOptimizerView",
            "unflatten_bucketed_optimizer"]
 
-_GROUP = re.compile(r"^optimizer\.distributed\.dp_group_idx_(\d+)\.(per_bucket_numel|"
-                    r"per_bucket_numel_unpadded|optimizer|param_state)$")
+_GROUP = re.compile(r"^(chained_\d+\.)?optimizer\.distributed\.dp_group_idx_(\d+)\."
+                    r"(per_bucket_numel|per_bucket_numel_unpadded|optimizer|param_state)$")
+Domain = tuple[str, int]  # (chained prefix, dp_group_idx)
 
 
 def unflatten_bucketed_optimizer(reader: Reader, rules: RuleSet | None = None) -> Reader:
@@ -41,6 +44,7 @@ def unflatten_bucketed_optimizer(reader: Reader, rules: RuleSet | None = None) -
     cannot be rebuilt or proven)."""
     meta = reader.metadata()
     found = meta.extras.get("optimizer_sharding") or {}
+    _refuse_unknown_forms(meta, found)
     if found.get("type") == "dp_reshardable":
         return UnflattenedOptimizerView(reader, rules)
     if found.get("type") == "dp_zero_gather_scatter":
@@ -54,6 +58,34 @@ def unflatten_bucketed_optimizer(reader: Reader, rules: RuleSet | None = None) -
             reader, "converted from legacy distrib_optim.pt (model space per parameter)",
             drop_objects=("distrib_optim", "optimizer"))
     return reader
+
+
+# distrib_optim_sharding_type values Megatron-Core 0.16's DistributedOptimizer knows
+MCORE_SHARDING_TYPES = ("dp_reshardable", "fully_reshardable", "fully_sharded_model_space",
+                        "dp_zero_gather_scatter", "fully_sharded_bucket_space", "fsdp_dtensor")
+_BUCKET_STATE = re.compile(r"^(?:chained_\d+\.)?optimizer\.distributed\.dp_group_idx_\d+\."
+                           r"gbuf_idx_\d+\.dtype_.+\.bucket_idx_\d+\.([^.]+)$")
+
+
+def _refuse_unknown_forms(meta: CheckpointMeta, found: dict[str, Any]) -> None:
+    """UnsupportedError (one line) for optimizer state that Megatron-Core would not load or
+    that is not rebuilt: a declared sharding type it does not know, per-bucket states other
+    than Adam's (param, exp_avg, exp_avg_sq)."""
+    declared = found.get("declared")
+    if found.get("type") and declared and declared not in MCORE_SHARDING_TYPES:
+        raise UnsupportedError(f"{meta.root}: the content metadata's distrib_optim_sharding_type "
+                               f"{declared!r} is not a form Megatron-Core knows (one of "
+                               f"{', '.join(MCORE_SHARDING_TYPES)})",
+                               hint="reshard with --drop-optimizer")
+    if found.get("type") != "dp_reshardable":
+        return
+    for k in meta.tensors:
+        m = _BUCKET_STATE.match(k)
+        if m and m.group(1) not in STATES:
+            raise UnsupportedError(f"{meta.root}: optimizer state {m.group(1)!r} in the "
+                                   f"per-bucket tensors ({k}) is not rebuilt: only Adam's "
+                                   f"{', '.join(STATES)} are", hint="reshard with "
+                                   "--drop-optimizer (nothing is guessed)")
 
 
 class UnflattenedOptimizerView(Reader):
@@ -83,7 +115,7 @@ class UnflattenedOptimizerView(Reader):
             raise UnsupportedError(f"{where}: the rebuilt bucket layout does not match the "
                                    f"checkpoint: {problems[0]}{more}",
                                    hint="reshard with --drop-optimizer (nothing is guessed)")
-        domains = len({b.dp_group_idx for b in self.buckets})
+        domains = len({b.domain for b in self.buckets})
         self.summary = (f"unflattened from {self.form}: {plural(len(self.buckets), 'bucket')} in "
                         f"{plural(domains, 'model-parallel domain')} "
                         f"proven against {self.proven_by}")
@@ -96,7 +128,7 @@ class UnflattenedOptimizerView(Reader):
     def _dtype(self) -> str | None:
         return None
 
-    def _prove(self, meta: CheckpointMeta, per_bucket: dict[int, tuple[Any, Any]],
+    def _prove(self, meta: CheckpointMeta, per_bucket: dict[Domain, tuple[Any, Any]],
                dp: int) -> list[str]:
         return prove_bucket_layout(self.buckets, meta, per_bucket, dp)
 
@@ -104,13 +136,14 @@ class UnflattenedOptimizerView(Reader):
         """The ``numel`` elements of parameter ``p`` in bucket ``b``'s ``state``."""
         return self.inner.read(b.key(state), (slice(p.start, p.start + p.numel),))
 
-    def _group_objects(self, meta: CheckpointMeta) -> tuple[dict[int, tuple[Any, Any]],
-                                                             dict[int, Any]]:
-        values: dict[tuple[int, str], Any] = {}
+    def _group_objects(self, meta: CheckpointMeta) -> tuple[dict[Domain, tuple[Any, Any]],
+                                                             dict[Domain, Any]]:
+        values: dict[tuple[Domain, str], Any] = {}
         for o in meta.objects:
             m = _GROUP.match(o.key)
             if m:
-                values[(int(m.group(1)), m.group(2))] = self.inner.read_object(o.unique_key)
+                values[((m.group(1) or "", int(m.group(2))), m.group(3))] = \
+                    self.inner.read_object(o.unique_key)
         groups = {i for i, _ in values}
         per_bucket = {i: (values[(i, "per_bucket_numel")], values[(i, "per_bucket_numel_unpadded")])
                       for i in groups if (i, "per_bucket_numel") in values
@@ -121,7 +154,7 @@ class UnflattenedOptimizerView(Reader):
 
     def _build_meta(self, meta: CheckpointMeta) -> CheckpointMeta:
         tensors = {k: t for k, t in meta.tensors.items()
-                   if not k.startswith("optimizer.distributed.")}
+                   if not split_chained(k)[1].startswith("optimizer.distributed.")}
         by_key: dict[str, list[tuple[Piece, BucketParam, Bucket]]] = {}
         for b in self.buckets:
             for p in b.params:
@@ -145,13 +178,22 @@ class UnflattenedOptimizerView(Reader):
                                         "declared": self.form}
         common = dict(meta.common)
         if isinstance(common.get("content_metadata"), dict):
-            common["content_metadata"] = {**common["content_metadata"],
-                                          "distrib_optim_sharding_type": "fully_reshardable"}
+            common["content_metadata"] = self._content_metadata(common["content_metadata"])
         return replace(meta, tensors=tensors, objects=objects, extras=extras, common=common)
 
     def _state_dtype(self, meta: CheckpointMeta) -> str:
         return next(t.dtype for k, t in meta.tensors.items()
-                    if k.startswith("optimizer.distributed."))
+                    if split_chained(k)[1].startswith("optimizer.distributed."))
+
+    @property
+    def chained(self) -> list[str]:
+        """The ChainedOptimizer's prefixes (``chained_0.``, ...); empty for one optimizer."""
+        return sorted({b.prefix for b in self.buckets if b.prefix})
+
+    def _content_metadata(self, cm: dict[str, Any]) -> dict[str, Any]:
+        # fully_reshardable keys carry no chained prefix only with chained_optim_avoid_prefix
+        extra = {"chained_optim_avoid_prefix": True} if self.chained else {}
+        return {**cm, "distrib_optim_sharding_type": "fully_reshardable", **extra}
 
     def metadata(self) -> CheckpointMeta:
         return self._meta
@@ -160,14 +202,39 @@ class UnflattenedOptimizerView(Reader):
         common = dict(self._common)
         cm = common.get("content_metadata")
         if isinstance(cm, dict):
-            common["content_metadata"] = {**cm, "distrib_optim_sharding_type": "fully_reshardable"}
-        groups = self._groups.get(0)
-        optimizer = dict(common.get("optimizer") or {})
+            common["content_metadata"] = self._content_metadata(cm)
+        stored = common.get("optimizer") or {}
+        if not self.chained:
+            common["optimizer"] = self._one_optimizer(stored, "")
+            return common
+        common["optimizer"] = {i: self._one_optimizer(stored.get(i) or {}, prefix)
+                               for i, prefix in enumerate(self.chained)}
+        return common
+
+    def _one_optimizer(self, stored: Any, prefix: str) -> dict[str, Any]:
+        """One optimizer's common entry: its param groups (from its lowest domain's object)."""
+        optimizer = dict(stored or {})
+        domains = sorted(d for d in self._groups if d[0] == prefix)
+        groups = self._groups.get(domains[0]) if domains else None
         if groups is not None:
             optimizer["optimizer"] = copy.deepcopy(groups)
         optimizer["param_state_sharding_type"] = "fully_reshardable"
-        common["optimizer"] = optimizer
-        return common
+        return optimizer
+
+    def common_for_target(self, common: dict[str, Any], target: Any) -> dict[str, Any]:
+        """``common`` (from :meth:`common`) with its ``optimizer`` entry shaped as the target
+        layout's optimizer: a ChainedOptimizer saves one entry per optimizer, and at ``ep`` 1
+        the routed experts join the dense optimizer (its param groups; the expert optimizer and
+        its entry go)."""
+        expert_parallel = int(getattr(target, "ep", 1) or 1) > 1
+        if not self.chained and expert_parallel and any(
+                p.key in moe_expert_keys() for b in self.buckets for p in b.params):
+            raise UnsupportedError("the source has one optimizer (its experts in the dense "
+                                   "buffers): the expert optimizer's param groups at ep > 1 "
+                                   "are not in it", hint="reshard with --drop-optimizer")
+        if not self.chained or expert_parallel:
+            return common
+        return {**common, "optimizer": common["optimizer"][0]}
 
     def read(self, key: str, slices: tuple[slice, ...] | None = None) -> Any:
         if key not in self._sources:
@@ -223,40 +290,40 @@ class GatheredOptimizerView(UnflattenedOptimizerView):
     form = "dp_zero_gather_scatter"
     proven_by = "each buffer's length and every main parameter against its model parameter"
 
-    def _buffer(self, group: int) -> tuple[str, dict[str, Any]]:
+    def _buffer(self, group: Domain) -> tuple[str, dict[str, Any]]:
         state = self._param_state.get(group)
         if not isinstance(state, dict) or not isinstance(state.get(0), dict) or len(state) != 2:
-            raise UnsupportedError(f"dp_group_idx_{group}: param_state is missing or holds "
-                                   "more than one buffer (not rebuilt)")
+            raise UnsupportedError(f"{group[0]}dp_group_idx_{group[1]}: param_state is missing "
+                                   "or holds more than one buffer (not rebuilt)")
         (dtype, states), = state[0].items()
         return str(dtype), states
 
     def _dtype(self) -> str | None:
-        return self._buffer(min(self._param_state or {0: None}))[0]
+        return self._buffer(min(self._param_state or {("", 0): None}))[0]
 
     def _state_dtype(self, meta: CheckpointMeta) -> str:
         return "float32"
 
     def _flat(self, b: Bucket, p: BucketParam, state: str) -> Any:
-        start = sum(o.numel_unpadded for o in self.buckets if o.dp_group_idx == b.dp_group_idx
+        start = sum(o.numel_unpadded for o in self.buckets if o.domain == b.domain
                     and o.bucket_idx < b.bucket_idx) + p.start
-        return self._buffer(b.dp_group_idx)[1][state][start:start + p.numel]
+        return self._buffer(b.domain)[1][state][start:start + p.numel]
 
     def _prove(self, meta: CheckpointMeta, per_bucket: dict[int, tuple[Any, Any]],
                dp: int) -> list[str]:
         import torch
 
         problems = []
-        for group in sorted({b.dp_group_idx for b in self.buckets}):
+        for group in sorted({b.domain for b in self.buckets}):
+            where = f"{group[0]}dp_group_idx_{group[1]}"
             if group not in self._param_state:
-                return [f"dp_group_idx_{group}: param_state is missing"]
+                return [f"{where}: param_state is missing"]
             states = self._buffer(group)[1]
-            want = sum(b.numel_unpadded for b in self.buckets if b.dp_group_idx == group)
+            want = sum(b.numel_unpadded for b in self.buckets if b.domain == group)
             got = [int(states.get("numel_unpadded", -1))] + [
                 int(states[s].numel()) for s in STATES if s in states]
             if any(n != want for n in got) or len(got) != 1 + len(STATES):
-                problems.append(f"dp_group_idx_{group}: rebuilt buffer of {want} elements, "
-                                f"stored {got}")
+                problems.append(f"{where}: rebuilt buffer of {want} elements, stored {got}")
         if problems:
             return problems
         seen = set()  # a tp-replicated parameter: the lowest tp rank's copy, the one used
@@ -272,68 +339,7 @@ class GatheredOptimizerView(UnflattenedOptimizerView):
                     part = main[tuple(slice(o, o + n) for o, n in
                                       zip(piece.local_offsets, piece.sizes))]
                     if not torch.equal(part.to(model.dtype), model):
-                        return [f"dp_group_idx_{b.dp_group_idx} bucket {b.bucket_idx}: the main "
-                                f"parameter at element {p.start} does not round to {p.key}"]
+                        return [f"{b.prefix}dp_group_idx_{b.dp_group_idx} bucket "
+                                f"{b.bucket_idx}: the main parameter at element {p.start} "
+                                f"does not round to {p.key}"]
         return []
-
-
-_MAIN_0_15 = "optimizer.state.fp32_param."
-_MCORE_LM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable",
-                      "singleton_local_shards": False, "chained_optim_avoid_prefix": True}
-
-
-class ModelSpaceDistOptimizerView(Reader):
-    """DistributedOptimizer state that a reader already presents per parameter but under the
-    older name of the fp32 main parameter (``optimizer.state.fp32_param.<key>``: Megatron-Core
-    0.15's ``fully_sharded_model_space``, the legacy ``distrib_optim.pt`` whose slots the legacy
-    reader rebuilds) in the form Megatron-Core 0.16 resumes from at any layout:
-    ``fully_reshardable`` (``optimizer.state.{param,exp_avg,exp_avg_sq}.<key>``), its common
-    ``optimizer`` entry and the content metadata Megatron-LM writes, with ``fully_reshardable``
-    as the sharding type. ``drop_objects``: keys of objects the new form has no place for."""
-
-    def __init__(self, reader: Reader, summary: str, drop_objects: tuple[str, ...] = ()):
-        super().__init__(reader.path, trust=reader.trust)
-        self.inner = reader
-        self.format_name = reader.format_name
-        meta = reader.metadata()
-        self._names: dict[str, str] = {}
-        tensors: dict[str, TensorMeta] = {}
-        for k, t in meta.tensors.items():
-            new = ("optimizer.state.param." + k[len(_MAIN_0_15):]
-                   if k.startswith(_MAIN_0_15) else k)
-            self._names[new] = k
-            tensors[new] = replace(t, key=new)
-        objects = tuple(o for o in meta.objects if o.key not in drop_objects)
-        extras = dict(meta.extras)
-        extras["optimizer_sharding"] = {"type": "fully_reshardable", "declared": None,
-                                        "source": summary}
-        common = dict(meta.common)
-        common["content_metadata"] = self._content_metadata(common.get("content_metadata"))
-        self._meta = replace(meta, tensors=tensors, objects=objects, extras=extras,
-                             common=common)
-
-    @staticmethod
-    def _content_metadata(cm: Any) -> dict[str, Any]:
-        return {**(cm if isinstance(cm, dict) else _MCORE_LM_METADATA),
-                "distrib_optim_sharding_type": "fully_reshardable"}
-
-    def metadata(self) -> CheckpointMeta:
-        return self._meta
-
-    def common(self) -> dict[str, Any]:
-        common = dict(self.inner.common())
-        optimizer = dict(common.get("optimizer") or {})
-        optimizer.pop("param_state", None)
-        optimizer["param_state_sharding_type"] = "fully_reshardable"
-        common["optimizer"] = optimizer
-        common["content_metadata"] = self._content_metadata(common.get("content_metadata"))
-        return common
-
-    def read(self, key: str, slices: tuple[slice, ...] | None = None) -> Any:
-        return self.inner.read(self._names.get(key, key), slices)
-
-    def read_object(self, unique_key: str) -> Any:
-        return self.inner.read_object(unique_key)
-
-    def close(self) -> None:
-        self.inner.close()

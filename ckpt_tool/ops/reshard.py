@@ -132,6 +132,8 @@ def reshard(src: str | Path, dst: str | Path | None, req: ReshardRequest, *,
         new_common = dict(common)
         new_common["args"] = updated_args(common.get("args"),
                                           {**plan.args_updates, **_world_size(common, layout)})
+        if hasattr(reader, "common_for_target"):  # a ChainedOptimizer's entries at the target
+            new_common = reader.common_for_target(new_common, layout)
         if to != "legacy":
             target = _dist_objects_only(target, new_common, result.notes)
         with staged_output_ranks(out, r, overwrite=overwrite, notes=result.notes) as staging:

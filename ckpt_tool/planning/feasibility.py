@@ -15,8 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 from ckpt_tool.errors import plural
-from ckpt_tool.model import CheckpointMeta, ObjectMeta
-from ckpt_tool.model import Finding
+from ckpt_tool.model import CheckpointMeta, Finding, ObjectMeta, is_optimizer_key, split_chained
 from ckpt_tool.planning.sizes import Layout, ModelSizes, padded_vocab_size, stage_layer_counts
 from ckpt_tool.planning.source_layout import args_of, source_layout_from, source_layout_origins
 
@@ -89,7 +88,7 @@ _FORM_NAMES = {
 
 def _find_shape(meta: CheckpointMeta, suffix: str) -> tuple[int, ...] | None:
     for k, t in meta.tensors.items():
-        if not k.startswith("optimizer.") and k.endswith(suffix):
+        if not is_optimizer_key(k) and k.endswith(suffix):
             return t.shape
     return None
 
@@ -176,7 +175,7 @@ def optimizer_info_from(meta: CheckpointMeta) -> OptimizerInfo:
     """The optimizer state kind of ``meta`` (see :class:`OptimizerInfo`), from its keys: the
     Megatron-Core readers' ``extras["optimizer_sharding"]`` (None for a model-only checkpoint,
     whatever its content metadata declares), else the legacy reader's objects."""
-    keys = tuple(k for k in meta.tensors if k.startswith("optimizer."))
+    keys = tuple(k for k in meta.tensors if split_chained(k)[1].startswith("optimizer."))
     cm = meta.common.get("content_metadata") if isinstance(meta.common, Mapping) else None
     claimed = cm.get("distrib_optim_sharding_type") if isinstance(cm, Mapping) else None
     claimed = None if claimed is None else str(claimed)
@@ -189,9 +188,9 @@ def optimizer_info_from(meta: CheckpointMeta) -> OptimizerInfo:
         sharding = "legacy_distrib_optim"
     elif any(o.key == "optimizer" for o in meta.objects):
         sharding = "legacy_optimizer"
-    elif any(o.key.startswith("optimizer.distributed.") for o in meta.objects):
+    elif any(split_chained(o.key)[1].startswith("optimizer.distributed.") for o in meta.objects):
         sharding = "dp_zero_gather_scatter"
-    elif any(k.startswith("optimizer.distributed.") for k in keys):
+    elif any(split_chained(k)[1].startswith("optimizer.distributed.") for k in keys):
         sharding = "dp_reshardable"
     elif keys:
         sharding = ("fully_reshardable" if any(k.startswith("optimizer.state.param.")

@@ -13,10 +13,14 @@ the stage's parameters in *reverse* registration order: each parameter starts at
 bucket's end is padded to a multiple of ``lcm(dp, 128)`` (``lcm(dp, 128, 2**16)`` with
 ``ddp_pad_buckets_for_high_nccl_busbw``).
 
-The registration order of a GPT's parameters is data (:data:`GPT_PARAMETER_ORDER`), per
-layer spec: the local spec registers ``input_layernorm`` (saved as
-``linear_qkv.layer_norm_*``) before ``linear_proj``; Transformer-Engine layers fuse it into
-``linear_qkv``, after ``linear_proj``. A rebuilt layout is accepted only when it reproduces
+The registration order of a GPT's parameters, dense and MoE, is data
+(:mod:`ckpt_tool.planning.param_order`). MoE models at ``expert_model_parallel_size > 1`` have
+two optimizers in a ``ChainedOptimizer`` whose keys carry ``chained_0.`` (dense buffers) and
+``chained_1.`` (the routed experts' buffers: their own ``dp_group_idx``, padded and split over
+the expert data-parallel size). With a virtual pipeline each optimizer has one buffer per model
+chunk (``gbuf_idx`` counts them in chunk order) and, as Megatron-LM builds DDP
+(``disable_bucketing`` for every chunk but the first), only each stage's first chunk is
+bucketed. A rebuilt layout is accepted only when it reproduces
 the stored ``per_bucket_numel`` / ``per_bucket_numel_unpadded`` and the boundaries of every
 stored piece (each parameter's part on each DP rank, and each padding, is its own chunk).
 """
@@ -25,46 +29,23 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Mapping, Sequence
 
 from ckpt_tool.errors import plural
-from ckpt_tool.model import CheckpointMeta
+from ckpt_tool.model import CheckpointMeta, is_optimizer_key
 from ckpt_tool.planning.layout import RuleSet, rule_for
+from ckpt_tool.planning.param_order import (GPT_PARAMETER_ORDER, MOE_MLP_ORDER, moe_expert_keys,
+                                            stage_params)
 from ckpt_tool.planning.pieces import LocalTensor, rank_pieces
 from ckpt_tool.planning.sizes import Layout, LayerMap, ModelSizes
 
-__all__ = ["GPT_PARAMETER_ORDER", "BucketParam", "Bucket", "BucketLayoutError",
+__all__ = ["GPT_PARAMETER_ORDER", "MOE_MLP_ORDER", "BucketParam", "Bucket", "BucketLayoutError",
            "optimizer_bucket_layout", "prove_bucket_layout", "bucket_key", "STATES"]
 
 STATES = ("param", "exp_avg", "exp_avg_sq")
-_LAYER_PREFIX = "decoder.layers."
-_ATTN_NORM = ["self_attention.linear_qkv.layer_norm_weight",
-              "self_attention.linear_qkv.layer_norm_bias"]
-_ATTN = ["self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
-         "self_attention.q_layernorm.weight", "self_attention.q_layernorm.bias",
-         "self_attention.k_layernorm.weight", "self_attention.k_layernorm.bias"]
-_PROJ = ["self_attention.linear_proj.weight", "self_attention.linear_proj.bias"]
-_MLP = ["mlp.linear_fc1.layer_norm_weight", "mlp.linear_fc1.layer_norm_bias",
-        "mlp.linear_fc1.weight", "mlp.linear_fc1.bias",
-        "mlp.linear_fc2.weight", "mlp.linear_fc2.bias"]
-#: Parameter registration order of Megatron-Core's GPTModel, in saved (dist) key names:
-#: ``first`` on the first pipeline stage, ``layer`` per transformer layer (suffixes of
-#: ``decoder.layers.``), ``last`` on the last stage.
-GPT_PARAMETER_ORDER: dict[str, dict[str, list[str]]] = {
-    "local": {"first": ["embedding.word_embeddings.weight",
-                        "embedding.position_embeddings.weight"],
-              "layer": _ATTN_NORM + _PROJ + _ATTN + _MLP,
-              "last": ["decoder.final_layernorm.weight", "decoder.final_layernorm.bias",
-                       "output_layer.weight"]},
-    "transformer_engine": {"first": ["embedding.word_embeddings.weight",
-                                     "embedding.position_embeddings.weight"],
-                           "layer": _PROJ + _ATTN_NORM + _ATTN + _MLP,
-                           "last": ["decoder.final_layernorm.weight",
-                                    "decoder.final_layernorm.bias", "output_layer.weight"]},
-}
-_BUCKET_RE = re.compile(r"^optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\."
-                        r"dtype_(.+)\.bucket_idx_(\d+)\.([a-z_0-9]+)$")
+_BUCKET_RE = re.compile(r"^(chained_\d+\.)?optimizer\.distributed\.dp_group_idx_(\d+)\."
+                        r"gbuf_idx_(\d+)\.dtype_(.+)\.bucket_idx_(\d+)\.([a-z_0-9]+)$")
 
 
 class BucketLayoutError(ValueError):
@@ -85,7 +66,10 @@ class BucketParam:
 
 @dataclass
 class Bucket:
-    """One DDP bucket of one model-parallel domain."""
+    """One DDP bucket of one model-parallel domain. ``prefix``: the ChainedOptimizer's
+    ``chained_{i}.`` (empty for a single optimizer); ``dp``: the data-parallel size the bucket
+    is padded and split over (the expert data-parallel size for expert buffers); ``ep_rank``:
+    the expert-parallel rank of an expert buffer (None for dense buffers)."""
 
     dp_group_idx: int
     tp_rank: int
@@ -96,33 +80,29 @@ class Bucket:
     numel: int = 0
     numel_unpadded: int = 0
     params: list[BucketParam] = field(default_factory=list)
+    prefix: str = ""
+    dp: int = 0
+    ep_rank: int | None = None
 
     def key(self, state: str) -> str:
-        return bucket_key(self.dp_group_idx, self.gbuf_idx, self.dtype, self.bucket_idx, state)
+        return bucket_key(self.dp_group_idx, self.gbuf_idx, self.dtype, self.bucket_idx, state,
+                          self.prefix)
+
+    @property
+    def domain(self) -> tuple[str, int]:
+        """``(prefix, dp_group_idx)``: which ``per_bucket_numel`` object describes it."""
+        return self.prefix, self.dp_group_idx
 
 
 def bucket_key(dp_group_idx: int, gbuf_idx: int, dtype: str, bucket_idx: int,
-               state: str) -> str:
-    return (f"optimizer.distributed.dp_group_idx_{dp_group_idx}.gbuf_idx_{gbuf_idx}."
+               state: str, prefix: str = "") -> str:
+    """The stored key of one bucket's flat ``state`` tensor."""
+    return (f"{prefix}optimizer.distributed.dp_group_idx_{dp_group_idx}.gbuf_idx_{gbuf_idx}."
             f"dtype_{dtype}.bucket_idx_{bucket_idx}.{state}")
 
 
-def _stage_params(meta: CheckpointMeta, spec: str, layers: Sequence[int], first: bool,
-                  last: bool) -> list[tuple[str, int | None]]:
-    order = GPT_PARAMETER_ORDER[spec]
-    out: list[tuple[str, int | None]] = []
-    if first:
-        out += [(k, None) for k in order["first"] if k in meta.tensors]
-    for layer in layers:
-        out += [(_LAYER_PREFIX + s, layer) for s in order["layer"]
-                if _LAYER_PREFIX + s in meta.tensors]
-    if last:
-        out += [(k, None) for k in order["last"] if k in meta.tensors]
-    return out
-
-
 def _model_keys(meta: CheckpointMeta) -> list[str]:
-    return [k for k in meta.tensors if not k.startswith("optimizer.")]
+    return [k for k in meta.tensors if not is_optimizer_key(k)]
 
 
 def _bucket_size(args: Mapping[str, Any], dp: int, pp_rank: int) -> int | None:
@@ -132,6 +112,40 @@ def _bucket_size(args: Mapping[str, Any], dp: int, pp_rank: int) -> int | None:
     return int(size) if size else max(40_000_000, 1_000_000 * dp)
 
 
+@dataclass(frozen=True)
+class _Sizes:
+    """The parallel sizes DDP and the optimizers were built with."""
+
+    tp: int
+    pp: int
+    ep: int
+    etp: int
+    dp: int
+    edp: int
+    divisor: Callable[[int], int]
+
+
+def _parallel_sizes(source: Layout, args: Mapping[str, Any]) -> _Sizes:
+    if int(args.get("context_parallel_size") or 1) > 1:
+        raise BucketLayoutError("context parallelism: the bucket layout over the data-and-"
+                                "context-parallel group is not rebuilt")
+    world = args.get("world_size")
+    dp = int(args.get("data_parallel_size") or (int(world) // (source.tp * source.pp)
+                                                 if world else 0))
+    if dp < 1:
+        raise BucketLayoutError("the data-parallel size is unknown (no args.data_parallel_size "
+                                "or world_size)")
+    world = dp * source.tp * source.pp
+    etp = source.expert_tp
+    if world % (etp * source.ep * source.pp):
+        raise BucketLayoutError(f"world size {world} does not split into expert tp {etp} x "
+                                f"ep {source.ep} x pp {source.pp}")
+    edp = world // (etp * source.ep * source.pp)
+    busbw = bool(args.get("ddp_pad_buckets_for_high_nccl_busbw"))
+    return _Sizes(source.tp, source.pp, source.ep, etp, dp, edp,
+                  lambda n: math.lcm(n, 128, 2 ** 16) if busbw else math.lcm(n, 128))
+
+
 def optimizer_bucket_layout(meta: CheckpointMeta, sizes: ModelSizes, source: Layout,
                             args: Mapping[str, Any], rules: RuleSet | None = None,
                             spec: str | None = None, dtype: str | None = None) -> list[Bucket]:
@@ -139,75 +153,134 @@ def optimizer_bucket_layout(meta: CheckpointMeta, sizes: ModelSizes, source: Lay
     for the source layout. ``spec``: ``local`` / ``transformer_engine`` (default: from
     ``args.transformer_impl``, Megatron-LM's default being Transformer Engine). ``dtype``: the
     buffer's ``(param dtype, grad dtype)`` as Megatron-Core prints it (default: from the
-    per-bucket tensor keys)."""
+    per-bucket tensor keys).
+
+    MoE at ``ep > 1``: per stage the dense optimizer (``chained_0.``; domain
+    ``tp_rank + tp * pp_rank``, padded over the data-parallel size) and the expert optimizer
+    (``chained_1.``; domain ``etp_rank + etp * (ep_rank + ep * pp_rank)``, the rank in the
+    expert tp-ep-pp group, padded over the expert data-parallel size); routed experts are
+    placed contiguously by expert-parallel rank."""
     spec = spec or ("local" if args.get("transformer_impl") == "local" else "transformer_engine")
-    if source.vpp and source.vpp > 1:
-        raise BucketLayoutError("virtual pipeline stages: the bucket layout of model chunks is "
-                                "not rebuilt")
-    if source.ep > 1 or sizes.num_experts:
-        raise BucketLayoutError("expert-parallel buffers: the bucket layout of MoE models is "
-                                "not rebuilt")
+    vpp = source.vpp or 1
+    if vpp > 1 and args.get("overlap_param_gather_with_optimizer_step"):
+        raise BucketLayoutError("virtual pipeline with overlap_param_gather_with_optimizer_step: "
+                                "one dense optimizer per model chunk is not rebuilt")
     if sizes.num_layers is None:
         raise BucketLayoutError("the number of layers is unknown (no args.num_layers)")
-    world = args.get("world_size")
-    dp = int(args.get("data_parallel_size") or (int(world) // (source.tp * source.pp)
-                                                 if world else 0))
-    if dp < 1:
-        raise BucketLayoutError("the data-parallel size is unknown (no args.data_parallel_size "
-                                "or world_size)")
+    ps = _parallel_sizes(source, args)
     tied = not args.get("untie_embeddings_and_output_weights", True)
-    divisor = math.lcm(dp, 128, 2 ** 16) if args.get(
-        "ddp_pad_buckets_for_high_nccl_busbw") else math.lcm(dp, 128)
     dtype = dtype or _buffer_dtype(meta)
     rules = rules or RuleSet()
     lm = LayerMap(sizes.num_layers, source)
-    known = {k for p in range(source.pp)
-             for k, _l in _stage_params(meta, spec, lm.layers_of(p), p == 0,
-                                        p == source.pp - 1)}
-    unknown = [k for k in _model_keys(meta) if k not in known]
+    model_keys = _model_keys(meta)
+    experts = _expert_split(meta, sizes, ps, model_keys)
+    known = {k for p in range(ps.pp)
+             for k, _l, _e in stage_params(model_keys, spec, lm.layers_of(p), p == 0,
+                                           p == ps.pp - 1, experts[0])}
+    unknown = [k for k in model_keys if k not in known]
     if unknown:
         raise BucketLayoutError(f"no parameter-order rule for {unknown[0]!r}"
                                 + (f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""))
+    expert_parallel = ps.ep > 1 and bool(experts[0])
     out: list[Bucket] = []
-    for pp_rank in range(source.pp):
-        params = _stage_params(meta, spec, lm.layers_of(pp_rank), pp_rank == 0,
-                               pp_rank == source.pp - 1)
-        for tp_rank in range(source.tp):
-            idx = tp_rank + source.tp * pp_rank
-            locals_ = [_local(meta, k, layer, sizes, source, tp_rank, rules) for k, layer in params]
-            out += _lay_out(idx, tp_rank, pp_rank, dtype, locals_,
-                            _bucket_size(args, dp, pp_rank), divisor, tied)
+    for pp_rank in range(ps.pp):
+        has_experts = expert_parallel and bool(lm.layers_of(pp_rank))
+        gbufs: dict[tuple[str, int], int] = {}  # buffers so far per optimizer domain
+        for vp in range(vpp):
+            out += _chunk_buckets(meta, sizes, ps, spec, rules, lm, experts, pp_rank, vp, vpp,
+                                  has_experts, dtype, tied, gbufs,
+                                  _bucket_size(args, ps.dp, pp_rank) if vp == 0 else None)
     return out
+
+
+def _chunk_buckets(meta: CheckpointMeta, sizes: ModelSizes, ps: _Sizes, spec: str,
+                   rules: RuleSet, lm: LayerMap, experts: list[list[int]], pp_rank: int, vp: int,
+                   vpp: int, has_experts: bool, dtype: str, tied: bool,
+                   gbufs: dict[tuple[str, int], int], size: int | None) -> list[Bucket]:
+    """The buckets of one model chunk's buffers on every rank of pipeline stage ``pp_rank``
+    (Megatron-LM buckets only each stage's first chunk: ``disable_bucketing`` for the
+    others)."""
+    layers = lm.layers_of(pp_rank, vp if vpp > 1 else None)
+    first, last = pp_rank == 0 and vp == 0, pp_rank == ps.pp - 1 and vp == vpp - 1
+    model_keys = _model_keys(meta)
+    out: list[Bucket] = []
+
+    def add(template: Bucket, locals_: list[tuple[str, LocalTensor]], dp: int) -> None:
+        if not locals_:  # DDP makes no buffer without parameters
+            return
+        gbuf = gbufs.get(template.domain, 0)
+        gbufs[template.domain] = gbuf + 1
+        out.extend(_lay_out(replace(template, gbuf_idx=gbuf), locals_, size, ps.divisor(dp),
+                            tied))
+
+    dense = [p for p in stage_params(model_keys, spec, layers, first, last, experts[0])
+             if not (has_experts and p[2] is not None)]
+    for tp_rank in range(ps.tp):
+        add(Bucket(tp_rank + ps.tp * pp_rank, tp_rank, pp_rank, 0, dtype, 0,
+                   prefix="chained_0." if has_experts else "", dp=ps.dp),
+            [_local(meta, k, layer, None if e is None else [e], sizes, ps.tp, tp_rank, rules)
+             for k, layer, e in dense], ps.dp)
+    if not has_experts:
+        return out
+    for ep_rank in range(ps.ep):
+        mine = [p for p in stage_params(model_keys, spec, layers, first, last, experts[ep_rank])
+                if p[2] is not None]
+        for etp_rank in range(ps.etp):
+            idx = etp_rank + ps.etp * (ep_rank + ps.ep * pp_rank)
+            add(Bucket(idx, etp_rank, pp_rank, 0, dtype, 0, prefix="chained_1.", dp=ps.edp,
+                       ep_rank=ep_rank),
+                [_local(meta, k, layer, [e], sizes, ps.etp, etp_rank, rules)
+                 for k, layer, e in mine], ps.edp)
+    return out
+
+
+def _expert_split(meta: CheckpointMeta, sizes: ModelSizes, ps: _Sizes,
+                  model_keys: list[str]) -> list[list[int]]:
+    """The global routed experts of each expert-parallel rank (``[[]]`` for a dense model)."""
+    stacked = [k for k in moe_expert_keys() if k in meta.tensors]
+    if not stacked:
+        return [[] for _ in range(ps.ep)]
+    counts = {meta.tensors[k].shape[1] for k in stacked}
+    n = sizes.num_experts or next(iter(counts))
+    if counts != {n}:
+        raise BucketLayoutError(f"{stacked[0]}: {sorted(counts)} stacked experts, "
+                                f"args.num_experts {sizes.num_experts}")
+    if n % ps.ep:
+        raise BucketLayoutError(f"{n} experts do not split over ep {ps.ep}")
+    if ps.ep == 1 and ps.etp != ps.tp:
+        raise BucketLayoutError(f"experts in the dense buffer (ep 1) with expert tp {ps.etp} "
+                                f"!= tp {ps.tp}: not rebuilt")
+    local = n // ps.ep
+    return [list(range(r * local, (r + 1) * local)) for r in range(ps.ep)]
 
 
 def _buffer_dtype(meta: CheckpointMeta) -> str:
     for k in meta.tensors:
         m = _BUCKET_RE.match(k)
         if m:
-            return m.group(3)
+            return m.group(4)
     raise BucketLayoutError("no per-bucket optimizer tensors")
 
 
-def _local(meta: CheckpointMeta, key: str, layer: int | None, sizes: ModelSizes, source: Layout,
-           tp_rank: int, rules: RuleSet) -> tuple[str, LocalTensor]:
+def _local(meta: CheckpointMeta, key: str, layer: int | None, experts: list[int] | None,
+           sizes: ModelSizes, tp: int, tp_rank: int, rules: RuleSet) -> tuple[str, LocalTensor]:
     t = meta.tensors[key]
     rule = rule_for(key, rules)
-    found = rank_pieces(key, t.shape, rule, tp=source.tp, tp_rank=tp_rank,
+    found = rank_pieces(key, t.shape, rule, tp=tp, tp_rank=tp_rank,
                         gated=sizes.gated_linear_unit,
-                        layers=None if layer is None else [layer])
+                        layers=None if layer is None else [layer], experts=experts)
     if len(found) != 1:
         raise BucketLayoutError(f"{key}: expected one local tensor per layer, got {len(found)}")
     return key, found[0]
 
 
-def _lay_out(idx: int, tp_rank: int, pp_rank: int, dtype: str,
-             params: list[tuple[str, LocalTensor]], bucket_size: int | None, divisor: int,
-             tied: bool) -> list[Bucket]:
+def _lay_out(template: Bucket, params: list[tuple[str, LocalTensor]], bucket_size: int | None,
+             divisor: int, tied: bool) -> list[Bucket]:
     def pad(n: int, d: int) -> int:
         return -(-n // d) * d
 
     buckets: list[Bucket] = []
-    current = Bucket(idx, tp_rank, pp_rank, 0, dtype, 0)
+    current = replace(template, params=[])
     bucket_start = start = end = 0
 
     def close(param_end: int) -> int:
@@ -216,7 +289,7 @@ def _lay_out(idx: int, tp_rank: int, pp_rank: int, dtype: str,
         bucket_end = pad(param_end, divisor)
         current.numel = bucket_end - bucket_start
         buckets.append(current)
-        current = Bucket(idx, tp_rank, pp_rank, 0, dtype, len(buckets))
+        current = replace(template, bucket_idx=len(buckets), params=[])
         bucket_start = bucket_end
         return bucket_end
 
@@ -238,34 +311,38 @@ def _lay_out(idx: int, tp_rank: int, pp_rank: int, dtype: str,
 
 
 def prove_bucket_layout(buckets: Sequence[Bucket], meta: CheckpointMeta,
-                        per_bucket: Mapping[int, tuple[Any, Any]], dp: int) -> list[str]:
+                        per_bucket: Mapping[Any, tuple[Any, Any]], dp: int) -> list[str]:
     """Every disagreement between the rebuilt ``buckets`` and the checkpoint: the stored
-    ``per_bucket_numel`` / ``per_bucket_numel_unpadded`` (``per_bucket[dp_group_idx]``, as
-    saved: a list over buffers of ``{(param dtype, grad dtype): [numel, ...]}``), the bucket
-    tensors' keys and lengths, and the chunk boundaries of each bucket tensor."""
+    ``per_bucket_numel`` / ``per_bucket_numel_unpadded`` (``per_bucket[(prefix,
+    dp_group_idx)]``, or ``per_bucket[dp_group_idx]`` without a chained prefix; as saved: a list
+    over buffers of ``{(param dtype, grad dtype): [numel, ...]}``), the bucket tensors' keys and
+    lengths, and the chunk boundaries of each bucket tensor. ``dp``: the data-parallel size of
+    buckets that do not carry their own."""
     problems: list[str] = []
-    by_group: dict[int, list[Bucket]] = {}
+    by_group: dict[tuple[str, int], list[Bucket]] = {}
     for b in buckets:
-        by_group.setdefault(b.dp_group_idx, []).append(b)
+        by_group.setdefault(b.domain, []).append(b)
     stored_keys = {k for k in meta.tensors if _BUCKET_RE.match(k)}
     expected_keys = {b.key(s) for b in buckets for s in STATES}
     if stored_keys - expected_keys:
         problems.append(f"{plural(len(stored_keys - expected_keys), 'stored bucket tensor')} "
                         "not in the "
                         f"rebuilt layout, e.g. {sorted(stored_keys - expected_keys)[0]}")
-    for idx, group in sorted(by_group.items()):
-        if idx not in per_bucket:
-            problems.append(f"dp_group_idx_{idx}: per_bucket_numel is missing")
+    for (prefix, idx), group in sorted(by_group.items()):
+        where = f"{prefix}dp_group_idx_{idx}"
+        stored = per_bucket.get((prefix, idx), per_bucket.get(idx) if not prefix else None)
+        if stored is None:
+            problems.append(f"{where}: per_bucket_numel is missing")
             continue
-        numel, unpadded = (_flat_numels(v) for v in per_bucket[idx])
+        numel, unpadded = (_flat_numels(v) for v in stored)
         want = [b.numel for b in group], [b.numel_unpadded for b in group]
         if (numel, unpadded) != want:
-            problems.append(f"dp_group_idx_{idx}: rebuilt buckets of {want[0]} elements "
+            problems.append(f"{where}: rebuilt buckets of {want[0]} elements "
                             f"({want[1]} unpadded), stored per_bucket_numel {numel} "
                             f"({unpadded} unpadded)")
             continue
         for b in group:
-            problems += _prove_chunks(b, meta, dp)
+            problems += _prove_chunks(b, meta, b.dp or dp)
     return problems
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 from ckpt_tool.errors import plural
-from ckpt_tool.model import CheckpointMeta, ChunkRef, ObjectMeta, TensorMeta
+from ckpt_tool.model import CheckpointMeta, ChunkRef, ObjectMeta, TensorMeta, split_chained
 from ckpt_tool.planning.feasibility import (ERROR, NOTE, RESHARDABLE_OPTIMIZERS, WARNING,
                                             OptimizerInfo,
                                             Problem, check_layout,
@@ -256,7 +256,7 @@ def plan_reshard(meta: CheckpointMeta, target: Layout, rules: RuleSet | None = N
     drop_opt = options.drop_optimizer
     opt_keys = set(opt.keys)
     skip = opt_keys if drop_opt else {k for k in opt_keys
-                                      if k.startswith("optimizer.distributed.")}
+                                      if split_chained(k)[1].startswith("optimizer.distributed.")}
     rule_of = _resolve_rules(meta, rules, source, skip, problems)
     if not plan.ok or sizes.num_layers is None:
         return plan
@@ -385,7 +385,8 @@ def _plan_objects(meta: CheckpointMeta, plan: ReshardPlan, lm: LayerMap,
     for o in meta.objects:
         if o.key == "rng_state" and not same_tp_pp:
             plan.dropped.append(o.unique_key)
-        elif o.key in ("optimizer", "distrib_optim") or o.key.startswith("optimizer."):
+        elif o.key in ("optimizer", "distrib_optim") or split_chained(o.key)[1].startswith(
+                "optimizer."):
             if plan.options.drop_optimizer or not same_tp_pp:
                 plan.dropped.append(o.unique_key)
             else:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from ckpt_tool.model import CheckpointMeta
+from ckpt_tool.model import CheckpointMeta, is_optimizer_key
 from ckpt_tool.planning.sizes import Layout
 
 __all__ = ["args_of", "source_layout_from", "source_layout_origins"]
@@ -92,7 +92,7 @@ def _tp_from_chunk_grids(meta: CheckpointMeta) -> int | None:
     such tensor agrees."""
     seen: set[int] = set()
     for k, t in meta.tensors.items():
-        if k.startswith("optimizer.") or ".experts." in k or not t.chunks:
+        if is_optimizer_key(k) or ".experts." in k or not t.chunks:
             continue
         if k.endswith(_VOCAB_SPLIT) and len(t.shape) == 2:
             axis = 0

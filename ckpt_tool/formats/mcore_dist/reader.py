@@ -27,8 +27,10 @@ __all__ = ["read_backend_config", "infer_optimizer_sharding", "McoreDistReader",
 METADATA_JSON = "metadata.json"
 COMMON_FILE = "common.pt"
 COMMON_STATE_OBJECT = "common_state"
-_DP_BUCKET_RE = re.compile(r"optimizer\.distributed\.dp_group_idx_\d+\.gbuf_idx_\d+\..*bucket_idx_")
-_DP_PARAM_STATE_RE = re.compile(r"optimizer\.distributed\.dp_group_idx_\d+\.param_state")
+_DP_BUCKET_RE = re.compile(r"(chained_\d+\.)?optimizer\.distributed\.dp_group_idx_\d+\."
+                           r"gbuf_idx_\d+\..*bucket_idx_")
+_DP_PARAM_STATE_RE = re.compile(r"(chained_\d+\.)?optimizer\.distributed\.dp_group_idx_\d+\."
+                                r"param_state")
 
 
 def read_backend_config(ckpt_dir: Path) -> dict[str, Any]:
