@@ -26,7 +26,7 @@ from ckpt_tool.parallel import ranks as current_ranks
 __all__ = ["ConvertResult", "convert", "SINGLE_FILE_TARGETS", "Progress"]
 
 # Targets written as one file when DST looks like a file name.
-SINGLE_FILE_TARGETS = {"torch": (".pt", ".pth", ".bin", ".ckpt")}
+SINGLE_FILE_TARGETS = {"torch": (".pt", ".pth", ".bin", ".ckpt"), "safetensors": (".safetensors",)}
 
 
 
@@ -80,6 +80,11 @@ def convert(src: str | Path, dst: str | Path, options: ConvertOptions, *, trust:
         meta = reader.metadata()
         plan = plan_convert(meta, options)
         file_name = _single_file_name(out, options.to)
+        if file_name and options.to == "safetensors":  # one file, as DST names it
+            if max_shard_size:
+                raise UsageError(f"{out.name} names one safetensors file, and --max-shard-size "
+                                 "asks for shards", hint="give a directory as DST for shards")
+            max_shard_size = max(plan.target.total_bytes, 1)
         sizes = {k: t.nbytes for k, t in plan.target.tensors.items()}
         raw = options.to == "safetensors" and raw_source_applies(reader, plan.key_map,
                                                                   plan.dtypes)

@@ -102,3 +102,39 @@ def test_workers_write_in_parallel_with_the_same_result(tmp_path):
     same = runner.invoke(app, ["diff", str(optim), str(tmp_path / "w"), "--json"])
     assert same.exit_code == 0, same.output
     assert json.loads(same.stdout)["stats"]["tensors_compared"] == 64
+
+
+MCORE = FIX / "mcore016_gpt_tp2pp2_fp32"
+
+
+def test_single_file_targets_are_written_where_named_and_read_back(tmp_path):
+    out = tmp_path / "m.safetensors"
+    result = runner.invoke(app, ["convert", str(MCORE), str(out), "--to", "safetensors"])
+    assert result.exit_code == 0, result.output
+    assert out.is_file()  # not a directory named m.safetensors
+    out_pt = tmp_path / "m.pt"
+    assert runner.invoke(app, ["convert", str(MCORE), str(out_pt), "--to", "torch"]).exit_code == 0
+    assert out_pt.is_file()
+    for path in (out, out_pt):
+        for argv in (["inspect", str(path)], ["validate", str(path)]):
+            assert runner.invoke(app, argv).exit_code == 0, argv
+    result = runner.invoke(app, ["diff", str(out), str(out_pt)])
+    assert result.exit_code == 0, result.output
+
+
+def test_a_directory_target_is_read_back_by_every_command(tmp_path):
+    out = tmp_path / "x"  # no file suffix: a directory holding model.pt
+    assert runner.invoke(app, ["convert", str(MCORE), str(out), "--to", "torch"]).exit_code == 0
+    assert (out / "model.pt").is_file()
+    for argv in (["inspect", str(out)], ["validate", str(out)],
+                 ["diff", str(out), str(out / "model.pt")]):
+        result = runner.invoke(app, argv)
+        assert result.exit_code == 0, (argv, result.output)
+
+
+def test_one_safetensors_file_with_shards_asked_is_one_line_exit_2(tmp_path):
+    out = tmp_path / "m.safetensors"
+    result = runner.invoke(app, ["convert", str(MCORE), str(out), "--to", "safetensors",
+                                 "--max-shard-size", "1000"])
+    assert result.exit_code == 2 and "names one safetensors file" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and not out.exists()

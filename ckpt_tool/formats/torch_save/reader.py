@@ -35,11 +35,25 @@ from ckpt_tool.model import ChunkRef, CheckpointMeta, TensorMeta
 
 __all__ = ["LEGACY_MAGIC", "flatten_state", "zip_data_offsets", "TorchSaveReader", "TORCH"]
 
+#: What ``ckpt convert --to torch DIR`` writes into a directory DST (no file suffix).
+DIR_FILE = "model.pt"
+
+
+def _in_dir(path: Path) -> Path:
+    """``DIR/model.pt`` for a directory that holds it and nothing else, else ``path``."""
+    if path.is_dir():
+        entries = [p.name for p in path.iterdir() if not p.name.startswith(".")]
+        if entries == [DIR_FILE] and (path / DIR_FILE).is_file():
+            return path / DIR_FILE
+    return path
+
+
 def sniff(path: Path) -> str | None:
     """A zip with an ``*/data.pkl`` entry (or a damaged zip, reported by ``metadata``), or a
-    legacy (non-zip) torch.save pickle."""
+    legacy (non-zip) torch.save pickle; also a directory holding only ``model.pt``."""
+    path = _in_dir(path)
     if not path.is_file():
-        return "not a file"
+        return f"not a file (or a directory holding only {DIR_FILE})"
     try:
         with open(path, "rb") as f:
             head = f.read(len(LEGACY_MAGIC))
@@ -64,7 +78,7 @@ class TorchSaveReader(Reader):
     format_name = "torch"
 
     def __init__(self, path: Path, *, trust: bool = False):
-        super().__init__(path, trust=trust)
+        super().__init__(_in_dir(Path(path)), trust=trust)
         if not self.path.is_file():
             raise InputError("no such file", path=self.path, hint="check the path")
         with open(self.path, "rb") as f:
