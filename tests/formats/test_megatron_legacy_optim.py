@@ -33,7 +33,7 @@ STATES = ("fp32_param", "exp_avg", "exp_avg_sq")
 
 
 def _tp_merge(key: str, shards: list[torch.Tensor]) -> torch.Tensor:
-    """The TP=1 tensor from TP-local ones (FORMATS.md section 5, stated independently)."""
+    """The TP=1 tensor from TP-local ones (docs/formats.md §5, stated independently)."""
     if len(shards) == 1:
         return shards[0]
     if key.endswith(("linear_fc1.weight", "linear_fc1.bias")):  # SwiGLU [W_r; V_r] per rank

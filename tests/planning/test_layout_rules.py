@@ -66,7 +66,7 @@ def test_every_fixture_key_has_a_rule(metas):
 
 
 def test_agrees_with_legacy_reader_split(metas):
-    """The legacy reader's split rule (FORMATS.md section 5) and ours agree on every key."""
+    """The legacy reader's split rule (docs/formats.md §5) and ours agree on every key."""
     for f in LEGACY:
         for key, t in metas[f].tensors.items():
             for swiglu in (True, False):

@@ -21,7 +21,7 @@ import layouts  # noqa: E402
 
 
 def patch_cuda_for_mcore() -> None:
-    """FORMATS.md §8: what MCore's torch_dist save needs on a CPU-only machine."""
+    """docs/formats.md §8: what MCore's torch_dist save needs on a CPU-only machine."""
     torch.cuda.synchronize = lambda *a, **k: None
     torch.cuda.current_device = lambda: "cpu"
 
