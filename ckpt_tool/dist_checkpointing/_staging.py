@@ -292,11 +292,12 @@ class _StagedUnpickler(pickle.Unpickler):
         return self.attach(path, nbytes).view(offset, shape, getattr(torch, dtype.split(".")[-1]))
 
 
-def dumps_staged(staged: STATE_DICT) -> Tuple[bytes, List[SharedSegment]]:
+def dumps_staged(staged: Any, pickler_cls: Optional[type] = None) -> Tuple[bytes, List[SharedSegment]]:
     """A pickle of ``staged`` in which tensors inside live staging segments of this process
-    are references, and the segments it refers to."""
+    are references, and the segments it refers to. ``pickler_cls``: a subclass of the staged
+    pickler (e.g. one that also sends other tensors the ``torch.multiprocessing`` way)."""
     buf = io.BytesIO()
-    pickler = _StagedPickler(buf, protocol=pickle.HIGHEST_PROTOCOL)
+    pickler = (pickler_cls or _StagedPickler)(buf, pickle.HIGHEST_PROTOCOL)
     pickler.segments = {}
     pickler.dump(staged)
     return buf.getvalue(), list(pickler.segments.values())

@@ -18,10 +18,8 @@ detected (exit status / missing answer); an all-reduce tells every rank, which t
 
 from __future__ import annotations
 
-import io
 import logging
 import os
-import pickle
 import queue as queue_mod
 import select
 import traceback
@@ -32,7 +30,7 @@ import torch
 import torch.multiprocessing as mp
 from multiprocessing.reduction import ForkingPickler
 
-from .._staging import SharedSegment, _StagedPickler, loads_staged
+from .._staging import SharedSegment, _StagedPickler, dumps_staged, loads_staged
 from .._staging_pool import release_staging_memory
 from ..core import CheckpointingException
 from ..utils import debug_time
@@ -121,11 +119,7 @@ class _RequestPickler(_StagedPickler, ForkingPickler):
 
 
 def _dumps_request(request: AsyncRequest) -> bytes:
-    buf = io.BytesIO()
-    pickler = _RequestPickler(buf, pickle.HIGHEST_PROTOCOL)
-    pickler.segments = {}
-    pickler.dump(request)
-    return buf.getvalue()
+    return dumps_staged(request, _RequestPickler)[0]
 
 
 class _SegmentCache:
