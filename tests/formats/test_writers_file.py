@@ -220,6 +220,42 @@ def test_torch_file_is_byte_identical_to_torch_save(tmp_path):
         _same(loaded[k], v)
 
 
+def test_torch_file_with_a_non_ascii_name_is_torch_saves_archive(tmp_path):
+    """torch.save gives such a file the record prefix ``archive``; ours is the same file, also
+    with a tensor over the budget (filled in place afterwards)."""
+    _write("torch", tmp_path / "ours", WriteRequest(meta=_meta(SMALL), source=MemSource(SMALL)),
+           file_name="modèle.pt")
+    torch.save(SMALL, tmp_path / "modèle.pt")
+    assert (tmp_path / "ours" / "modèle.pt").read_bytes() == (tmp_path / "modèle.pt").read_bytes()
+    _write("torch", tmp_path / "slab", WriteRequest(meta=_meta(SMALL), source=MemSource(SMALL)),
+           file_name="modèle.pt", max_memory=16)
+    _same_records(tmp_path / "slab" / "modèle.pt", tmp_path / "modèle.pt")
+
+
+_FULL_DISK = """
+import contextlib, sys
+import ckpt_tool.formats.torch_save.writer as w
+w._zip_target = contextlib.contextmanager(lambda path: (yield "/dev/full"))
+from ckpt_tool.cli.app import main
+sys.argv = ["ckpt", "convert", sys.argv[1], sys.argv[2], "--to", "torch"]
+main()
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_torch_write_failure_is_one_line_not_an_abort(tmp_path):
+    """A failed write leaves torch's zip writer unfinished; finishing it in its C++ destructor
+    would fail again and abort the process (SIGABRT) -- as Ctrl-C during a write did."""
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-c", _FULL_DISK,
+                           str(FIXTURES / "mcore016_gpt_tp2pp2_fp32"), str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.count("\n") == 1 and "writing the archive failed" in proc.stderr
+    assert "disk full" in proc.stderr and "Traceback" not in proc.stderr
+    assert not out.exists() and os.listdir(tmp_path) == []
+
+
 def _same_records(ours, theirs):
     """Same zip records with the same bytes and right CRCs, except the write-time id."""
     with zipfile.ZipFile(ours) as a, zipfile.ZipFile(theirs) as b:

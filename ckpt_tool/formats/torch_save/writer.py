@@ -29,13 +29,16 @@ description.
 from __future__ import annotations
 
 import collections
+import contextlib
 import io
+import os
 import pickle
+import shutil
 import struct
 import zipfile
 from ckpt_tool._crc import crc32
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from ckpt_tool.errors import UnsupportedError, plural
 from ckpt_tool.formats.write_pieces import (DEFAULT_MAX_MEMORY, pull_piece, slab_pieces,
@@ -149,11 +152,8 @@ class TorchSaveWriter(Writer):
         _Pickler(buf, protocol=_PICKLE_PROTOCOL).dump(state)
         data = buf.getvalue()
         del buf, state
-        if str(path).isascii():
-            deferred = self._write_zip(str(path), data, storages, request, budget)
-        else:  # PyTorchFileWriter takes ascii names only; torch.save then hands it a stream
-            with open(path, "wb") as stream:
-                deferred = self._write_zip(stream, data, storages, request, budget)
+        with _zip_target(path) as target:
+            deferred = self._write_zip(target, data, storages, request, budget)
         if deferred:
             _fill_records(path, deferred, request, budget)
         return notes
@@ -168,20 +168,33 @@ class TorchSaveWriter(Writer):
 
         writer = torch._C.PyTorchFileWriter(target, get_crc32_options(),
                                             _get_storage_alignment())
-        writer.write_record("data.pkl", data, len(data))
-        writer.write_record(".format_version", "1", len("1"))
-        alignment = str(_get_storage_alignment())
-        writer.write_record(".storage_alignment", alignment, len(alignment))
-        writer.write_record("byteorder", "little", len("little"))
         deferred = []
-        for key, t in storages:
-            name = f"data/{key}"
-            if t.nbytes > budget:
-                writer.write_record_metadata(name, t.nbytes)  # what torch.save's skip_data does
-                deferred.append((f"{writer.archive_name()}/{name}", t))
-            else:
-                self._write_storage(writer, name, t, request)
-        writer.write_end_of_file()
+        try:
+            writer.write_record("data.pkl", data, len(data))
+            writer.write_record(".format_version", "1", len("1"))
+            alignment = str(_get_storage_alignment())
+            writer.write_record(".storage_alignment", alignment, len(alignment))
+            writer.write_record("byteorder", "little", len("little"))
+            for key, t in storages:
+                name = f"data/{key}"
+                if t.nbytes > budget:
+                    writer.write_record_metadata(name, t.nbytes)  # torch.save's skip_data
+                    deferred.append((f"{writer.archive_name()}/{name}", t))
+                else:
+                    self._write_storage(writer, name, t, request)
+        except BaseException as exc:
+            # An unfinished writer finishes the archive in its C++ destructor, where a second
+            # failed write (a full disk, a write interrupted by Ctrl-C) aborts the process.
+            # Finishing it here marks it finished even when that fails too.
+            with contextlib.suppress(Exception):
+                writer.write_end_of_file()
+            if isinstance(exc, RuntimeError):  # the zip writer's own "file write failed"
+                raise _write_failed(target, exc) from exc
+            raise
+        try:
+            writer.write_end_of_file()
+        except RuntimeError as exc:
+            raise _write_failed(target, exc) from exc
         return deferred
 
     @staticmethod
@@ -194,6 +207,40 @@ class TorchSaveWriter(Writer):
             piece = piece.clone()  # a view into a larger storage: write only its bytes
         writer.write_record(name, piece.untyped_storage(), t.nbytes)
         request.progress(t.nbytes)
+
+
+def _write_failed(target: Any, exc: RuntimeError) -> OSError:
+    """The zip writer's failure as the OSError it stands for (its message names no errno)."""
+    import errno
+
+    reason = str(exc).split("\n", 1)[0]
+    return OSError(errno.EIO, f"writing the archive failed ({reason}); is the disk full or "
+                   "read-only?", getattr(target, "name", target))
+
+
+@contextlib.contextmanager
+def _zip_target(path: Path) -> Iterator[Any]:
+    """The name ``PyTorchFileWriter`` opens ``path`` by. It takes ASCII names only, and
+    ``torch.save`` hands it a Python stream otherwise; but then the writer calls back into
+    Python from C code, where an exception (Ctrl-C's) cannot unwind and aborts the process.
+    So a non-ASCII ``path`` is opened through an ASCII symlink named ``archive`` (the record
+    prefix torch.save gives a stream); the stream is the last resort."""
+    if str(path).isascii():
+        yield str(path)
+        return
+    import tempfile
+
+    link_dir = tempfile.mkdtemp(prefix="ckpt-zip-")
+    link = os.path.join(link_dir, "archive")
+    try:
+        if link.isascii():
+            os.symlink(os.path.abspath(path), link)
+            yield link
+        else:
+            with open(path, "wb") as stream:
+                yield stream
+    finally:
+        shutil.rmtree(link_dir, ignore_errors=True)
 
 
 def _fill_records(path: Path, deferred: list[tuple[str, TensorMeta]], request: WriteRequest,
