@@ -97,12 +97,14 @@ def _import(reader: Reader, meta: CheckpointMeta, options: Any, tp: int, pp: int
     if args["num_layers"] % pp:
         raise UsageError(f"--pp {pp} does not divide the {args['num_layers']} layers",
                          hint="pick a PP size that divides the layer count")
-    recipes = plan_import(meta, config, rule, args,
-                          spec="local" if options.local_spec else "te")
+    # dist checkpoints name the norms as TE does whatever the spec (Megatron-Core's
+    # sharded_state_dict_keys_map); the legacy writer renames them for --local-spec
+    recipes = plan_import(meta, config, rule, args)
     ns = argparse.Namespace(**{**args, "params_dtype": torch_dtype(args["params_dtype"]),
                                "world_size": tp * pp, "data_parallel_size": 1})
     common = {"args": ns, "checkpoint_version": 3.0, "iteration": 0}
-    extra = {"source_common_summary": {"parallel": {"tp": tp, "pp": pp, "ep": 1, "dp": 1}}}
+    extra = {"source_common_summary": {"parallel": {"tp": tp, "pp": pp, "ep": 1, "dp": 1}},
+             "local_spec": options.local_spec}
     return recipes, common, extra
 
 

@@ -87,6 +87,19 @@ def _mcore_name(m: LayerMap, spec: str) -> str:
     return f"{te}_{leaf}" if spec == "te" else f"{local}.{leaf}"
 
 
+def _find_layer_src(meta: CheckpointMeta, m: LayerMap, i: int, layers: int
+                    ) -> tuple[str, Src | None]:
+    """The source of ``m`` in layer ``i``: norms under their TE name (dist checkpoints, TE
+    legacy files) or their local-spec name (local-spec legacy files)."""
+    names = [_mcore_name(m, "te"), _mcore_name(m, "local")] if m.transform == "norm" \
+        else [m.mcore]
+    for name in names:
+        src = _layer_src(meta, name, i, layers)
+        if src is not None:
+            return name, src
+    return names[0], None
+
+
 def _layer_src(meta: CheckpointMeta, name: str, i: int, layers: int) -> Src | None:
     per = f"decoder.layers.{i}.{name}"
     if per in meta.tensors:
@@ -116,7 +129,6 @@ def plan_export(meta: CheckpointMeta, args: dict[str, Any], rule: ArchRule, *, v
         if args.get("group_query_attention", True) else heads
     hd = int(args.get("kv_channels") or int(args["hidden_size"]) // heads)
     geo = Geometry(groups, heads // groups, hd)
-    spec = mcore_spec(meta)
     features = {"qkv_bias"} if _layer_src(meta, "self_attention.linear_qkv.bias", 0,
                                           layers) else set()
     if _layer_src(meta, "self_attention.q_layernorm.weight", 0, layers):
@@ -132,8 +144,7 @@ def plan_export(meta: CheckpointMeta, args: dict[str, Any], rule: ArchRule, *, v
     for i in range(layers):
         prefix = rule.layer_prefix.format(i=i)
         for m in rule.layer_maps(features):
-            name = _mcore_name(m, spec)
-            src = _layer_src(meta, name, i, layers)
+            name, src = _find_layer_src(meta, m, i, layers)
             if src is None:
                 raise _contradiction(f"no {name} for layer {i} ({layers} layers)", meta.root)
             shape = _shape(meta, src)
