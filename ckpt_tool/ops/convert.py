@@ -75,9 +75,9 @@ def convert(src: str | Path, dst: str | Path, options: ConvertOptions, *, trust:
         from ckpt_tool.ops.hf_convert import convert_hf, is_hf_conversion
 
         if is_hf_conversion(detect(src).name, options.to):
-            return convert_hf(src, dst, options, trust=trust, overwrite=overwrite,
-                              verify=verify, tp=tp, pp=pp, max_shard_size=max_shard_size,
-                              progress=progress)
+            return ConvertResult(**convert_hf(
+                src, dst, options, trust=trust, overwrite=overwrite, verify=verify, tp=tp,
+                pp=pp, max_shard_size=max_shard_size, progress=progress))
     if (tp is not None or pp is not None) and options.to != "legacy":
         raise UsageError("--tp/--pp only apply with --to legacy",
                          hint="use 'ckpt reshard' to change the parallel layout")

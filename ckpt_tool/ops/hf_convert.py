@@ -124,10 +124,9 @@ def _target(recipes: list[Recipe], to: str) -> CheckpointMeta:
 def convert_hf(src: str | Path, dst: str | Path, options: Any, *, trust: bool = False,
                overwrite: bool = False, verify: bool = True, tp: int | None = None,
                pp: int | None = None, max_shard_size: int | None = None,
-               progress: Any = None) -> Any:
-    """Convert between a Megatron checkpoint and an HF directory (see the module doc)."""
-    from ckpt_tool.ops.convert import ConvertResult
-
+               progress: Any = None) -> dict[str, Any]:
+    """Convert between a Megatron checkpoint and an HF directory (see the module doc);
+    returns the fields of ``ops.convert.ConvertResult``."""
     start = time.perf_counter()
     out = check_output_target(dst, sources=(src,), overwrite=overwrite)
     with open_checkpoint(src, trust=trust) as reader:
@@ -156,7 +155,7 @@ def convert_hf(src: str | Path, dst: str | Path, options: Any, *, trust: bool = 
             notes += writer_for(options.to)(staging, wopts).write(request)
             if verify:
                 verify_output(staging, trust=trust, what="converted")
-    return ConvertResult(
+    return dict(
         source=str(meta.root), source_format=meta.format, target=str(out), format=options.to,
         tensors=len(target.tensors), objects=0, nbytes=target.total_bytes,
         seconds=time.perf_counter() - start, verified=verify,
