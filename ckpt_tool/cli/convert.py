@@ -49,8 +49,8 @@ def convert(
         "--hf-config", metavar="FILE", help="--to hf: a config.json giving what the "
         "checkpoint's args lack (its values win).", show_default=False)] = None,
     hf_arch: Annotated[Optional[str], typer.Option(
-        "--hf-arch", metavar="NAME", help="HF architecture rule: llama, mistral, qwen2, ... "
-        "(default: from config.json or args).", show_default=False)] = None,
+        "--hf-arch", metavar="NAME", help="HF architecture rule: llama, qwen2, mixtral, gpt2 "
+        "and others (default: from config.json or args).", show_default=False)] = None,
     local_spec: Annotated[bool, typer.Option(
         "--local-spec", help="From an HF directory: norm names of Megatron-Core's local "
         "layer spec (default: the Transformer Engine spec).")] = False,
