@@ -54,6 +54,18 @@ def apply_part(p: Part, tensors: list[Any]) -> Any:
         return _qkv_split(tensors[0], p)
     if p.op == "qkv_fuse":
         return _qkv_fuse(*tensors, p)
+    if p.op == "t":
+        return tensors[0].t()
+    if p.op == "qkv_from_cat":
+        x = tensors[0].t() if p.param("transpose") else tensors[0]
+        kv = p.param("groups") * p.param("head_dim")
+        q, k, v = torch.split(x, [x.shape[0] - 2 * kv, kv, kv], dim=0)
+        return _qkv_fuse(q, k, v, p)
+    if p.op == "qkv_to_cat":
+        parts = [_qkv_split(tensors[0], Part((), "", (), (("part", i),) + p.params))
+                 for i in range(3)]
+        x = torch.cat(parts, dim=0)
+        return x.t() if p.param("transpose") else x
     if p.op == "glu_split":
         return torch.chunk(tensors[0], 2, dim=0)[p.param("half")]
     if p.op == "glu_fuse":

@@ -27,7 +27,7 @@ from ckpt_tool.ops._hf_source import HfSource
 from ckpt_tool.ops._staging import check_output_target, staged_output, verify_output
 from ckpt_tool.planning.hf_plan import Recipe, plan_export, plan_import
 from ckpt_tool.planning.hf_rules import (args_from_hf_config, guess_arch, hf_config_from_args,
-                                         rule_for_config, rule_named)
+                                         moe_layers_check, rule_for_config, rule_named)
 from ckpt_tool.planning.source_layout import args_of
 
 __all__ = ["convert_hf", "is_hf_conversion", "load_hf_config"]
@@ -88,6 +88,7 @@ def _import(reader: Reader, meta: CheckpointMeta, options: Any, tp: int, pp: int
     config = dict(reader.common()["config"])
     config.update(load_hf_config(options.hf_config))
     rule = rule_named(options.hf_arch) if options.hf_arch else rule_for_config(config)
+    moe_layers_check(config, rule)
     args = args_from_hf_config(config, rule, tp=tp, pp=pp, local_spec=options.local_spec)
     heads = args["num_attention_heads"]
     for what, n in (("attention heads", heads), ("query groups", args["num_query_groups"])):
@@ -97,9 +98,10 @@ def _import(reader: Reader, meta: CheckpointMeta, options: Any, tp: int, pp: int
     if args["num_layers"] % pp:
         raise UsageError(f"--pp {pp} does not divide the {args['num_layers']} layers",
                          hint="pick a PP size that divides the layer count")
-    # dist checkpoints name the norms as TE does whatever the spec (Megatron-Core's
-    # sharded_state_dict_keys_map); the legacy writer renames them for --local-spec
-    recipes = plan_import(meta, config, rule, args)
+    # dist checkpoints name the norms as TE does (the local spec's sharded_state_dict_keys_map
+    # maps them); the legacy writer renames them back for --local-spec
+    recipes = plan_import(meta, config, rule, args,
+                          spec="local" if options.local_spec else "te")
     ns = argparse.Namespace(**{**args, "params_dtype": torch_dtype(args["params_dtype"]),
                                "world_size": tp * pp, "data_parallel_size": 1})
     common = {"args": ns, "checkpoint_version": 3.0, "iteration": 0}

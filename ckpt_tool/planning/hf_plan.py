@@ -32,8 +32,10 @@ class Src:
 @dataclass(frozen=True)
 class Part:
     """The sub-tensor of the target at ``index`` (leading dims; ``()`` = all of it), made by
-    ``op`` from ``sources``: ``copy``, ``qkv_split`` (params ``part``), ``qkv_fuse``,
-    ``glu_split`` (``half``), ``glu_fuse``, ``rows`` (keep or zero-pad to ``rows``)."""
+    ``op`` from ``sources``: ``copy``, ``t`` (transpose), ``qkv_split`` (params ``part``),
+    ``qkv_fuse``, ``qkv_to_cat`` / ``qkv_from_cat`` (one [q; k; v] tensor, ``transpose``d
+    when a Conv1D weight), ``glu_split`` (``half``), ``glu_fuse``, ``rows`` (keep or
+    zero-pad to ``rows``)."""
 
     index: tuple[int, ...]
     op: str
@@ -84,7 +86,9 @@ def _mcore_name(m: LayerMap, spec: str) -> str:
         return m.mcore
     base, _, leaf = m.mcore.rpartition(".")
     local, te = TE_NORMS[base]
-    return f"{te}_{leaf}" if spec == "te" else f"{local}.{leaf}"
+    if spec == "moe" and base == "pre_mlp_layernorm":  # no fc1 to fuse the norm into
+        return f"{local}.{leaf}"
+    return f"{te}_{leaf}" if spec in ("te", "moe") else f"{local}.{leaf}"
 
 
 def _find_layer_src(meta: CheckpointMeta, m: LayerMap, i: int, layers: int
@@ -111,6 +115,20 @@ def _layer_src(meta: CheckpointMeta, name: str, i: int, layers: int) -> Src | No
     return None
 
 
+EXPERTS_STACKED = "decoder.layers.mlp.experts.experts."  # SequentialMLP in dist checkpoints
+
+
+def _expert_src(meta: CheckpointMeta, m: LayerMap, i: int, e: int, layers: int) -> Src | None:
+    leaf = m.mcore.removeprefix("mlp.experts.")
+    per = f"decoder.layers.{i}.mlp.experts.local_experts.{e}.{leaf}"
+    if per in meta.tensors:
+        return Src(per)
+    t = meta.tensors.get(EXPERTS_STACKED + leaf)
+    if t is not None and len(t.shape) > 2 and t.shape[0] == layers and e < t.shape[1]:
+        return Src(EXPERTS_STACKED + leaf, (i, e))
+    return None
+
+
 def _shape(meta: CheckpointMeta, s: Src) -> tuple[int, ...]:
     return tuple(meta.tensors[s.key].shape[len(s.index):])
 
@@ -118,6 +136,14 @@ def _shape(meta: CheckpointMeta, s: Src) -> tuple[int, ...]:
 def _contradiction(what: str, root: str) -> InputError:
     return InputError(f"the config contradicts the weights: {what}", path=root,
                       hint="pass the matching config (--hf-config) or fix config.json")
+
+
+def _layer_items(rule: ArchRule, features: set[str], layers: int, experts: int):
+    """``(layer, map, expert)`` for every layer tensor (expert 0 for non-expert maps)."""
+    for i in range(layers):
+        for m in rule.layer_maps(features):
+            for e in range(experts if m.expert else 1):
+                yield i, m, e
 
 
 def plan_export(meta: CheckpointMeta, args: dict[str, Any], rule: ArchRule, *, vocab: int
@@ -141,34 +167,50 @@ def plan_export(meta: CheckpointMeta, args: dict[str, Any], rule: ArchRule, *, v
         out.append(Recipe(hf_key, meta.tensors[src.key].dtype, shape,
                           (Part((), op, (src,), tuple(params)),)))
 
-    for i in range(layers):
+    if _layer_src(meta, "mlp.shared_experts.linear_fc1.weight", 0, layers):
+        features.add("shared")
+    experts = int(args.get("num_experts") or 0)
+    for i, m, e in _layer_items(rule, features, layers, experts):
         prefix = rule.layer_prefix.format(i=i)
-        for m in rule.layer_maps(features):
+        if m.expert:
+            name, src = m.mcore, _expert_src(meta, m, i, e, layers)
+        else:
             name, src = _find_layer_src(meta, m, i, layers)
-            if src is None:
-                raise _contradiction(f"no {name} for layer {i} ({layers} layers)", meta.root)
-            shape = _shape(meta, src)
-            if m.transform == "qkv":
-                rows = groups * (geo.q_per_group + 2) * hd
-                if shape[0] != rows:
-                    raise _contradiction(f"{src.key} has {shape[0]} rows, {groups} query groups "
-                                         f"of {geo.q_per_group} heads x {hd} need {rows}",
-                                         meta.root)
-                for part, hf in enumerate(m.hf):
-                    n = groups * (geo.q_per_group if part == 0 else 1) * hd
-                    add(prefix + hf, src, "qkv_split", (n, *shape[1:]),
-                        (("part", part),) + geo.params)
-            elif m.transform == "glu":
-                for half, hf in enumerate(m.hf):
-                    add(prefix + hf, src, "glu_split", (shape[0] // 2, *shape[1:]),
-                        (("half", half),))
-            else:
-                add(prefix + m.hf[0], src, "copy", shape)
+        if src is None:
+            raise _contradiction(f"no {name} for layer {i}" + (f" expert {e}" if m.expert
+                                                                else "")
+                                 + f" ({layers} layers)", meta.root)
+        shape = _shape(meta, src)
+        if m.transform == "qkv":
+            rows = groups * (geo.q_per_group + 2) * hd
+            if shape[0] != rows:
+                raise _contradiction(f"{src.key} has {shape[0]} rows, {groups} query groups "
+                                     f"of {geo.q_per_group} heads x {hd} need {rows}",
+                                     meta.root)
+            for part, hf in enumerate(m.hf):
+                n = groups * (geo.q_per_group if part == 0 else 1) * hd
+                add(prefix + hf, src, "qkv_split", (n, *shape[1:]),
+                    (("part", part),) + geo.params)
+        elif m.transform == "glu":
+            for half, hf in enumerate(m.hf):
+                add(prefix + hf.format(e=e), src, "glu_split", (shape[0] // 2, *shape[1:]),
+                    (("half", half),))
+        elif m.transform in ("qkv_cat", "qkv_cat_t"):
+            t = int(m.transform == "qkv_cat_t")
+            add(prefix + m.hf[0], src, "qkv_to_cat", tuple(reversed(shape)) if t else shape,
+                (("transpose", t),) + geo.params)
+        elif m.transform == "t":
+            add(prefix + m.hf[0], src, "t", tuple(reversed(shape)))
+        else:
+            add(prefix + m.hf[0].format(e=e), src, "copy", shape)
     for hf_key, key in ((rule.embed, "embedding.word_embeddings.weight"),
                         (rule.lm_head, "output_layer.weight")):
         if key in meta.tensors:
             add(hf_key, Src(key), "rows", (vocab, *meta.tensors[key].shape[1:]),
                 (("rows", vocab),))
+    if rule.positions and "embedding.position_embeddings.weight" in meta.tensors:
+        key = "embedding.position_embeddings.weight"
+        add(rule.positions, Src(key), "copy", meta.tensors[key].shape)
     for leaf in ("weight", "bias"):
         key = f"decoder.final_layernorm.{leaf}"
         if key in meta.tensors:
@@ -184,8 +226,9 @@ def plan_export(meta: CheckpointMeta, args: dict[str, Any], rule: ArchRule, *, v
 
 def plan_import(meta: CheckpointMeta, config: dict[str, Any], rule: ArchRule,
                 args: dict[str, Any], *, spec: str = "te") -> list[Recipe]:
-    """Megatron-Core tensors (stacked ``decoder.layers.*`` keys, global shapes) for HF
-    model ``meta`` with ``config.json`` ``config``; ``args`` from ``args_from_hf_config``."""
+    """Megatron-Core tensors (stacked ``decoder.layers.*`` keys, global shapes, the names
+    dist checkpoints use) for HF model ``meta`` with ``config.json`` ``config``; ``args`` from
+    ``args_from_hf_config``; ``spec``: ``te`` or ``local`` (they differ for MoE norms)."""
     from ckpt_tool.planning.hf_rules import features_of_config
 
     layers = int(args["num_layers"])
@@ -204,11 +247,14 @@ def plan_import(meta: CheckpointMeta, config: dict[str, Any], rule: ArchRule,
         used.add(key)
         return t
 
+    experts = int(args.get("num_experts") or 0)
     for m in rule.layer_maps(features):
         parts, per_layer, dtype = [], None, None
-        for i in range(layers):
+        for i, mm, e in _layer_items(rule, features, layers, experts):
+            if mm is not m:
+                continue
             prefix = rule.layer_prefix.format(i=i)
-            ts = [hf_tensor(prefix + h) for h in m.hf]
+            ts = [hf_tensor(prefix + h.format(e=e)) for h in m.hf]
             dtype = ts[0].dtype
             if m.transform == "qkv":
                 want = [geo.groups * geo.q_per_group * geo.head_dim] + [geo.groups
@@ -221,16 +267,33 @@ def plan_import(meta: CheckpointMeta, config: dict[str, Any], rule: ArchRule,
                 op, params = "qkv_fuse", geo.params
             elif m.transform == "glu":
                 shape, op, params = (ts[0].shape[0] * 2, *ts[0].shape[1:]), "glu_fuse", ()
+            elif m.transform in ("qkv_cat", "qkv_cat_t"):
+                t = int(m.transform == "qkv_cat_t")
+                shape = tuple(reversed(ts[0].shape)) if t else ts[0].shape
+                rows = geo.groups * (geo.q_per_group + 2) * geo.head_dim
+                if shape[0] != rows:
+                    raise _contradiction(f"layer {i} {m.hf[0]} holds {shape[0]} q/k/v rows, "
+                                         f"the config's heads need {rows}", meta.root)
+                op, params = "qkv_from_cat", (("transpose", t),) + geo.params
+            elif m.transform == "t":
+                shape, op, params = tuple(reversed(ts[0].shape)), "t", ()
             else:
                 shape, op, params = ts[0].shape, "copy", ()
             if per_layer is not None and shape != per_layer:
                 raise _contradiction(f"layer {i} {m.mcore} is {list(shape)}, layer 0's is "
                                      f"{list(per_layer)}", meta.root)
             per_layer = shape
-            parts.append(Part((i,), op, tuple(Src(t.key) for t in ts), params))
-        name = _mcore_name(m, spec)
-        out.append(Recipe(f"decoder.layers.{name}", str(dtype), (layers, *per_layer),
-                          tuple(parts)))
+            parts.append(Part((i, e) if m.expert else (i,), op, tuple(Src(t.key) for t in ts),
+                              params))
+        if m.expert:
+            key = EXPERTS_STACKED + m.mcore.removeprefix("mlp.experts.")
+            lead: tuple[int, ...] = (layers, experts)
+        else:
+            # TE MoE layers keep a separate pre-MLP norm; the local spec saves it under the
+            # fused name (its sharded_state_dict_keys_map) like dense layers
+            key, lead = "decoder.layers." + _mcore_name(
+                m, "moe" if rule.moe and spec == "te" else "te"), (layers,)
+        out.append(Recipe(key, str(dtype), (*lead, *per_layer), tuple(parts)))
     padded = int(args["padded_vocab_size"])
     tied = not args["untie_embeddings_and_output_weights"]
     for key, hf_key in (("embedding.word_embeddings.weight", rule.embed),
@@ -244,6 +307,10 @@ def plan_import(meta: CheckpointMeta, config: dict[str, Any], rule: ArchRule,
                                  f"{args['vocab_size']}", meta.root)
         out.append(Recipe(key, t.dtype, (padded, *t.shape[1:]),
                           (Part((), "rows", (Src(hf_key),), (("rows", padded),)),)))
+    if rule.positions:
+        t = hf_tensor(rule.positions)
+        out.append(Recipe("embedding.position_embeddings.weight", t.dtype, t.shape,
+                          (Part((), "copy", (Src(rule.positions),)),)))
     for leaf in ("weight", "bias"):
         hf_key = f"{rule.final_norm}.{leaf}"
         if hf_key in meta.tensors:

@@ -4,7 +4,8 @@
 
 SPEC (written by tests/interop/test_hf_interop.py): the model (``layers``, ``hidden``,
 ``heads``, ``groups``, ``ffn``, ``padded_vocab``, ``vocab``, ``seq``, ``eps``, ``theta``,
-``tied``, ``qkv_bias``, ``qk_norm``, ``dtype``), ``tokens`` (a batch of token ids), ``mode`` and
+``tied``, ``qkv_bias``, ``qk_norm``, ``dtype``; MoE: ``experts``, ``topk``, ``moe_ffn``,
+``shared_ffn``, ``pre_softmax``), ``tokens`` (a batch of token ids), ``mode`` and
 ``ckpt``, ``out``:
 
 * ``save``: fill the parameters with seeded values, save a Megatron-LM-shaped state dict
@@ -27,6 +28,18 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, os.path.join(REPO, "fixtures"))
 
 
+def moe_config(spec: dict) -> dict:
+    """MoE settings (dropless, SequentialMLP) when the spec has ``experts``."""
+    if not spec.get("experts"):
+        return {}
+    shared = spec.get("shared_ffn")
+    return dict(num_moe_experts=spec["experts"], moe_router_topk=spec["topk"],
+                moe_ffn_hidden_size=spec["moe_ffn"], moe_router_pre_softmax=spec["pre_softmax"],
+                moe_shared_expert_intermediate_size=shared, moe_shared_expert_gate=bool(shared),
+                moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+                moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False)
+
+
 def build(spec: dict, tp: int):
     import torch
     import torch.nn.functional as F
@@ -45,8 +58,9 @@ def build(spec: dict, tp: int):
         pipeline_dtype=dtype, bf16=dtype == torch.bfloat16, hidden_dropout=0.0,
         attention_dropout=0.0, masked_softmax_fusion=False, bias_activation_fusion=False,
         bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
-        gradient_accumulation_fusion=False)
-    layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec["qk_norm"])
+        gradient_accumulation_fusion=False, **moe_config(spec))
+    layer_spec = get_gpt_layer_local_spec(num_experts=spec.get("experts"),
+                                          normalization="RMSNorm", qk_layernorm=spec["qk_norm"])
     return GPTModel(config=config, transformer_layer_spec=layer_spec,
                     vocab_size=spec["padded_vocab"], max_sequence_length=spec["seq"],
                     parallel_output=False, position_embedding_type="rope",
