@@ -37,7 +37,7 @@ def moe_config(spec: dict) -> dict:
                 moe_ffn_hidden_size=spec["moe_ffn"], moe_router_pre_softmax=spec["pre_softmax"],
                 moe_shared_expert_intermediate_size=shared, moe_shared_expert_gate=bool(shared),
                 moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
-                moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False)
+                moe_token_dispatcher_type="allgather", moe_grouped_gemm=False)
 
 
 def build(spec: dict, tp: int):
