@@ -297,7 +297,13 @@ def _gpt2_args(config: dict[str, Any], rule: ArchRule) -> dict[str, Any]:
 def _moe_args(config: dict[str, Any], rule: ArchRule) -> dict[str, Any]:
     if not rule.moe:
         return {}
-    experts = config.get("num_local_experts" if rule.moe == "mixtral" else "num_experts")
+    experts = config.get("num_local_experts") or config.get("num_experts")
+    if not experts or "num_experts_per_tok" not in config:
+        from ckpt_tool.errors import InputError
+
+        raise InputError(f"{rule.architecture} config.json names no expert count "
+                         "(num_local_experts / num_experts) or num_experts_per_tok",
+                         hint="fix config.json or pass --hf-config")
     shared = int(config.get("shared_expert_intermediate_size") or 0)
     return {
         "num_experts": int(experts), "moe_router_topk": int(config["num_experts_per_tok"]),
@@ -346,7 +352,8 @@ def hf_config_from_args(args: dict[str, Any], rule: ArchRule, *, vocab: int,
                        intermediate_size=moe_ffn)
         else:
             shared = int(args.get("moe_shared_expert_intermediate_size") or 0)
-            cfg.update(num_experts=experts, num_experts_per_tok=topk,
+            # transformers 5 spells Qwen3-MoE's count num_local_experts, older ones num_experts
+            cfg.update(num_experts=experts, num_local_experts=experts, num_experts_per_tok=topk,
                        moe_intermediate_size=moe_ffn, decoder_sparse_step=1, mlp_only_layers=[],
                        norm_topk_prob=not args.get("moe_router_pre_softmax", False))
             if shared:

@@ -47,6 +47,13 @@ def build(spec: dict, tp: int):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    if spec.get("experts"):  # megatron-core 0.16.1 names te_general_gemm only when TE imports
+        import importlib
+
+        for name in ("moe_utils", "router"):
+            mod = importlib.import_module(f"megatron.core.transformer.moe.{name}")
+            if not hasattr(mod, "te_general_gemm"):
+                mod.te_general_gemm = None
     dtype = getattr(torch, spec["dtype"])
     config = TransformerConfig(
         num_layers=spec["layers"], hidden_size=spec["hidden"],

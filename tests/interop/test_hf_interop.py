@@ -136,3 +136,45 @@ def test_megatron_checkpoint_to_hf_gives_megatron_logits(tmp_path):
     assert torch.equal(again[emb][:100], orig[emb][:100]) and not again[emb][100:].any()
     assert_same({k: v for k, v in again.items() if k != emb},
                 {k: v for k, v in orig.items() if k != emb})
+
+
+def _tiny(arch: str):
+    common = dict(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+    moe = dict(intermediate_size=48, moe_intermediate_size=24, num_experts=4,
+               num_experts_per_tok=2)
+    if arch == "gpt2":
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=100, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+            bos_token_id=0, eos_token_id=0))
+    if arch == "mixtral":
+        return transformers.MixtralForCausalLM(transformers.MixtralConfig(
+            intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, **common))
+    if arch == "qwen2_moe":
+        return transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+            shared_expert_intermediate_size=40, **moe, **common))
+    if arch == "qwen3_moe":
+        return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            head_dim=8, **moe, **common))
+    return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+        intermediate_size=48, head_dim=8, **common))
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gpt2"])
+def test_more_architectures_round_trip_bit_exact(tmp_path, arch):
+    torch.manual_seed(3)
+    src = tmp_path / arch
+    _tiny(arch).save_pretrained(src)
+    ckpt("convert", src, tmp_path / "mcore", "--to", "torch_dist")
+    args = open_checkpoint(tmp_path / "mcore").common()["args"]
+    assert args.hf_architecture == json.loads((src / "config.json").read_text())[
+        "architectures"][0]
+    if arch != "gpt2" and arch != "qwen3":
+        assert args.num_experts == 4 and args.moe_router_topk == 2
+        keys = open_checkpoint(tmp_path / "mcore").metadata().tensors
+        assert keys["decoder.layers.mlp.experts.experts.linear_fc2.weight"].shape[:2] == (2, 4)
+    ckpt("convert", tmp_path / "mcore", tmp_path / "back", "--to", "hf")
+    assert_same(tensors(tmp_path / "back"), tensors(src))
+    config = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert config["model_type"] == arch
+    transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back")  # loads, no missing
