@@ -178,3 +178,26 @@ def test_more_architectures_round_trip_bit_exact(tmp_path, arch):
     config = json.loads((tmp_path / "back" / "config.json").read_text())
     assert config["model_type"] == arch
     transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back")  # loads, no missing
+
+
+def test_qwen2_moe_hf_to_torch_dist_gives_transformers_logits(tmp_path):
+    """Experts, router (softmax before top-k), shared expert and its gate, QKV bias."""
+    torch.manual_seed(2)
+    cfg = transformers.Qwen2MoeConfig(
+        vocab_size=100, hidden_size=32, intermediate_size=48, moe_intermediate_size=24,
+        shared_expert_intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+        tie_word_embeddings=False)
+    model = transformers.Qwen2MoeForCausalLM(cfg)
+    with torch.no_grad():  # zero biases and a weak router would hide mistakes
+        for name, p in model.named_parameters():
+            if name.endswith(".bias") or "gate.weight" in name:
+                p.normal_(0, 0.5)
+    src = tmp_path / "qwen2moe"
+    model.save_pretrained(src)
+    ckpt("convert", src, tmp_path / "mcore", "--to", "torch_dist", "--local-spec")
+    spec = spec_of(cfg, padded_vocab=128, qkv_bias=True, mode="load",
+                   ckpt=str(tmp_path / "mcore"), experts=4, topk=2, moe_ffn=24, shared_ffn=40,
+                   pre_softmax=True)
+    got = megatron_logits(tmp_path, spec, 1)
+    torch.testing.assert_close(got, hf_logits(src), rtol=1e-4, atol=1e-5)
