@@ -55,22 +55,26 @@ def build(spec: dict, tp: int):
             if not hasattr(mod, "te_general_gemm"):
                 mod.te_general_gemm = None
     dtype = getattr(torch, spec["dtype"])
+    gpt2 = spec.get("arch") == "gpt2"  # LayerNorm, biases, exact GELU, learned positions
+    norm = "LayerNorm" if gpt2 else "RMSNorm"
     config = TransformerConfig(
         num_layers=spec["layers"], hidden_size=spec["hidden"],
         num_attention_heads=spec["heads"], num_query_groups=spec["groups"],
-        ffn_hidden_size=spec["ffn"], gated_linear_unit=True, activation_func=F.silu,
-        add_bias_linear=False, add_qkv_bias=spec["qkv_bias"], qk_layernorm=spec["qk_norm"],
-        normalization="RMSNorm", layernorm_epsilon=spec["eps"],
+        ffn_hidden_size=spec["ffn"], gated_linear_unit=not gpt2,
+        activation_func=F.gelu if gpt2 else F.silu,
+        add_bias_linear=gpt2, add_qkv_bias=spec["qkv_bias"], qk_layernorm=spec["qk_norm"],
+        normalization=norm, layernorm_epsilon=spec["eps"],
         tensor_model_parallel_size=tp, use_cpu_initialization=True, params_dtype=dtype,
         pipeline_dtype=dtype, bf16=dtype == torch.bfloat16, hidden_dropout=0.0,
         attention_dropout=0.0, masked_softmax_fusion=False, bias_activation_fusion=False,
         bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
         gradient_accumulation_fusion=False, **moe_config(spec))
     layer_spec = get_gpt_layer_local_spec(num_experts=spec.get("experts"),
-                                          normalization="RMSNorm", qk_layernorm=spec["qk_norm"])
+                                          normalization=norm, qk_layernorm=spec["qk_norm"])
     return GPTModel(config=config, transformer_layer_spec=layer_spec,
                     vocab_size=spec["padded_vocab"], max_sequence_length=spec["seq"],
-                    parallel_output=False, position_embedding_type="rope",
+                    parallel_output=False,
+                    position_embedding_type="learned_absolute" if gpt2 else "rope",
                     rotary_base=spec["theta"],
                     share_embeddings_and_output_weights=spec["tied"])
 

@@ -201,3 +201,24 @@ def test_qwen2_moe_hf_to_torch_dist_gives_transformers_logits(tmp_path):
                    pre_softmax=True)
     got = megatron_logits(tmp_path, spec, 1)
     torch.testing.assert_close(got, hf_logits(src), rtol=1e-4, atol=1e-5)
+
+
+def test_gpt2_hf_to_torch_dist_tp2_gives_transformers_logits(tmp_path):
+    """LayerNorm + biases, learned positions, Conv1D weights, c_attn regrouped per head."""
+    torch.manual_seed(4)
+    cfg = transformers.GPT2Config(vocab_size=100, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                                  activation_function="gelu", bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0, 0.2)
+    src = tmp_path / "gpt2"
+    model.save_pretrained(src)
+    ckpt("convert", src, tmp_path / "mcore", "--to", "torch_dist", "--tp", "2")
+    spec = dict(arch="gpt2", layers=2, hidden=32, heads=4, groups=4, ffn=128, vocab=100,
+                padded_vocab=256, seq=64, eps=cfg.layer_norm_epsilon, theta=10000.0, tied=True,
+                qkv_bias=True, qk_norm=False, dtype="float32", mode="load",
+                ckpt=str(tmp_path / "mcore"))
+    got = megatron_logits(tmp_path, spec, 2)
+    torch.testing.assert_close(got, hf_logits(src), rtol=1e-4, atol=1e-5)
