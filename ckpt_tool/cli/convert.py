@@ -22,7 +22,7 @@ def convert(
                                         help="Output directory (or file, for --to torch).")],
     to: Annotated[str, typer.Option(
         "--to", metavar="FORMAT", show_default=False, autocompletion=completer(),
-        help="Target format: torch_dist, zarr, dcp, legacy, torch or safetensors.")],
+        help="Target format: torch_dist, zarr, dcp, legacy, torch, safetensors or hf.")],
     dtype: Annotated[Optional[str], typer.Option(
         "--dtype", metavar="DTYPE", autocompletion=completer("bf16", "fp16", "fp32"),
         help="Cast floating tensors: bf16, fp16 or fp32.", show_default=False)] = None,
@@ -39,12 +39,21 @@ def convert(
         "--model-only", help="Drop optimizer state.")] = False,
     tp: Annotated[Optional[int], typer.Option(
         "--tp", min=1, metavar="N",
-        help="With --to legacy: the source's TP size (reshard changes it).",
-        show_default=False)] = None,
+        help="With --to legacy: the source's TP size (reshard changes it); from an HF "
+        "directory: the TP size to record.", show_default=False)] = None,
     pp: Annotated[Optional[int], typer.Option(
         "--pp", min=1, metavar="N",
-        help="With --to legacy: the source's PP size (reshard changes it).",
-        show_default=False)] = None,
+        help="With --to legacy: the source's PP size (reshard changes it); from an HF "
+        "directory: the PP size to record.", show_default=False)] = None,
+    hf_config: Annotated[Optional[Path], typer.Option(
+        "--hf-config", metavar="FILE", help="--to hf: a config.json giving what the "
+        "checkpoint's args lack (its values win).", show_default=False)] = None,
+    hf_arch: Annotated[Optional[str], typer.Option(
+        "--hf-arch", metavar="NAME", help="HF architecture rule: llama, qwen2, mixtral, gpt2 "
+        "and others (default: from config.json or args).", show_default=False)] = None,
+    local_spec: Annotated[bool, typer.Option(
+        "--local-spec", help="From an HF directory: norm names of Megatron-Core's local "
+        "layer spec (default: the Transformer Engine spec).")] = False,
     max_shard_size: Annotated[Optional[str], typer.Option(
         "--max-shard-size", metavar="SIZE", help="safetensors: largest shard, e.g. 5GB.",
         show_default=False)] = None,
@@ -67,8 +76,10 @@ def convert(
 
     \b
     Example:
-      ckpt convert checkpoints/gpt/iter_0001000 gpt-hf --to safetensors \\
+      ckpt convert checkpoints/gpt/iter_0001000 gpt-st --to safetensors \\
           --dtype bf16
+      ckpt convert checkpoints/gpt/iter_0001000 gpt-hf --to hf
+      ckpt convert gpt-hf gpt-mcore --to torch_dist --tp 2
     """
     from ckpt_tool.ops._convert_plan import ConvertOptions, parse_rename
     from ckpt_tool.ops.convert import convert as run_convert
@@ -76,7 +87,9 @@ def convert(
     src = at_iteration(src, iteration)
     options = ConvertOptions(to=to, dtype=dtype, filter=filter_, exclude=exclude,
                              rename=parse_rename(rename or []), model_only=model_only,
-                             max_memory=parse_size(max_memory, "--max-memory"))
+                             max_memory=parse_size(max_memory, "--max-memory"),
+                             hf_config=str(hf_config) if hf_config else None,
+                             hf_arch=hf_arch, local_spec=local_spec)
     with progress_bar(f"convert -> {to}", enabled=not (quiet or no_progress)) as bar:
         result = run_convert(src, dst, options, trust=trust, overwrite=overwrite,
                              verify=not no_verify, tp=tp, pp=pp,

@@ -198,7 +198,8 @@ def _render_common(common: dict[str, Any]) -> None:
         stdout.print("common state: none found", highlight=False)
         return
     lines = []
-    for k in ("iteration", "checkpoint_version", "num_floating_point_operations_so_far"):
+    for k in ("architecture", "iteration", "checkpoint_version",
+              "num_floating_point_operations_so_far"):
         if k in common:
             lines.append(f"{k}: {common[k]}")
     for k in ("parallel", "model", "training", "content_metadata", "values"):

@@ -115,6 +115,7 @@ WRITERS: dict[str, str] = {
     "legacy": "ckpt_tool.formats.legacy.writer:LegacyWriter",
     "torch": "ckpt_tool.formats.torch_save.writer:TorchSaveWriter",
     "safetensors": "ckpt_tool.formats.safetensors.writer:SafetensorsWriter",
+    "hf": "ckpt_tool.formats.hf.writer:HfWriter",
 }
 
 

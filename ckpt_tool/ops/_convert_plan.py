@@ -24,7 +24,7 @@ from ckpt_tool.model import (CheckpointMeta, ChunkRef, ObjectMeta, TensorMeta, d
 __all__ = ["ConvertOptions", "ConvertPlan", "plan_convert", "parse_rename", "DTYPE_ALIASES",
            "TARGETS", "is_optimizer_key"]
 
-TARGETS = ("torch_dist", "zarr", "dcp", "legacy", "torch", "safetensors")
+TARGETS = ("torch_dist", "zarr", "dcp", "legacy", "torch", "safetensors", "hf")
 DTYPE_ALIASES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16",
                  "float16": "float16", "half": "float16", "fp32": "float32",
                  "float32": "float32", "float": "float32"}
@@ -44,6 +44,9 @@ class ConvertOptions:
     rename: tuple[tuple[str, str], ...] = ()
     model_only: bool = False
     max_memory: int | None = None
+    hf_config: str | None = None  # --hf-config: config.json for --to hf (or to override)
+    hf_arch: str | None = None  # --hf-arch: the architecture rule to use
+    local_spec: bool = False  # --local-spec: local layer spec norm names (default TE)
 
 
 @dataclass(frozen=True)

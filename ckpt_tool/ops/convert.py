@@ -70,6 +70,14 @@ def convert(src: str | Path, dst: str | Path, options: ConvertOptions, *, trust:
             progress: Progress | None = None, workers: int = 1) -> ConvertResult:
     """Convert checkpoint ``src`` into ``dst`` in format ``options.to``; see the module doc."""
     start = time.perf_counter()
+    if options.to == "hf" or options.to in ("torch_dist", "legacy"):
+        from ckpt_tool.formats.base import detect
+        from ckpt_tool.ops.hf_convert import convert_hf, is_hf_conversion
+
+        if is_hf_conversion(detect(src).name, options.to):
+            return ConvertResult(**convert_hf(
+                src, dst, options, trust=trust, overwrite=overwrite, verify=verify, tp=tp,
+                pp=pp, max_shard_size=max_shard_size, progress=progress))
     if (tp is not None or pp is not None) and options.to != "legacy":
         raise UsageError("--tp/--pp only apply with --to legacy",
                          hint="use 'ckpt reshard' to change the parallel layout")

@@ -58,7 +58,8 @@ class LegacyWriter(Writer):
             raise UsageError(f"cannot write legacy files: {errors[0].reason}",
                              hint=errors[0].fix)
         write_legacy_ranks(self.directory, plan, request.source, request.common,
-                           progress=request.progress, ranks=request.ranks)
+                           progress=request.progress, ranks=request.ranks,
+                           local_spec=bool(self.options.extra.get("local_spec")))
         return _notes(plan, request)
 
     def _layout(self, source: Any, summary: dict[str, Any]) -> Any:

@@ -1,0 +1,140 @@
+"""A ``TensorSource`` that executes HF <-> Megatron-Core recipes (``planning.hf_plan``).
+
+Writers ask for rectangles of target tensors; each part of the recipe that the rectangle
+touches is computed from its source tensors (one decoder layer, or one whole untiled tensor)
+and the requested region copied out. The last part computed is kept, so a writer pulling a
+tensor in row slabs reads its sources once; peak memory is about one layer's tensor.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from ckpt_tool.formats.base import Reader
+from ckpt_tool.planning.hf_plan import Part, Recipe, Src
+
+__all__ = ["HfSource", "apply_part"]
+
+
+def _qkv_split(t: Any, p: Part) -> Any:
+    g, q, hd = p.param("groups"), p.param("q_per_group"), p.param("head_dim")
+    v = t.reshape(g, q + 2, hd, *t.shape[1:])
+    part = p.param("part")
+    sel = v[:, :q] if part == 0 else v[:, q + part - 1: q + part]
+    return sel.reshape(-1, *t.shape[1:])
+
+
+def _qkv_fuse(q: Any, k: Any, v: Any, p: Part) -> Any:
+    import torch
+
+    g, n, hd = p.param("groups"), p.param("q_per_group"), p.param("head_dim")
+    rest = tuple(q.shape[1:])
+    fused = torch.cat([q.reshape(g, n, hd, *rest), k.reshape(g, 1, hd, *rest),
+                       v.reshape(g, 1, hd, *rest)], dim=1)
+    return fused.reshape(-1, *rest)
+
+
+def _rows(t: Any, rows: int) -> Any:
+    import torch
+
+    if t.shape[0] >= rows:
+        return t[:rows]
+    pad = torch.zeros((rows - t.shape[0], *t.shape[1:]), dtype=t.dtype)
+    return torch.cat([t, pad], dim=0)
+
+
+def apply_part(p: Part, tensors: list[Any]) -> Any:
+    """The value of part ``p`` from its source tensors (in ``p.sources`` order)."""
+    import torch
+
+    if p.op == "copy":
+        return tensors[0]
+    if p.op == "qkv_split":
+        return _qkv_split(tensors[0], p)
+    if p.op == "qkv_fuse":
+        return _qkv_fuse(*tensors, p)
+    if p.op == "t":
+        return tensors[0].t()
+    if p.op == "qkv_from_cat":
+        x = tensors[0].t() if p.param("transpose") else tensors[0]
+        kv = p.param("groups") * p.param("head_dim")
+        q, k, v = torch.split(x, [x.shape[0] - 2 * kv, kv, kv], dim=0)
+        return _qkv_fuse(q, k, v, p)
+    if p.op == "qkv_to_cat":
+        parts = [_qkv_split(tensors[0], Part((), "", (), (("part", i),) + p.params))
+                 for i in range(3)]
+        x = torch.cat(parts, dim=0)
+        return x.t() if p.param("transpose") else x
+    if p.op == "glu_split":
+        return torch.chunk(tensors[0], 2, dim=0)[p.param("half")]
+    if p.op == "glu_fuse":
+        return torch.cat(tensors, dim=0)
+    if p.op == "rows":
+        return _rows(tensors[0], p.param("rows"))
+    raise ValueError(f"unknown transform {p.op!r}")
+
+
+class HfSource:
+    """``TensorSource`` over ``reader`` for ``recipes`` (target key -> Recipe)."""
+
+    def __init__(self, reader: Reader, recipes: dict[str, Recipe]):
+        self.reader = reader
+        self.recipes = recipes
+        self.largest_piece = 0
+        self.tensors_done = 0
+        self._per_key: dict[str, int] = {}
+        self._cache: tuple[tuple[str, int], Any] | None = None
+        self._lock = threading.Lock()
+
+    def _read_src(self, s: Src) -> Any:
+        if not s.index:
+            return self.reader.read(s.key)
+        t = self.reader.read(s.key, tuple(slice(i, i + 1) for i in s.index))
+        return t.reshape(t.shape[len(s.index):])
+
+    def _part(self, key: str, n: int, p: Part) -> Any:
+        with self._lock:
+            if self._cache is not None and self._cache[0] == (key, n):
+                return self._cache[1]
+        value = apply_part(p, [self._read_src(s) for s in p.sources]).contiguous()
+        with self._lock:
+            self._cache = ((key, n), value)
+        return value
+
+    def read(self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Any:
+        """The rectangle ``offsets``/``sizes`` of target tensor ``key``."""
+        import torch
+
+        from ckpt_tool.formats.torch_zip import torch_dtype
+
+        r = self.recipes[key]
+        out = torch.empty(sizes, dtype=torch_dtype(r.dtype))
+        for n, p in enumerate(r.parts):
+            lead = len(p.index)
+            if any(not o <= i < o + s for i, o, s in zip(p.index, offsets, sizes)):
+                continue
+            value = self._part(key, n, p)
+            if tuple(value.shape) != tuple(r.shape[lead:]):
+                raise ValueError(f"{key}: part {n} is {list(value.shape)}, the plan says "
+                                 f"{list(r.shape[lead:])}")
+            src = tuple(slice(o, o + s) for o, s in zip(offsets[lead:], sizes[lead:]))
+            dst = tuple(i - o for i, o in zip(p.index, offsets))
+            out[dst] = value[src].to(out.dtype)
+        n_bytes = out.numel() * out.element_size()
+        with self._lock:
+            self.largest_piece = max(self.largest_piece, n_bytes)
+            got = self._per_key.get(key, 0) + n_bytes
+            self._per_key[key] = got
+            total = r and _nbytes(r)
+            if got >= total > got - n_bytes:
+                self.tensors_done += 1
+        return out
+
+
+def _nbytes(r: Recipe) -> int:
+    import math
+
+    from ckpt_tool.model import dtype_itemsize
+
+    return math.prod(r.shape) * dtype_itemsize(r.dtype)

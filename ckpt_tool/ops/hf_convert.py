@@ -1,0 +1,164 @@
+"""``convert`` between Megatron-Core GPT checkpoints and Hugging Face model directories.
+
+* ``--to hf`` from a Megatron-Core dist (torch_dist, zarr) or Megatron-LM legacy checkpoint:
+  ``config.json`` from the checkpoint's ``args`` (``--hf-config FILE`` fills what they lack,
+  ``--hf-arch NAME`` picks the architecture), the model weights renamed and transformed by the
+  architecture's rules, as safetensors (sharded with an index above ``--max-shard-size``).
+* ``--to torch_dist`` / ``--to legacy`` from an HF directory: stacked ``decoder.layers.*``
+  tensors as Megatron-Core saves them, ``args`` derived from ``config.json`` (``--tp``/``--pp``
+  recorded, ``--local-spec`` picks the local layer spec's norm names; default the TE spec).
+
+Planning is pure (``planning.hf_plan``); ``_hf_source.HfSource`` computes each target piece
+from its sources when the writer asks, so memory stays near one layer's tensor; the output is
+staged, validated and renamed into place as every convert.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from ckpt_tool.errors import UsageError
+from ckpt_tool.formats.base import Reader, open_checkpoint
+from ckpt_tool.formats.writer import WriteRequest, WriterOptions, writer_for
+from ckpt_tool.model import CheckpointMeta, ChunkRef, TensorMeta
+from ckpt_tool.ops._hf_source import HfSource
+from ckpt_tool.ops._staging import check_output_target, staged_output, verify_output
+from ckpt_tool.planning.hf_plan import Recipe, plan_export, plan_import
+from ckpt_tool.planning.hf_rules import (args_from_hf_config, guess_arch, hf_config_from_args,
+                                         moe_layers_check, rule_for_config, rule_named)
+from ckpt_tool.planning.source_layout import args_of
+
+__all__ = ["convert_hf", "is_hf_conversion", "load_hf_config"]
+
+_MEGATRON_SOURCES = ("torch_dist", "zarr", "legacy")
+
+
+def is_hf_conversion(source_format: str, to: str) -> bool:
+    """True when ``convert`` goes through the architecture rules."""
+    return to == "hf" or (source_format == "hf" and to in ("torch_dist", "legacy"))
+
+
+def load_hf_config(path: str | Path | None) -> dict[str, Any]:
+    """An ``--hf-config`` file (a config.json, or the directory holding one)."""
+    if path is None:
+        return {}
+    from ckpt_tool.formats.hf.reader import read_config
+
+    return read_config(Path(path))
+
+
+def _export(reader: Reader, meta: CheckpointMeta, options: Any
+            ) -> tuple[list[Recipe], dict[str, Any], dict[str, Any]]:
+    if meta.format not in _MEGATRON_SOURCES:
+        raise UsageError(f"--to hf reads Megatron-Core or Megatron-LM checkpoints, not "
+                         f"{meta.format}", hint="convert it to torch_dist first")
+    base = load_hf_config(options.hf_config)
+    args = args_of(meta, reader.common())
+    if options.hf_arch:
+        rule = rule_named(options.hf_arch)
+    elif base.get("architectures") or base.get("model_type"):
+        rule = rule_for_config(base)
+    else:
+        rule = rule_named(guess_arch(args))
+    if not args.get("num_layers"):
+        if not base:
+            raise UsageError("the checkpoint has no Megatron-LM args to derive config.json "
+                             "from", hint="pass --hf-config config.json")
+        args = {**args_from_hf_config(base, rule), **{k: v for k, v in args.items()
+                                                       if v is not None}}
+    vocab = int(base.get("vocab_size") or args.get("vocab_size")
+                or args.get("padded_vocab_size"))
+    recipes = plan_export(meta, args, rule, vocab=vocab)
+    dtype = next((r.dtype for r in recipes if r.key == rule.embed), recipes[0].dtype)
+    config = hf_config_from_args(args, rule, vocab=vocab, dtype=dtype, base=base)
+    gen = {k: base[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in base}
+    extra = {"hf_config": config, "generation_config": gen and {**gen,
+                                                                "_from_model_config": True}}
+    return recipes, {}, extra
+
+
+def _import(reader: Reader, meta: CheckpointMeta, options: Any, tp: int, pp: int
+            ) -> tuple[list[Recipe], dict[str, Any], dict[str, Any]]:
+    import argparse
+
+    from ckpt_tool.formats.torch_zip import torch_dtype
+
+    config = dict(reader.common()["config"])
+    config.update(load_hf_config(options.hf_config))
+    rule = rule_named(options.hf_arch) if options.hf_arch else rule_for_config(config)
+    moe_layers_check(config, rule)
+    args = args_from_hf_config(config, rule, tp=tp, pp=pp, local_spec=options.local_spec)
+    heads = args["num_attention_heads"]
+    for what, n in (("attention heads", heads), ("query groups", args["num_query_groups"])):
+        if n % tp:
+            raise UsageError(f"--tp {tp} does not divide the {n} {what}",
+                             hint="pick a TP size that divides heads and query groups")
+    if args["num_layers"] % pp:
+        raise UsageError(f"--pp {pp} does not divide the {args['num_layers']} layers",
+                         hint="pick a PP size that divides the layer count")
+    # dist checkpoints name the norms as TE does (the local spec's sharded_state_dict_keys_map
+    # maps them); the legacy writer renames them back for --local-spec
+    recipes = plan_import(meta, config, rule, args,
+                          spec="local" if options.local_spec else "te")
+    ns = argparse.Namespace(**{**args, "params_dtype": torch_dtype(args["params_dtype"]),
+                               "world_size": tp * pp, "data_parallel_size": 1})
+    common = {"args": ns, "checkpoint_version": 3.0, "iteration": 0}
+    extra = {"source_common_summary": {"parallel": {"tp": tp, "pp": pp, "ep": 1, "dp": 1}},
+             "local_spec": options.local_spec}
+    return recipes, common, extra
+
+
+def _target(recipes: list[Recipe], to: str) -> CheckpointMeta:
+    tensors = {}
+    for r in recipes:
+        if to in ("torch_dist", "legacy") and any(p.index for p in r.parts):
+            lead = len(r.parts[0].index)
+            chunks = tuple(ChunkRef(offsets=(*p.index, *(0,) * (len(r.shape) - lead)),
+                                    sizes=(*(1,) * lead, *r.shape[lead:])) for p in r.parts)
+        else:
+            chunks = (ChunkRef(offsets=(0,) * len(r.shape), sizes=r.shape),)
+        tensors[r.key] = TensorMeta(key=r.key, dtype=r.dtype, shape=r.shape, chunks=chunks)
+    return CheckpointMeta(format=to, root="", tensors=tensors)
+
+
+def convert_hf(src: str | Path, dst: str | Path, options: Any, *, trust: bool = False,
+               overwrite: bool = False, verify: bool = True, tp: int | None = None,
+               pp: int | None = None, max_shard_size: int | None = None,
+               progress: Any = None) -> dict[str, Any]:
+    """Convert between a Megatron checkpoint and an HF directory (see the module doc);
+    returns the fields of ``ops.convert.ConvertResult``."""
+    start = time.perf_counter()
+    out = check_output_target(dst, sources=(src,), overwrite=overwrite)
+    with open_checkpoint(src, trust=trust) as reader:
+        meta = reader.metadata()
+        if options.to == "hf":
+            if tp is not None or pp is not None:
+                raise UsageError("--tp/--pp do not apply with --to hf",
+                                 hint="an HF directory has no parallel layout")
+            recipes, common, extra = _export(reader, meta, options)
+        else:
+            recipes, common, extra = _import(reader, meta, options, tp or 1, pp or 1)
+        target = _target(recipes, options.to)
+        source = HfSource(reader, {r.key: r for r in recipes})
+        if progress is not None:
+            progress.start(target.total_bytes, len(target.tensors))
+        request = WriteRequest(meta=target, source=source, common=common,
+                               progress=lambda n: progress and progress.update(
+                                   n, source.tensors_done),
+                               source_description=f"ckpt convert from {meta.format} "
+                                                  f"checkpoint {meta.root}")
+        wopts = WriterOptions(max_shard_size=max_shard_size or WriterOptions.max_shard_size,
+                              max_memory=options.max_memory, tp=tp or 1, pp=pp or 1,
+                              extra=extra)
+        notes: list[str] = []
+        with staged_output(out, overwrite=overwrite, notes=notes) as staging:
+            notes += writer_for(options.to)(staging, wopts).write(request)
+            if verify:
+                verify_output(staging, trust=trust, what="converted")
+    return dict(
+        source=str(meta.root), source_format=meta.format, target=str(out), format=options.to,
+        tensors=len(target.tensors), objects=0, nbytes=target.total_bytes,
+        seconds=time.perf_counter() - start, verified=verify,
+        largest_piece=source.largest_piece, notes=notes)

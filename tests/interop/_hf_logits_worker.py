@@ -1,0 +1,137 @@
+"""torchrun worker: the REAL Megatron-Core GPTModel (local spec, CPU, gloo) for the HF tests.
+
+    torchrun --nproc-per-node TP _hf_logits_worker.py SPEC.json
+
+SPEC (written by tests/interop/test_hf_interop.py): the model (``layers``, ``hidden``,
+``heads``, ``groups``, ``ffn``, ``padded_vocab``, ``vocab``, ``seq``, ``eps``, ``theta``,
+``tied``, ``qkv_bias``, ``qk_norm``, ``dtype``; MoE: ``experts``, ``topk``, ``moe_ffn``,
+``shared_ffn``, ``pre_softmax``), ``tokens`` (a batch of token ids), ``mode`` and
+``ckpt``, ``out``:
+
+* ``save``: fill the parameters with seeded values, save a Megatron-LM-shaped state dict
+  (``args``, ``iteration``, ``model``) with ``dist_checkpointing.save`` into ``ckpt``;
+* ``load``: set every parameter to NaN, load ``ckpt`` with ``dist_checkpointing.load`` (the
+  model's own sharded state dict, as Megatron-LM does; ``_extra_state`` objects left out)
+  and fail if any parameter was not loaded.
+
+Then rank 0 writes the logits for ``tokens`` (the first ``vocab`` columns) to ``out``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ.setdefault("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(REPO, "fixtures"))
+
+
+def moe_config(spec: dict) -> dict:
+    """MoE settings (dropless, SequentialMLP) when the spec has ``experts``."""
+    if not spec.get("experts"):
+        return {}
+    shared = spec.get("shared_ffn")
+    return dict(num_moe_experts=spec["experts"], moe_router_topk=spec["topk"],
+                moe_ffn_hidden_size=spec["moe_ffn"], moe_router_pre_softmax=spec["pre_softmax"],
+                moe_shared_expert_intermediate_size=shared, moe_shared_expert_gate=bool(shared),
+                moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+                moe_token_dispatcher_type="allgather", moe_grouped_gemm=False)
+
+
+def build(spec: dict, tp: int):
+    import torch
+    import torch.nn.functional as F
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    if spec.get("experts"):  # megatron-core 0.16.1 names te_general_gemm only when TE imports
+        import importlib
+
+        for name in ("moe_utils", "router"):
+            mod = importlib.import_module(f"megatron.core.transformer.moe.{name}")
+            if not hasattr(mod, "te_general_gemm"):
+                mod.te_general_gemm = None
+    dtype = getattr(torch, spec["dtype"])
+    gpt2 = spec.get("arch") == "gpt2"  # LayerNorm, biases, exact GELU, learned positions
+    norm = "LayerNorm" if gpt2 else "RMSNorm"
+    config = TransformerConfig(
+        num_layers=spec["layers"], hidden_size=spec["hidden"],
+        num_attention_heads=spec["heads"], num_query_groups=spec["groups"],
+        ffn_hidden_size=spec["ffn"], gated_linear_unit=not gpt2,
+        activation_func=F.gelu if gpt2 else F.silu,
+        add_bias_linear=gpt2, add_qkv_bias=spec["qkv_bias"], qk_layernorm=spec["qk_norm"],
+        normalization=norm, layernorm_epsilon=spec["eps"],
+        tensor_model_parallel_size=tp, use_cpu_initialization=True, params_dtype=dtype,
+        pipeline_dtype=dtype, bf16=dtype == torch.bfloat16, hidden_dropout=0.0,
+        attention_dropout=0.0, masked_softmax_fusion=False, bias_activation_fusion=False,
+        bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
+        gradient_accumulation_fusion=False, **moe_config(spec))
+    layer_spec = get_gpt_layer_local_spec(num_experts=spec.get("experts"),
+                                          normalization=norm, qk_layernorm=spec["qk_norm"])
+    return GPTModel(config=config, transformer_layer_spec=layer_spec,
+                    vocab_size=spec["padded_vocab"], max_sequence_length=spec["seq"],
+                    parallel_output=False,
+                    position_embedding_type="learned_absolute" if gpt2 else "rope",
+                    rotary_base=spec["theta"],
+                    share_embeddings_and_output_weights=spec["tied"])
+
+
+def main() -> int:
+    import torch
+
+    import _mcore_cpu as H
+    from megatron.core import dist_checkpointing
+
+    spec = json.loads(open(sys.argv[1]).read())
+    tp = int(os.environ["WORLD_SIZE"])
+    H.patch_cuda_for_cpu()
+    H.init_parallel(tp, 1)
+    model = build(spec, tp)
+    sharded = {k: v for k, v in model.sharded_state_dict().items() if "_extra_state" not in k}
+    if spec["mode"] == "save":
+        H.fill_deterministic(model, seed=spec.get("seed", 0))
+        args = H.megatron_args(
+            tp, 1, 1, getattr(torch, spec["dtype"]), num_layers=spec["layers"],
+            hidden_size=spec["hidden"], ffn_hidden_size=spec["ffn"],
+            num_attention_heads=spec["heads"], num_query_groups=spec["groups"],
+            kv_channels=spec["hidden"] // spec["heads"], seq_length=spec["seq"],
+            max_position_embeddings=spec["seq"], rotary_base=spec["theta"],
+            normalization="RMSNorm", norm_epsilon=spec["eps"], add_bias_linear=False,
+            add_qkv_bias=spec["qkv_bias"], qk_layernorm=spec["qk_norm"],
+            untie_embeddings_and_output_weights=not spec["tied"], vocab_size=spec["vocab"],
+            padded_vocab_size=spec["padded_vocab"], make_vocab_size_divisible_by=64)
+        state = {"args": args, "checkpoint_version": 3.0, "iteration": 10,
+                 "model": model.sharded_state_dict()}
+        if torch.distributed.get_rank() == 0:
+            os.makedirs(spec["ckpt"], exist_ok=True)
+        torch.distributed.barrier()
+        dist_checkpointing.save(state, spec["ckpt"])
+    else:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(float("nan"))
+        loaded = dist_checkpointing.load(sharded, spec["ckpt"])
+        model.load_state_dict(loaded, strict=False)
+        bad = [n for n, p in model.named_parameters() if torch.isnan(p).any()]
+        if bad:
+            print("not loaded:", bad)
+            return 1
+    tokens = torch.tensor(spec["tokens"], dtype=torch.long)
+    s = tokens.shape[1]
+    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1)[None, None]
+    position_ids = torch.arange(s).unsqueeze(0).expand_as(tokens)
+    model.eval()
+    with torch.no_grad():
+        logits = model(tokens, position_ids, mask)
+    if torch.distributed.get_rank() == 0:
+        torch.save(logits[..., : spec["vocab"]].float().clone(), spec["out"])
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
