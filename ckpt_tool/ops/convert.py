@@ -78,7 +78,7 @@ def convert(src: str | Path, dst: str | Path, options: ConvertOptions, *, trust:
     reader = open_checkpoint(src, trust=trust)
     with reader:
         meta = reader.metadata()
-        plan = plan_convert(meta, options)
+        plan = plan_convert(meta, options, reader.objects_in_common())
         file_name = _single_file_name(out, options.to)
         if file_name and options.to == "safetensors":  # one file, as DST names it
             if max_shard_size:
