@@ -469,7 +469,9 @@ if __name__ == "__main__":
     sys.stdout.flush()
     os._exit(0)
 '''
-MCORE015_PYTHON = os.environ.get("CKPT_MCORE015_PYTHON", "/tmp/venv015/bin/python")
+MCORE015_PYTHON = os.environ.get("CKPT_MCORE015_PYTHON") or next(
+    (str(p) for p in (Path(__file__).resolve().parents[2] / ".venv015" / "bin" / "python",
+                      Path("/tmp/venv015/bin/python")) if p.exists()), "/tmp/venv015/bin/python")
 
 
 @pytest.mark.interop
