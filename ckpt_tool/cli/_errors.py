@@ -126,11 +126,10 @@ def handle_errors(fn: F) -> F:
             if state.debug:
                 traceback.print_exc(file=sys.stderr)
             line, code = describe(exc)
-            import os
+            from ckpt_tool._torchrun import record_error
 
-            rank = os.environ.get("RANK", "0") if "WORLD_SIZE" in os.environ else "0"
-            prog = "ckpt" if rank == "0" else f"ckpt[rank {rank}]"
-            print(f"{prog}: error: {line}", file=sys.stderr)
+            if record_error(line):  # under torchrun: rank 0 alone prints
+                print(f"ckpt: error: {line}", file=sys.stderr)
             raise typer.Exit(code) from None
 
     return wrapper  # type: ignore[return-value]
@@ -189,5 +188,26 @@ class CkptGroup(TyperGroup):
             return super().make_context(info_name, args, parent=parent, **extra)
 
     def invoke(self, ctx: Any) -> Any:
+        nproc = ctx.params.get("nproc") or 1
+        if nproc > 1:  # ``ckpt --nproc N COMMAND …``: the command runs on N ranks
+            return _launch(ctx, nproc)
         with _one_line_usage_errors():  # the subcommand's own arguments are parsed in here
             return super().invoke(ctx)
+
+
+def _launch(ctx: Any, nproc: int) -> Any:
+    from ckpt_tool.cli._launch import run_on_ranks
+    from ckpt_tool.parallel import under_torchrun
+
+    rest = [*(getattr(ctx, "_protected_args", None) or getattr(ctx, "protected_args", [])),
+            *ctx.args]
+    if not rest:
+        print("ckpt: error: --nproc needs a command (try 'ckpt --help')", file=sys.stderr)
+        raise typer.Exit(2)
+    if under_torchrun():
+        print("ckpt: error: --nproc under torchrun: leave one of them out", file=sys.stderr)
+        raise typer.Exit(2)
+    code, line = run_on_ranks(nproc, (["--debug"] if state.debug else []) + rest)
+    if line:
+        print(f"ckpt: error: {line}", file=sys.stderr)
+    raise typer.Exit(code)

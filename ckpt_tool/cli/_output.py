@@ -70,7 +70,7 @@ def hush(value: bool = True) -> None:
 
 def quiet_unless_main_rank() -> None:
     """Under torchrun only rank 0 prints: other ranks' stdout goes to /dev/null and their
-    messages are dropped (their errors still reach stderr, tagged with the rank)."""
+    messages are dropped; their errors go to torchrun's reply file (`_torchrun.record_error`)."""
     import os
 
     from ckpt_tool.parallel import under_torchrun

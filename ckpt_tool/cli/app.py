@@ -35,6 +35,10 @@ def _version(value: bool) -> None:
 @app.callback()
 def root(
     debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks on errors.")] = False,
+    nproc: Annotated[int, typer.Option(
+        "--nproc", min=1, metavar="N",
+        help="Run the command on N local ranks (torchrun's launcher, started by ckpt): the "
+             "same output and exit code as one process.")] = 1,
     version: Annotated[
         Optional[bool],
         typer.Option("--version", callback=_version, is_eager=True, help="Print the version."),
@@ -77,18 +81,33 @@ def main() -> None:
     try:
         app(prog_name="ckpt")  # also under ``python -m ckpt_tool`` and torchrun
     except SystemExit as exc:
-        # an interrupted command leaves through exit_cleanly too: while the interpreter shuts
-        # down, a torch interrupted mid-import can end the process by SIGINT instead of 130
-        if not group_initialized() and not state.interrupted:
-            raise
         code = exc.code
     except KeyboardInterrupt:
         print("ckpt: error: interrupted", file=sys.stderr)
         code = 130
+    if code in (None, 0, 1) and not state.interrupted:
+        _join_ranks()
+    # an interrupted command leaves through exit_cleanly too: while the interpreter shuts
+    # down, a torch interrupted mid-import can end the process by SIGINT instead of 130
     if not group_initialized() and not state.interrupted and code != 130:
-        return
+        raise SystemExit(code)
     if not isinstance(code, int):
         if code is not None:
             print(code, file=sys.stderr)
         code = 0 if code is None else 1
     exit_cleanly(code)
+
+
+def _join_ranks() -> None:
+    """Under torchrun, a verdict (0 or 1) is every rank's: a command that never needed a
+    process group (``diff --keys-only``) makes one now, so that ``exit_cleanly``'s barrier
+    keeps every rank until rank 0 has printed (once a rank leaves, torchrun's agent stops
+    the others at once)."""
+    from ckpt_tool._torchrun import group_initialized
+    from ckpt_tool.parallel import ranks, under_torchrun
+
+    if under_torchrun() and not group_initialized():
+        try:
+            ranks()
+        except Exception:  # noqa: BLE001 - no rendezvous: leave as before
+            pass

@@ -73,6 +73,12 @@ class Reader(abc.ABC):
         """The full common state (non-sharded values), loaded through the safe unpickler."""
         return {}
 
+    def objects_in_common(self) -> frozenset[str]:
+        """The stored objects (unique keys) that are pieces of :meth:`common` rather than
+        objects of their own (a format that keeps its common state as stored items, e.g. DCP's
+        bytes items): compared and converted as the common state, not again as objects."""
+        return frozenset()
+
     def close(self) -> None:
         """Release open files and maps."""
 

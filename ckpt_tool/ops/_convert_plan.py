@@ -88,8 +88,11 @@ def _compile(pattern: str | None, option: str) -> re.Pattern[str] | None:
         raise UsageError(f"bad {option} regex {pattern!r}: {exc}") from None
 
 
-def plan_convert(meta: CheckpointMeta, options: ConvertOptions) -> ConvertPlan:
-    """The target ``CheckpointMeta`` and key maps for converting ``meta`` (pure)."""
+def plan_convert(meta: CheckpointMeta, options: ConvertOptions,
+                 objects_in_common: frozenset[str] = frozenset()) -> ConvertPlan:
+    """The target ``CheckpointMeta`` and key maps for converting ``meta`` (pure).
+    ``objects_in_common``: the source's stored objects that are pieces of its common state
+    (``Reader.objects_in_common``): they travel in the common state, not as objects."""
     if options.to not in TARGETS:
         raise UsageError(f"unknown target format {options.to!r}",
                          hint="use one of: " + ", ".join(TARGETS))
@@ -129,7 +132,7 @@ def plan_convert(meta: CheckpointMeta, options: ConvertOptions) -> ConvertPlan:
     objects: list[ObjectMeta] = []
     object_map: dict[str, str] = {}
     for o in meta.objects:
-        if not selected(o.key):
+        if o.unique_key in objects_in_common or not selected(o.key):
             continue
         new = replace(o, key=_rename(o.key, options.rename),
                       unique_key=_rename(o.unique_key, options.rename),

@@ -8,6 +8,7 @@ pulls chunk after chunk from a ``ReaderSource`` -> ``validate`` of what was writ
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +17,7 @@ from typing import Any, Protocol
 from ckpt_tool.errors import UsageError
 from ckpt_tool.formats.base import open_checkpoint
 from ckpt_tool.formats.writer import WriteRequest, WriterOptions, writer_for
+from ckpt_tool.model import is_optimizer_key
 from ckpt_tool.ops._convert_plan import ConvertOptions, ConvertPlan, plan_convert
 from ckpt_tool.ops._raw_source import RawSource, raw_source_applies
 from ckpt_tool.ops._source import ReaderSource
@@ -86,8 +88,16 @@ def convert(src: str | Path, dst: str | Path, options: ConvertOptions, *, trust:
     reader = open_checkpoint(src, trust=trust)
     with reader:
         meta = reader.metadata()
-        plan = plan_convert(meta, options)
         file_name = _single_file_name(out, options.to)
+        one_file_model = (file_name and options.to == "safetensors" and not options.model_only
+                          and any(is_optimizer_key(k) for k in meta.tensors))
+        if one_file_model:  # one .safetensors file is the model: its optimizer has no place
+            options = dataclasses.replace(options, model_only=True)
+        plan = plan_convert(meta, options, reader.objects_in_common())
+        if one_file_model:
+            plan.notes.append(f"{out.name} holds the model's weights only: optimizer state "
+                              "left out (give a directory as DST to keep it in "
+                              "optimizer.safetensors)")
         if file_name and options.to == "safetensors":  # one file, as DST names it
             if max_shard_size:
                 raise UsageError(f"{out.name} names one safetensors file, and --max-shard-size "

@@ -138,6 +138,44 @@ def _renamer(rename: Iterable[tuple[str, str]]) -> Callable[[str], str]:
     return apply
 
 
+def _none_note(what: str, side: Any, name: str, lost: list[str]) -> str:
+    """``common state not compared: B (safetensors) holds none; A's: args, iteration, …``."""
+    shown = ", ".join(lost[:6]) + (f", … ({len(lost)} in all)" if len(lost) > 6 else "")
+    return f"{what} not compared: {name} ({side.format}) holds none; {'AB'[name == 'A']}'s: {shown}"
+
+
+def _object_groups(keys: list[str]) -> list[str]:
+    """Object unique keys by their key (``rng_state/shard_0.0_2.2`` -> ``rng_state`` ×4)."""
+    counts: dict[str, int] = {}
+    for k in keys:
+        base = k.split("/", 1)[0]
+        counts[base] = counts.get(base, 0) + 1
+    return [b if n == 1 else f"{b} ×{n}" for b, n in sorted(counts.items())]
+
+
+def _match_objects_in_common(cdiffs: list[Any], obj_a: list[str], obj_b: list[str],
+                             oa: list[str], ob: list[str]
+                             ) -> tuple[list[Any], list[str], list[str], int]:
+    """An object of one side that the other side holds as a common-state entry of the same
+    name (legacy per-rank ``rng_state/mp_rank_00_000`` in torch_dist's ``common.pt``) is
+    matched: it leaves the objects only on one side and the common-state differences. Also
+    returns how many objects were matched."""
+    def under(path: str, key: str) -> bool:
+        return path == key or path.startswith(key + ".")
+
+    only_b = [c.path for c in cdiffs if c.kind == "only_in_b"]
+    only_a = [c.path for c in cdiffs if c.kind == "only_in_a"]
+    moved_a = {k for k in oa if any(under(p, k) for p in only_b)}
+    moved_b = {k for k in ob if any(under(p, k) for p in only_a)}
+
+    def keep(c: Any) -> bool:
+        keys = moved_a if c.kind == "only_in_b" else moved_b if c.kind == "only_in_a" else ()
+        return not any(under(c.path, k) for k in keys)
+
+    return ([c for c in cdiffs if keep(c)], [k for k in obj_a if k not in moved_a],
+            [k for k in obj_b if k not in moved_b], len(moved_a) + len(moved_b))
+
+
 def _match(keys_a: Iterable[str], keys_b: Iterable[str], rn: Callable[[str], str],
            rx: re.Pattern[str] | None) -> tuple[dict[str, str], list[str], list[str], list[str]]:
     """``{B-name: A-key}`` of the common keys, then only-in-A (B-names), only-in-B."""
@@ -196,14 +234,15 @@ def diff(a: str | Path, b: str | Path, *, rename: Iterable[tuple[str, str]] = ()
         dtypes = tuple(MetaChange(n, t.dtype, u.dtype) for n, t, u in pairs if t.dtype != u.dtype)
         shapes = tuple(MetaChange(n, t.shape, u.shape) for n, t, u in pairs if t.shape != u.shape)
         notes: list[str] = []
-        oa = [o.unique_key for o in ma.objects]
-        ob = [o.unique_key for o in mb.objects]
+        ina, inb = ra.objects_in_common(), rb.objects_in_common()  # compared as common state
+        oa = [o.unique_key for o in ma.objects if o.unique_key not in ina]
+        ob = [o.unique_key for o in mb.objects if o.unique_key not in inb]
         obj_a: list[str] = []
         obj_b: list[str] = []
         if oa and ob:
             _, obj_a, obj_b, _ = _match(oa, ob, rn, rx)
-        elif oa or ob:
-            notes.append(f"stored objects not compared: {'B' if oa else 'A'} has none")
+        object_note = (_none_note("stored objects", mb if oa else ma, "B" if oa else "A",
+                                  _object_groups(oa or ob)) if bool(oa) != bool(ob) else None)
         same_shape = [(n, t, u) for n, t, u in pairs if t.shape == u.shape]
         stats = {"tensors_common": len(pairs), "tensors_compared": 0, "tensors_equal_bytes": 0,
                  "bytes_compared": 0}
@@ -249,8 +288,17 @@ def diff(a: str | Path, b: str | Path, *, rename: Iterable[tuple[str, str]] = ()
             cb = {k: v for k, v in mb.common.items() if k != "keys"} if keys_only else rb.common()
             if ca and cb:
                 cdiffs = compare_common(ca, cb)
+                # a side may keep the other's objects in its common state (legacy per-rank
+                # ``rng_state/mp_rank_00_000`` -> torch_dist ``common.pt``): matched by name
+                cdiffs, obj_a, obj_b, moved = _match_objects_in_common(cdiffs, obj_a, obj_b,
+                                                                       oa, ob)
+                if object_note and moved == len(oa or ob):
+                    object_note = None
             elif ca or cb:
-                notes.append(f"common state not compared: {'B' if ca else 'A'} has none")
+                notes.append(_none_note("common state", mb if ca else ma, "B" if ca else "A",
+                                        sorted(str(k) for k in (ca or cb))))
+        if object_note:
+            notes.insert(0, object_note)
         if any(c.kind == "not_compared" for c in cdiffs):
             notes.append("some common-state values cannot be compared (listed as not_compared)")
     return DiffResult(

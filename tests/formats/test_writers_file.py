@@ -145,8 +145,15 @@ def test_safetensors_is_what_the_real_library_reads(tmp_path, fixture_readers):
     notes = _write("safetensors", tmp_path, WriteRequest(
         meta=reader.metadata(), source=ReaderSource(reader), common=reader.common(),
         source_description="torch_dist:/ckpt/iter_0000010"))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]
+    # the model's weights alone in model.safetensors, the optimizer state beside them
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors",
+                                                          "optimizer.safetensors"]
     loaded = load_file(str(tmp_path / "model.safetensors"))
+    optim = load_file(str(tmp_path / "optimizer.safetensors"))
+    assert loaded and optim and not set(loaded) & set(optim)
+    assert all(k.startswith("optimizer.") for k in optim)
+    assert not any(k.startswith("optimizer.") for k in loaded)
+    loaded.update(optim)
     assert set(loaded) == set(expected)
     for k, v in loaded.items():
         _same(v, expected[k])
@@ -498,7 +505,9 @@ if __name__ == "__main__":
     sys.stdout.flush()
     os._exit(0)
 '''
-MCORE015_PYTHON = os.environ.get("CKPT_MCORE015_PYTHON", "/tmp/venv015/bin/python")
+MCORE015_PYTHON = os.environ.get("CKPT_MCORE015_PYTHON") or next(
+    (str(p) for p in (Path(__file__).resolve().parents[2] / ".venv015" / "bin" / "python",
+                      Path("/tmp/venv015/bin/python")) if p.exists()), "/tmp/venv015/bin/python")
 
 
 @pytest.mark.interop

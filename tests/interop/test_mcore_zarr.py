@@ -3,7 +3,8 @@
 * The committed fixture ``fixtures/mcore015_zarr_gpt_tp2pp2`` (a tiny bf16 GPT saved with
   TP2 PP2 by megatron-core 0.15.3) must load through ckpt_tool equal to tensorstore's raw reads.
 * When a Python with megatron-core 0.15.3 is available (``CKPT_MCORE015_PYTHON``, default
-  ``/tmp/venv015/bin/python``; never in CI, where only 0.16 without zarr is installed),
+  ``.venv015/bin/python`` in the repository, made by ``.ci/mcore015-venv`` (CI runs it), else
+  ``/tmp/venv015/bin/python``),
   Megatron-Core and ckpt_tool write byte-identical checkpoints and load each other's.
 """
 
@@ -27,7 +28,9 @@ REPO = Path(__file__).resolve().parents[2]
 FIXTURE = Path(os.environ.get(
     "CKPT_MCORE015_ZARR_FIXTURE", REPO / "fixtures" / "mcore015_zarr_gpt_tp2pp2" / "iter_0000010"))
 WORKERS = REPO / "tests" / "dist_checkpointing" / "_workers"
-MCORE015_PYTHON = os.environ.get("CKPT_MCORE015_PYTHON", "/tmp/venv015/bin/python")
+MCORE015_PYTHON = os.environ.get("CKPT_MCORE015_PYTHON") or next(
+    (str(p) for p in (Path(__file__).resolve().parents[2] / ".venv015" / "bin" / "python",
+                      Path("/tmp/venv015/bin/python")) if p.exists()), "/tmp/venv015/bin/python")
 
 
 def _ts_read(array_dir: Path, index=()) -> np.ndarray:

@@ -26,7 +26,7 @@ from ckpt_tool.formats.save_dir import resolve_checkpoint_dir
 from ckpt_tool.formats.base import Format, Reader, register
 from ckpt_tool.model import CheckpointMeta, ObjectMeta, TensorMeta
 
-__all__ = ["DcpReader", "DCP", "sniff", "metadata_files", "merge_metas"]
+__all__ = ["DcpReader", "DCP", "sniff", "metadata_files", "merge_metas", "nest"]
 
 METADATA_FILE = ".metadata"
 MCORE_METADATA_JSON = "metadata.json"
@@ -36,6 +36,8 @@ _SUMMARY_MAX_BYTES = 64 * 1024
 _SUMMARY_MAX_ITEMS = 256
 _SUMMARY_MAX_STR = 200
 _SUMMARY_MAX_LIST = 16
+# Megatron-Core ShardedObject unique keys (``rng_state/shard_0.1_2.2``): objects, not common state
+_SHARDED_OBJECT_RE = re.compile(r"/shard_[\d.]+?(?:_[\d.]+)?$")
 
 
 def _checkpoint_dir(path: Path) -> Path:
@@ -305,9 +307,58 @@ class DcpReader(Reader):
             exc.path = exc.path or str(self.root / str(o.file))
             raise
 
+    def objects_in_common(self) -> frozenset[str]:
+        """The bytes items that are the common state: all but Megatron-Core ShardedObjects
+        (``key/shard_<offset>_<shape>``), which stay objects."""
+        return frozenset(o.unique_key for o in self.metadata().objects
+                         if not _SHARDED_OBJECT_RE.search(o.unique_key))
+
     def common(self) -> dict[str, Any]:
-        """Every bytes item's value, by fqn (loaded with torch through the safe unpickler)."""
-        return {o.unique_key: self.read_object(o.unique_key) for o in self.metadata().objects}
+        """The common state: the bytes items (not ShardedObjects) nested again by the
+        checkpoint's ``planner_data`` (``optimizer.param_groups.0.lr`` ->
+        ``{"optimizer": {"param_groups": [{"lr": …}]}}``, as ``dcp_to_torch_save`` does); a
+        key without a path stays flat. Loaded through the safe unpickler."""
+        from ckpt_tool.formats.dcp_metadata import read_dcp_metadata_light
+
+        keys = sorted(self.objects_in_common())
+        paths: dict[str, Any] = {}
+        for rank, _name in metadata_files(self.root):
+            md = read_dcp_metadata_light(self.root, trust=self.trust, rank=rank)
+            paths.update(getattr(md, "planner_data", None) or {})
+        return nest({k: self.read_object(k) for k in keys}, paths)
+
+
+def nest(flat: dict[str, Any], paths: dict[str, Any]) -> dict[str, Any]:
+    """``{fqn: value}`` nested by ``paths[fqn]`` (a tuple of dict keys and list indices);
+    a missing or unusable path keeps the fqn as a top-level key. Pure."""
+    root: dict[Any, Any] = {}
+    for fqn, value in flat.items():
+        path = paths.get(fqn)
+        if not isinstance(path, (tuple, list)) or not path:
+            path = (fqn,)
+        node = root
+        ok = True
+        for part in path[:-1]:
+            nxt = node.setdefault(part, {})
+            if not isinstance(nxt, dict):
+                ok = False
+                break
+            node = nxt
+        if ok and path[-1] not in node:
+            node[path[-1]] = value
+        else:
+            root[fqn] = value
+    return _lists(root)
+
+
+def _lists(node: Any) -> Any:
+    """Dicts keyed by 0..n-1 (list indices in a DCP path) back into lists."""
+    if not isinstance(node, dict):
+        return node
+    out = {k: _lists(v) for k, v in node.items()}
+    if out and all(isinstance(k, int) for k in out) and sorted(out) == list(range(len(out))):
+        return [out[i] for i in range(len(out))]
+    return out
 
 
 DCP = register(Format(

@@ -4,7 +4,10 @@ A file is an 8-byte little-endian header length ``N``, ``N`` bytes of JSON
 (``{name: {"dtype", "shape", "data_offsets": [start, end]}, "__metadata__": {...}}``) and the
 raw little-endian C-order data; ``data_offsets`` count from the end of the header. A directory
 holds ``model.safetensors.index.json`` (``{"metadata": {...}, "weight_map": {name: file}}``)
-and the files it names, or one or several ``*.safetensors`` files without an index.
+and the files it names, or one or several ``*.safetensors`` files without an index. What
+``ckpt convert`` writes beside the model (``optimizer.safetensors``, or its shards and
+``optimizer.safetensors.index.json``) is read with it: every index, and the whole files no
+index covers.
 
 The metadata path parses the headers itself: no torch import, no tensor bytes read. Each
 tensor is one ``raw`` ChunkRef (``byte_offset = 8 + N + start``). Reads fetch only the rows
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import struct
 from pathlib import Path
 from typing import Any
@@ -34,6 +38,7 @@ SAFETENSORS_DTYPES: dict[str, str] = {
 }
 INDEX_SUFFIX = ".safetensors.index.json"
 DEFAULT_INDEX = "model" + INDEX_SUFFIX
+_SHARD_RE = re.compile(r"-\d+-of-\d+$")
 # numpy stand-ins with the same item size (bit-exact; viewed as the torch dtype afterwards).
 _NP_PROXY = {"bfloat16": "<u2", "float8_e4m3fn": "u1", "float8_e5m2": "u1", "bool": "?"}
 
@@ -99,17 +104,16 @@ def _file_tensors(path: Path, rel: str) -> tuple[dict[str, TensorMeta], dict[str
     return tensors, extra
 
 
-def _index_file(d: Path) -> Path | None:
-    if (d / DEFAULT_INDEX).is_file():
-        return d / DEFAULT_INDEX
+def _index_files(d: Path) -> list[Path]:
+    """The directory's index files, ``model.safetensors.index.json`` first."""
     found = sorted(d.glob("*" + INDEX_SUFFIX))
-    return found[0] if len(found) == 1 else None
+    return sorted(found, key=lambda p: p.name != DEFAULT_INDEX)
 
 
 def sniff(path: Path) -> str | None:
     """A ``.safetensors`` file (or a file with a valid header), or a directory of them."""
     if path.is_dir():
-        if _index_file(path) is not None or any(path.glob("*.safetensors")):
+        if _index_files(path) or any(path.glob("*.safetensors")):
             return None
         return "no *.safetensors files or model.safetensors.index.json"
     if not path.is_file():
@@ -153,9 +157,9 @@ class SafetensorsReader(Reader):
             tensors, md = _file_tensors(self.path, self.path.name)
             extras.update(files=[self.path.name], metadata=md)
         else:
-            index = _index_file(self.path)
-            if index is not None:
-                tensors, extras = self._from_index(index)
+            indexes = _index_files(self.path)
+            if indexes:
+                tensors, extras = self._from_indexes(indexes)
             else:
                 files = sorted(p.name for p in self.path.glob("*.safetensors"))
                 if not files:
@@ -174,6 +178,32 @@ class SafetensorsReader(Reader):
         self._meta = CheckpointMeta(format=self.format_name, root=str(self.path),
                                     tensors=tensors, extras=extras)
         return self._meta
+
+    def _from_indexes(self, indexes: list[Path]) -> tuple[dict[str, TensorMeta],
+                                                          dict[str, Any]]:
+        """Every index's tensors (``model`` and ``optimizer``), and the whole files beside
+        them that no index covers (``optimizer.safetensors`` beside a sharded model)."""
+        tensors, extras = self._from_index(indexes[0])
+        covered = set(extras["files"])
+        more = [self._from_index(i) for i in indexes[1:]]
+        stems = {i.name[: -len(INDEX_SUFFIX)] for i in indexes}
+        for f in sorted(self.path.glob("*.safetensors")):
+            if f.name not in covered and f.stem not in stems and not _SHARD_RE.search(f.stem) \
+                    and all(f.name not in m[1]["files"] for m in more):
+                ts, md = _file_tensors(f, f.name)
+                more.append((ts, {"files": [f.name], "metadata_by_file": {f.name: md}}))
+        for ts, ex in more:
+            for k in ts:
+                if k in tensors:
+                    raise CorruptCheckpointError(
+                        f"tensor {k!r} is stored in both {tensors[k].chunks[0].file} and "
+                        f"{ts[k].chunks[0].file}", path=self.path)
+            tensors.update(ts)
+            extras["files"] = sorted(set(extras["files"]) | set(ex["files"]))
+            extras["metadata_by_file"] = {**extras["metadata_by_file"], **ex["metadata_by_file"]}
+        if len(indexes) > 1:
+            extras["indexes"] = [i.name for i in indexes]
+        return tensors, extras
 
     def _from_index(self, index: Path) -> tuple[dict[str, TensorMeta], dict[str, Any]]:
         try:

@@ -5,6 +5,10 @@ Output: ``model.safetensors`` when everything fits in one shard, else
 than the limit gets a shard of its own, as huggingface_hub's splitter does) and
 ``model.safetensors.index.json`` (``{"metadata": {"total_size": N}, "weight_map": {...}}``).
 ``WriterOptions.file_name`` (e.g. ``"weights.safetensors"``) changes the ``model`` stem.
+Optimizer state (``model.is_optimizer_key``: ``optimizer.*``, DCP ``optim.*``, ...) never goes
+into the model's files, which HF loaders read as the weights: it is written beside them, in
+``optimizer.safetensors`` (or ``optimizer-0000i-of-0000N.safetensors`` +
+``optimizer.safetensors.index.json``), with the same sharding rule.
 
 Each file is written as the real library does: 8-byte little-endian header length, compact
 JSON header (``__metadata__`` first, then tensors in data order) padded with spaces to a
@@ -35,9 +39,13 @@ from ckpt_tool.formats.write_pieces import (
     tensor_bytes,
 )
 from ckpt_tool.formats.writer import WriteRequest, Writer, dropped_objects_note
-from ckpt_tool.model import TensorMeta, dtype_itemsize
+from ckpt_tool.model import TensorMeta, dtype_itemsize, is_optimizer_key
 
-__all__ = ["scalar_common", "SAFETENSORS_CODES", "plan_shards", "SafetensorsWriter"]
+__all__ = ["scalar_common", "SAFETENSORS_CODES", "plan_shards", "SafetensorsWriter",
+           "OPTIMIZER_STEM"]
+
+#: the optimizer state goes beside the model's weights, in ``optimizer*.safetensors``
+OPTIMIZER_STEM = "optimizer"
 
 #: torch dtype name -> safetensors dtype code, for the dtypes safetensors.torch can load.
 SAFETENSORS_CODES: dict[str, str] = {
@@ -107,24 +115,41 @@ class SafetensorsWriter(Writer):
         notes, metadata = self._metadata(request)
         stem = Path(self.options.file_name or "model.safetensors").name
         stem = stem[: -len(".safetensors")] if stem.endswith(".safetensors") else stem
-        shards = plan_shards(tensors, self.options.max_shard_size)
-        n = len(shards)
-        names = [f"{stem}.safetensors"] if n == 1 else \
-            [f"{stem}-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        # the model's weights in model*.safetensors (what HF loaders read), the optimizer
+        # state beside them in optimizer*.safetensors
+        optim = [t for t in tensors if is_optimizer_key(t.key)]
+        model = [t for t in tensors if not is_optimizer_key(t.key)]
+        groups = [(stem, model)] if model or not optim else []
+        if optim:
+            groups.append((OPTIMIZER_STEM, optim))
+        files: list[tuple[str, list[TensorMeta]]] = []
+        indexes: list[tuple[str, list[tuple[str, list[TensorMeta]]]]] = []
+        for group_stem, group in groups:
+            shards = plan_shards(group, self.options.max_shard_size)
+            n = len(shards)
+            named = [(f"{group_stem}.safetensors" if n == 1 else
+                      f"{group_stem}-{i + 1:05d}-of-{n:05d}.safetensors", shard)
+                     for i, shard in enumerate(shards)]
+            files += named
+            if n > 1:
+                indexes.append((group_stem, named))
         budget = self.options.max_memory or DEFAULT_MAX_MEMORY
         ranks = request.ranks
-        mine = my_share(ranks, [sum(t.nbytes for t in shard) for shard in shards])
+        mine = my_share(ranks, [sum(t.nbytes for t in shard) for _, shard in files])
 
         def work() -> None:
             for i in mine:
-                self._write_file(self.directory / names[i], shards[i], metadata, request, budget)
-            if n > 1 and (ranks is None or ranks.is_main):
-                index = {"metadata": {"total_size": sum(t.nbytes for t in tensors)},
-                         "weight_map": {t.key: name for name, shard in zip(names, shards)
-                                        for t in shard}}
+                name, shard = files[i]
+                self._write_file(self.directory / name, shard, metadata, request, budget)
+            if ranks is not None and not ranks.is_main:
+                return
+            for group_stem, named in indexes:
+                index = {"metadata": {"total_size": sum(t.nbytes for _, sh in named
+                                                        for t in sh)},
+                         "weight_map": {t.key: name for name, sh in named for t in sh}}
                 if request.source_description:
                     index["metadata"]["source"] = request.source_description
-                (self.directory / f"{stem}.safetensors.index.json").write_text(
+                (self.directory / f"{group_stem}.safetensors.index.json").write_text(
                     json.dumps(index, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
         run_share(ranks, work)
