@@ -1,4 +1,5 @@
-"""Atomic output directories: write into a staging directory beside the target, fsync, rename.
+"""Atomic output directories: write into a staging directory beside the target, add its
+integrity manifest (``ckpt_tool.manifest``), fsync, rename.
 
 A killed run leaves only ``.<name>.ckpt-staging-*`` beside the target (which ``ckpt validate``
 reports as a leftover), never a directory at the target path that looks complete.
@@ -96,8 +97,11 @@ def _staged(out: Path, overwrite: bool, file_name: str | None) -> Iterator[Path]
     try:
         yield staging
         os.chmod(staging, 0o777 & ~_umask())  # mkdtemp made it 0700: the output follows umask
-        fsync_tree(staging)
         produced = staging / file_name if file_name else staging
+        side = _add_manifest(staging, file_name, out)
+        fsync_tree(staging)
+        if side is not None:  # the file's manifest goes first: the file never lacks it
+            os.replace(side, out.parent / side.name)
         if os.path.lexists(out):
             if not overwrite:
                 raise UsageError("the output appeared while writing", path=out,
@@ -114,6 +118,17 @@ def _staged(out: Path, overwrite: bool, file_name: str | None) -> Iterator[Path]
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def _add_manifest(staging: Path, file_name: str | None, out: Path) -> Path | None:
+    """Write the output's integrity manifest (``ckpt_tool.manifest``) into the staging
+    directory; for a single-file output return the manifest to put beside it."""
+    from ckpt_tool.manifest import write_file_manifest, write_manifest
+
+    if file_name:
+        return write_file_manifest(staging / file_name, as_name=out.name, into=staging)
+    write_manifest(staging)
+    return None
 
 
 @contextlib.contextmanager
