@@ -142,11 +142,12 @@ def _umask() -> int:
 
 def write_manifest(root: str | Path, *, algorithm: str | None = None,
                    known: dict[str, tuple[int, str]] | None = None,
-                   names: Iterable[str] | None = None) -> Path:
+                   names: Iterable[str] | None = None, name: str | None = None) -> Path:
     """Write the manifest of the directory ``root`` into it (atomically) and return its path:
-    ``integrity.json`` for a Megatron-Core dist checkpoint, else ``ckpt-manifest.json``."""
+    ``integrity.json`` for a Megatron-Core dist checkpoint, else ``ckpt-manifest.json`` (or
+    ``name``)."""
     root = Path(root)
-    path = root / manifest_name(root)
+    path = root / (name or manifest_name(root))
     _write_atomically(path, build_manifest(root, algorithm=algorithm, known=known, names=names))
     return path
 
