@@ -1,4 +1,4 @@
-"""Integrity manifests: the digest and size of every file of a checkpoint (docs/formats.md §8).
+"""Integrity manifests: the digest and size of every file of a checkpoint (docs/formats.md §11).
 
 safetensors, torch.save files, DCP and Megatron-LM legacy checkpoints carry no checksum of
 their data (the CRC32 of torch.save zip entries is not checked by ``torch.load``, and

@@ -1,5 +1,5 @@
 """Which integrity manifest covers a checkpoint ``validate`` reads, and ``validate
---write-manifest`` (the format: ``ckpt_tool.manifest``, docs/formats.md §8).
+--write-manifest`` (the format: ``ckpt_tool.manifest``, docs/formats.md §11).
 
 A checkpoint's manifest lies in its directory (``integrity.json`` or ``ckpt-manifest.json``),
 beside a single file (``X.ckpt-manifest.json``), in a directory holding only ``model.pt``, or in
