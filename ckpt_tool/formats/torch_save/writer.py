@@ -41,6 +41,7 @@ from ckpt_tool.errors import UnsupportedError, plural
 from ckpt_tool.formats.write_pieces import (DEFAULT_MAX_MEMORY, pull_piece, slab_pieces,
                                          tensor_bytes)
 from ckpt_tool.formats.torch_save_files import zip_data_offsets
+from ckpt_tool.formats.write_guard import finish_failed_writer
 from ckpt_tool.formats.writer import WriteRequest, Writer, dropped_objects_note
 from ckpt_tool.model import TensorMeta, dtype_itemsize
 
@@ -168,8 +169,19 @@ class TorchSaveWriter(Writer):
 
         writer = torch._C.PyTorchFileWriter(target, get_crc32_options(),
                                             _get_storage_alignment())
+        try:
+            return self._write_records(writer, data, storages, request, budget)
+        except BaseException as exc:  # a full disk: the OSError, not an abort at teardown
+            finish_failed_writer(writer, target if isinstance(target, str)
+                                 else getattr(target, "name", ""), exc)
+            raise
+
+    def _write_records(self, writer: Any, data: bytes, storages: list[tuple[str, TensorMeta]],
+                       request: WriteRequest, budget: int) -> list[tuple[str, TensorMeta]]:
         writer.write_record("data.pkl", data, len(data))
         writer.write_record(".format_version", "1", len("1"))
+        from torch.serialization import _get_storage_alignment
+
         alignment = str(_get_storage_alignment())
         writer.write_record(".storage_alignment", alignment, len(alignment))
         writer.write_record("byteorder", "little", len("little"))
