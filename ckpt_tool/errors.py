@@ -17,6 +17,7 @@ __all__ = [
     "CorruptCheckpointError",
     "UnsafePickleError",
     "UnsupportedError",
+    "OutputError",
     "FindingsError",
     "plural",
 ]
@@ -72,6 +73,11 @@ class UnsafePickleError(InputError):
 
 class UnsupportedError(CkptError):
     """A valid request the tool does not (yet) support, or a command not built yet."""
+
+
+class OutputError(CkptError):
+    """The output could not be written (no space left on its file system, a file size limit);
+    nothing that looks complete was left at the target."""
 
 
 class FindingsError(CkptError):

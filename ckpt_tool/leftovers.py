@@ -74,8 +74,9 @@ def target_lock(target: str | Path) -> Iterator[None]:
             owner = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
             raise UsageError(f"another ckpt run (pid {owner}) is writing this output", path=out,
                              hint="wait for it to finish, or choose another output") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        with contextlib.suppress(OSError):  # the pid is for people; a full disk is reported
+            os.ftruncate(fd, 0)               # by the write itself
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         try:
             yield
         finally:

@@ -66,6 +66,7 @@ def _watch_interrupts() -> None:
     inline_container.cc"), which must still read "interrupted" (exit 130)."""
     import signal
 
+    from ckpt_tool._program import interrupt_deferred
     from ckpt_tool._program import is_program as _is_program
 
     state.interrupted = False
@@ -74,7 +75,8 @@ def _watch_interrupts() -> None:
 
     def on_sigint(signum: int, frame: object) -> None:
         state.interrupted = True
-        raise KeyboardInterrupt
+        if not interrupt_deferred():  # else raised where C code is no longer calling us
+            raise KeyboardInterrupt
 
     try:
         signal.signal(signal.SIGINT, on_sigint)

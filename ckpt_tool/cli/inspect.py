@@ -7,7 +7,7 @@ import typer
 from ckpt_tool.cli._errors import handle_errors
 from ckpt_tool.cli._options import (CheckpointPath, DebugFlag, IterationOption, JsonFlag,
                                     TrustFlag, at_iteration)
-from ckpt_tool.cli._output import human_bytes, print_json, stdout
+from ckpt_tool.cli._output import human_bytes, message, print_json, stdout
 from ckpt_tool.errors import plural
 
 # The default view lists objects one per row up to this many, then one row per key.
@@ -48,6 +48,12 @@ def inspect(
         print_json(result.to_dict(tree=tree))
     else:
         render(result, tree=tree, all_objects=objects, full_common=common)
+    from ckpt_tool.leftovers import describe_leftovers, leftovers
+
+    left = leftovers(path)
+    if left:  # e.g. a killed --overwrite run: the old checkpoint is whole, its staging beside
+        message(f"note: an interrupted write left {describe_leftovers(left)} beside "
+                f"{path} (a rerun of the command that writes it reclaims it)")
 
 
 def _shape(shape: Any) -> str:

@@ -118,6 +118,9 @@ def reshard(
         print_json(result.to_dict())
     else:
         _render(result.plan, show_ranks=dry_run)
+    for note in getattr(result, "notes", None) or ():
+        if note.startswith("reclaimed"):  # (the others are in the feasibility table)
+            message(f"note: {note}")
     message(_verdict(result, check or dry_run), failure=not result.ok)
     if not result.ok:
         raise typer.Exit(1)

@@ -38,6 +38,9 @@ def validate(
     expect_iteration: Annotated[Optional[int], typer.Option(
         "--expect-iteration", metavar="N", help="Fail unless the checkpoint is at this iteration.",
         show_default=False)] = None,
+    write_manifest: Annotated[bool, typer.Option(
+        "--write-manifest", help="If the checkpoint is valid, add an integrity manifest "
+        "(digest and size of every file) that later runs check.")] = False,
     iteration: IterationOption = None,
     quiet: QuietFlag = False,
     no_progress: NoProgressFlag = False,
@@ -50,6 +53,7 @@ def validate(
     Example:
       ckpt validate checkpoints/gpt --expect-tp 2 --expect-pp 2 --json
     """
+
     from ckpt_tool.cli._progress import progress_bar
     from ckpt_tool.ops.validate import ValidateResult, read_expected_keys
     from ckpt_tool.ops.validate import validate as run_validate
@@ -75,13 +79,19 @@ def validate(
     else:
         render(result)
     message(verdict(result), failure=not result.ok)
-    if not result.ok:
+    if not result.ok and not write_manifest:
         raise typer.Exit(1)
+    if write_manifest and ranks().is_main:
+        from ckpt_tool.ops.manifest import add_manifest
+
+        wrote = add_manifest(Path(path), Path(result.root or path), result.findings)
+        message(f"wrote {wrote.manifest} ({plural(wrote.files, 'file')})")
 
 
 # stats shown in the verdict line: key, noun, words after the number and noun
 _CHECKED = (("tensors", "tensor", ""), ("objects", "object", ""), ("files", "file", ""),
-            ("zip_items_checked", "zip item", " checked"), ("tensors_read", "tensor", " read"))
+            ("zip_items_checked", "zip item", " checked"), ("tensors_read", "tensor", " read"),
+            ("manifest_files_hashed", "digest", " checked"))
 
 
 def verdict(result: Any) -> str:

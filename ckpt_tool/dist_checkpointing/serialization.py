@@ -15,6 +15,9 @@ from typing import Callable, Dict, Optional, Set, Tuple, Union
 
 import torch
 
+from ckpt_tool.formats.mcore_dist.config import config_bytes
+
+from ._manifest import remove_integrity_json, write_integrity_json
 from .core import CheckpointingConfig, CheckpointingException, save_config
 from .dict_utils import extract_matching_values, merge
 from .mapping import (
@@ -244,7 +247,8 @@ def save(
     Factories are applied and non-persistent values dropped; everything that is not sharded
     goes to the common file (rank 0); ShardedObjects and the main replicas of ShardedTensors
     go to the sharded backend. ``metadata.json``, which marks the checkpoint complete, is
-    written last by rank 0 after all ranks finished.
+    written last by rank 0 after all ranks finished, right after the integrity manifest
+    ``integrity.json`` (sha256 and size of every file, ``metadata.json`` included).
 
     Args:
         sharded_state_dict: this rank's state dict with ShardedTensors/ShardedObjects.
@@ -272,6 +276,7 @@ def save(
         marker = os.path.join(checkpoint_dir, "metadata.json")
         if os.path.exists(marker):  # the old marker must not vouch for new, partial data
             os.remove(marker)
+        remove_integrity_json(checkpoint_dir)
 
     if common_strategy is not None:
         raise NotImplementedError("The only supported common strategy is torch")
@@ -295,9 +300,10 @@ def save(
 
     def write_metadata_json():
         _barrier()  # every rank finished its part
+        config = CheckpointingConfig(sharded_strategy.backend, sharded_strategy.version)
+        write_integrity_json(checkpoint_dir, config_bytes(config))  # (collective)
         if _rank() == 0:
-            save_config(CheckpointingConfig(sharded_strategy.backend, sharded_strategy.version),
-                        checkpoint_dir)
+            save_config(config, checkpoint_dir)
         _barrier()
 
     if not async_sharded_save:

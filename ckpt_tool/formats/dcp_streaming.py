@@ -43,6 +43,8 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint import FileSystemWriter
 
 from ckpt_tool.errors import CheckpointingException, CorruptCheckpointError, UsageError
+from ckpt_tool._program import interrupts_deferred
+from ckpt_tool.formats.write_guard import GuardedStream
 from ckpt_tool.formats.writer import WriteRequest, Writer
 from ckpt_tool.model import TensorMeta
 
@@ -234,11 +236,16 @@ class StreamingFileSystemWriter(McoreFileSystemWriter):
         results = []
         ordered = ([i for i in items if i.type == WriteItemType.BYTE_IO]
                    + [i for i in items if i.type != WriteItemType.BYTE_IO])
-        with self.fs.create_stream(path, "wb") as stream:
+        with self.fs.create_stream(path, "wb") as real:
+            stream = GuardedStream(real, path)  # a full disk: the OSError, not an abort
             for item in ordered:
                 data = planner.resolve_data(item)
-                results.append(_write_item(self.transforms, stream, data, item, storage_key,
-                                           self.serialization_format))
+                try:
+                    with interrupts_deferred():  # torch.save calls stream.write from C code
+                        results.append(_write_item(self.transforms, stream, data, item,
+                                                   storage_key, self.serialization_format))
+                finally:
+                    stream.check()
                 nbytes = data.nbytes if isinstance(data, torch.Tensor) else 0
                 del data  # the chunk is on disk: let it go before resolving the next one
                 if item.type != WriteItemType.BYTE_IO:

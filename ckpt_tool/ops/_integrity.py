@@ -6,7 +6,7 @@
 * With ``deep``, the same pass counts NaN/Inf of every tensor chunk in place (exponent bits
   tested with numpy: torch is not imported), right after its CRC (while it is in cache);
   chunks it cannot read in place are left to the reader (``validate._deep``).
-* ``integrity.json`` sha256 digests.
+* integrity manifests (``integrity.json``, ``ckpt-manifest.json``): ``ops/_manifest.py``.
 
 DCP items -- thousands of small ``torch.save`` zips -- are checked in bulk, a batch of files at
 a time (``_scan_vector``: a fixed number of numpy operations per batch, one CRC call per
@@ -22,8 +22,6 @@ next batch's mapping and unmapping the last one (:func:`_in_turn`).
 from __future__ import annotations
 
 import gc
-import hashlib
-import json
 import mmap
 import os
 import threading
@@ -37,15 +35,14 @@ import numpy as np
 
 from ckpt_tool.formats.torch_zip import BoundedReader, check_zip_item
 from ckpt_tool.model import CheckpointMeta
-from ckpt_tool.ops._checks import Finding, error, warning
+from ckpt_tool.ops._checks import Finding
 from ckpt_tool.ops._mapping import map_ranges, prefault
 from ckpt_tool.ops._scan_item import Out, Unit, check_slowly, plan_files, plan_items, scan_unit
 from ckpt_tool.ops._scan_vector import scan_items
 
-__all__ = ["BoundedReader", "check_zip_item", "scan_archives", "check_integrity_json"]
+__all__ = ["BoundedReader", "check_zip_item", "scan_archives"]
 
 _WHOLE_FILE_FORMATS = ("legacy", "torch")  # whole files that are torch.save zips
-_BLOCK = 1 << 20  # sha256 reads
 _SLAB = 4 << 20  # CRC and NaN/Inf counting alternate on slabs this big
 _SMALL = 256 << 10  # smaller tensors are counted in batches
 _UNIT_BYTES = 256 << 20  # a big file's items are split into runs of about this many bytes
@@ -344,44 +341,3 @@ def _counted(meta: CheckpointMeta, results: list[Out]) -> dict[str, tuple[int, i
     return {keys[i]: (n, f) for i, n, f in zip(done.tolist(), total[0, done].tolist(),
                                                 total[1, done].tolist())
             if keys[i] not in uncounted}
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(_BLOCK):
-            h.update(block)
-    return h.hexdigest()
-
-
-def check_integrity_json(root: Path) -> list[Finding]:
-    f = root / "integrity.json"
-    if not f.is_file():
-        return []
-    try:
-        doc = json.loads(f.read_text(encoding="utf-8"))
-        algo = doc.get("algorithm", "sha256")
-        files = doc["files"]
-        if not isinstance(files, dict):
-            raise TypeError("'files' is not an object")
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        return [error(f"unreadable integrity.json ({type(exc).__name__}: {exc})",
-                      file="integrity.json")]
-    if algo != "sha256":
-        return [warning(f"integrity.json uses {algo!r}; only sha256 is checked",
-                        file="integrity.json")]
-    out = []
-    for name, digest in sorted(files.items()):
-        path = root / name
-        if not path.is_file():
-            out.append(error("file listed in integrity.json is missing", file=name))
-            continue
-        try:
-            actual = _sha256(path)
-        except OSError as exc:
-            out.append(error(f"cannot read ({exc.strerror})", file=name))
-            continue
-        if actual != str(digest).lower():
-            out.append(error(f"sha256 {actual[:16]}… does not match integrity.json "
-                             f"({str(digest)[:16]}…)", file=name))
-    return out

@@ -1,4 +1,5 @@
-"""Atomic output directories: write into a staging directory beside the target, fsync, rename.
+"""Atomic output directories: write into a staging directory beside the target, add its
+integrity manifest (``ckpt_tool.manifest``), fsync, rename.
 
 A killed run leaves only ``.<name>.ckpt-staging-*`` beside the target (which ``ckpt validate``
 reports as a leftover), never a directory at the target path that looks complete.
@@ -7,17 +8,18 @@ reports as a leftover), never a directory at the target path that looks complete
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
-from ckpt_tool.errors import UsageError, plural
+from ckpt_tool.errors import OutputError, UsageError, plural
 from ckpt_tool.leftovers import OLD_MARK, STAGING_MARK, reclaim, target_lock
 
 __all__ = ["check_output_target", "staged_output", "staged_output_ranks", "fsync_tree",
-           "verify_output", "STAGING_MARK"]
+           "verify_output", "output_estimate", "STAGING_MARK"]
 
 def check_output_target(dst: str | Path, *, sources: tuple[str | Path, ...] = (),
                         overwrite: bool = False) -> Path:
@@ -72,22 +74,84 @@ def _umask() -> int:
 
 @contextlib.contextmanager
 def staged_output(dst: str | Path, *, overwrite: bool = False,
-                  file_name: str | None = None, notes: list[str] | None = None
-                  ) -> Iterator[Path]:
+                  file_name: str | None = None, notes: list[str] | None = None,
+                  need_bytes: int = 0) -> Iterator[Path]:
     """Yield an empty staging directory beside ``dst``; on success fsync it and rename it to
     ``dst`` (replacing an existing ``dst`` only when ``overwrite``); on failure remove it.
 
     With ``file_name`` the output is a single file: the writer creates ``staging/file_name``,
     which becomes ``dst``. The target's lock is held throughout (another live run writing the
     same target: UsageError); what killed runs left beside ``dst`` is reclaimed first, with a
-    note appended to ``notes``."""
+    note appended to ``notes``. ``need_bytes``: about what the output takes; less free space
+    on the target's file system is an OutputError before anything is written, and running
+    out of space (or into a file size limit) while writing is one too, staging removed."""
     out = Path(os.path.abspath(dst))
     with target_lock(out):
         note = reclaim(out)
         if note and notes is not None:
             notes.append(note)
-        with _staged(out, overwrite, file_name) as staging:
-            yield staging
+        _check_space(out, need_bytes)
+        try:
+            with _staged(out, overwrite, file_name) as staging:
+                yield staging
+        except (OSError, RuntimeError) as exc:
+            if not _out_of_space(exc, out):
+                raise
+            if isinstance(exc, OSError) and exc.errno == errno.EFBIG:
+                raise OutputError(
+                    f"a file of the output exceeds the file size limit ({exc.strerror}"
+                    f"{': ' + str(exc.filename) if exc.filename else ''}); nothing was written", path=out,
+                    hint="raise the limit (ulimit -f) or write the output elsewhere") from None
+            raise OutputError(
+                f"no space left for the output ({_space_text(out, need_bytes)}); nothing was "
+                "written", path=out, hint="free some space, or write the output elsewhere"
+            ) from None
+
+
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def output_estimate(meta: Any) -> int:
+    """About what an output of the checkpoint ``meta`` takes on disk: its tensor bytes plus
+    the zip/header overhead of each stored piece (a few KiB each) and 1 MiB of metadata.
+    (The check it feeds runs before writing: torch's C++ zip writer aborts the process when
+    the disk fills under it, which no handler can turn into a clean error.)"""
+    pieces = sum(len(t.chunks) for t in meta.tensors.values()) + len(meta.objects)
+    return int(meta.total_bytes) + 4096 * pieces + (1 << 20)
+
+
+def _free(out: Path) -> int | None:
+    try:
+        return shutil.disk_usage(out.parent).free
+    except OSError:
+        return None
+
+
+def _space_text(out: Path, need: int) -> str:
+    free = _free(out)
+    need_text = f"needs about {need / 2**20:.1f} MiB, " if need else ""
+    return need_text + ("free space unknown" if free is None else
+                        f"{free / 2**20:.1f} MiB free on its file system")
+
+
+def _check_space(out: Path, need: int) -> None:
+    free = _free(out)
+    if need and free is not None and free < need:
+        raise OutputError(f"not enough space for the output ({_space_text(out, need)})",
+                          path=out, hint="free some space, or write the output elsewhere")
+
+
+def _out_of_space(exc: BaseException, out: Path) -> bool:
+    """ENOSPC/EDQUOT/EFBIG, also when torch's C++ zip writer reports it as a RuntimeError
+    (a short write: "unexpected pos", "iostream error") on a file system that is full."""
+    if isinstance(exc, OSError):
+        return exc.errno in _NO_SPACE
+    text = str(exc)
+    if "No space left" in text or "File too large" in text:
+        return True
+    free = _free(out)
+    return ("unexpected pos" in text or "iostream error" in text) and free is not None \
+        and free < (1 << 20)
 
 
 @contextlib.contextmanager
@@ -96,8 +160,11 @@ def _staged(out: Path, overwrite: bool, file_name: str | None) -> Iterator[Path]
     try:
         yield staging
         os.chmod(staging, 0o777 & ~_umask())  # mkdtemp made it 0700: the output follows umask
-        fsync_tree(staging)
         produced = staging / file_name if file_name else staging
+        side = _add_manifest(staging, file_name, out)
+        fsync_tree(staging)
+        if side is not None:  # the file's manifest goes first: the file never lacks it
+            os.replace(side, out.parent / side.name)
         if os.path.lexists(out):
             if not overwrite:
                 raise UsageError("the output appeared while writing", path=out,
@@ -116,20 +183,32 @@ def _staged(out: Path, overwrite: bool, file_name: str | None) -> Iterator[Path]
         raise
 
 
+def _add_manifest(staging: Path, file_name: str | None, out: Path) -> Path | None:
+    """Write the output's integrity manifest (``ckpt_tool.manifest``) into the staging
+    directory; for a single-file output return the manifest to put beside it."""
+    from ckpt_tool.manifest import write_file_manifest, write_manifest
+
+    if file_name:
+        return write_file_manifest(staging / file_name, as_name=out.name, into=staging)
+    write_manifest(staging)
+    return None
+
+
 @contextlib.contextmanager
 def staged_output_ranks(dst: str | Path, ranks: Any, *, overwrite: bool = False,
-                        file_name: str | None = None, notes: list[str] | None = None
-                        ) -> Iterator[Path]:
+                        file_name: str | None = None, notes: list[str] | None = None,
+                        need_bytes: int = 0) -> Iterator[Path]:
     """``staged_output`` for every rank of a torchrun job: rank 0 creates the staging directory
     and every rank writes into it; at the end the ranks agree (a failure on any rank fails all)
     and rank 0 alone fsyncs and renames. Single-rank jobs are plain ``staged_output``."""
     if ranks.world == 1:
         with staged_output(dst, overwrite=overwrite, file_name=file_name,
-                           notes=notes) as staging:
+                           notes=notes, need_bytes=need_bytes) as staging:
             yield staging
         return
     if ranks.is_main:
-        ctx = staged_output(dst, overwrite=overwrite, file_name=file_name, notes=notes)
+        ctx = staged_output(dst, overwrite=overwrite, file_name=file_name, notes=notes,
+                            need_bytes=need_bytes)
         try:
             staging = ctx.__enter__()
         except BaseException as exc:

@@ -21,7 +21,8 @@ from ckpt_tool.model import is_optimizer_key
 from ckpt_tool.ops._convert_plan import ConvertOptions, ConvertPlan, plan_convert
 from ckpt_tool.ops._raw_source import RawSource, raw_source_applies
 from ckpt_tool.ops._source import ReaderSource
-from ckpt_tool.ops._staging import check_output_target, staged_output_ranks, verify_output
+from ckpt_tool.ops._staging import (check_output_target, output_estimate, staged_output_ranks,
+                                    verify_output)
 from ckpt_tool.parallel import JobProgress
 from ckpt_tool.parallel import ranks as current_ranks
 
@@ -132,7 +133,7 @@ def convert(src: str | Path, dst: str | Path, options: ConvertOptions, *, trust:
                    "threads": max(1, workers)})
         writer_cls = writer_for(options.to)
         with staged_output_ranks(out, r, overwrite=overwrite, file_name=file_name,
-                                 notes=notes) as staging:
+                                 notes=notes, need_bytes=output_estimate(plan.target)) as staging:
             if r.is_main or writer_cls.supports_ranks:
                 notes += writer_cls(staging, wopts).write(request)
             r.barrier()

@@ -21,7 +21,8 @@ from ckpt_tool.formats.writer import WriteRequest, WriterOptions, writer_for
 from ckpt_tool.formats.legacy.writer import updated_args, write_legacy_ranks
 from ckpt_tool.ops._optim_unflatten import unflatten_bucketed_optimizer
 from ckpt_tool.ops._reshard_io import PaddedSource, stacked_view_if_legacy
-from ckpt_tool.ops._staging import check_output_target, staged_output_ranks, verify_output
+from ckpt_tool.ops._staging import (check_output_target, output_estimate, staged_output_ranks,
+                                    verify_output)
 from ckpt_tool.parallel import JobProgress
 from ckpt_tool.parallel import ranks as current_ranks
 
@@ -136,7 +137,8 @@ def reshard(src: str | Path, dst: str | Path | None, req: ReshardRequest, *,
             new_common = reader.common_for_target(new_common, layout)
         if to != "legacy":
             target = _dist_objects_only(target, new_common, result.notes)
-        with staged_output_ranks(out, r, overwrite=overwrite, notes=result.notes) as staging:
+        with staged_output_ranks(out, r, overwrite=overwrite, notes=result.notes,
+                                 need_bytes=output_estimate(target)) as staging:
             if to == "legacy":  # every rank writes its share of the rank files
                 skipped = write_legacy_ranks(staging, plan, source, new_common, on_bytes,
                                              ranks=r if r.world > 1 else None,

@@ -10,7 +10,7 @@ Checks, in order (the pure ones live in ``ops/_checks.py``, CRC32/sha256 ones in
 3. every tensor is covered by its chunks exactly once (in bounds, no gap, no overlap);
 4. integrity: the CRC32 of every zip entry of every DCP item and of every legacy/torch.save
    file (``torch.load`` does not check them), in one pass over a read-only mmap of each file;
-   ``integrity.json`` sha256 digests;
+   the manifest (``ckpt_tool.manifest``): files present at their sizes, digests with ``deep``;
 5. stale ``*.distcp`` files nobody references, leftover ``*.tmp``/staging files (warnings);
 6. the caller's expectations: ``expect_tp``/``expect_pp``/``expect_keys``/``expect_iteration``;
    Megatron-LM legacy: every ``mp_rank_*`` file for TP x PP (x EP) present, replicated
@@ -35,8 +35,8 @@ from ckpt_tool.errors import CorruptCheckpointError, InputError, UnsafePickleErr
 from ckpt_tool.model import CheckpointMeta
 from ckpt_tool.ops._checks import (Finding, check_coverage, check_expectations, check_storage,
                                    error, warning)
-from ckpt_tool.ops._integrity import (BoundedReader, check_integrity_json, check_zip_item,
-                                      scan_archives)
+from ckpt_tool.ops._integrity import BoundedReader, check_zip_item, scan_archives
+from ckpt_tool.ops.manifest import manifest_findings
 from ckpt_tool.ops._validate_deep import deep_read
 
 __all__ = ["Finding", "ValidateResult", "validate", "read_expected_keys", "BoundedReader",
@@ -182,8 +182,8 @@ def validate(path: str | Path, *, trust: bool = False, deep: bool = False,
             findings.extend(crc_findings)
         if meta.format in _DCP_FORMATS:
             findings.extend(_stale_data_files(base, meta))
+        findings.extend(manifest_findings(p, Path(meta.root), deep=deep, stats=stats))
         if base.is_dir() and Path(meta.root).is_dir():
-            findings.extend(check_integrity_json(base))
             findings.extend(_leftovers(base))
         if p.resolve() != base.resolve():  # a save directory given: its own leftovers too
             findings.extend(_beside(p))

@@ -9,6 +9,7 @@ Megatron-Core 0.16.1.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import multiprocessing
 import sys
@@ -76,11 +77,19 @@ def test_in_place_updates_after_save_do_not_reach_the_files(tmp_path, monkeypatc
     assert not (tmp_path / "metadata.json").exists()
     assert queue.maybe_finalize_async_calls(blocking=True, no_dist=True) == [0]
     queue.close()
-    assert order == [[".metadata", "__0_0.distcp", "__0_1.distcp", "common.pt"]]
+    # the integrity manifest is written just before the marker, and lists it
+    assert order == [[".metadata", "__0_0.distcp", "__0_1.distcp", "common.pt",
+                      "integrity.json"]]
     loaded = dc.load_plain_tensors(str(tmp_path))
     assert torch.equal(loaded["a"], torch.arange(6.0).reshape(2, 3))
     assert torch.equal(loaded["b"], torch.ones(4, dtype=torch.bfloat16))
-    assert validate(tmp_path).errors == []
+    assert validate(tmp_path, deep=True).errors == []
+    manifest = json.loads((tmp_path / "integrity.json").read_text())
+    assert manifest["algorithm"] == "sha256"
+    assert sorted(manifest["files"]) == [".metadata", "__0_0.distcp", "__0_1.distcp",
+                                         "common.pt", "metadata.json"]
+    assert manifest["files"]["metadata.json"] == hashlib.sha256(
+        (tmp_path / "metadata.json").read_bytes()).hexdigest()
 
 
 def test_write_error_leaves_no_marker(tmp_path):

@@ -36,7 +36,8 @@ def saved(tmp_path):
 
 def test_files_written(saved):
     names = sorted(os.listdir(saved))
-    assert names == [".metadata", "__0_0.distcp", "__0_1.distcp", "common.pt", "metadata.json"]
+    assert names == [".metadata", "__0_0.distcp", "__0_1.distcp", "common.pt", "integrity.json",
+                     "metadata.json"]
     cfg = dc.core.maybe_load_config(str(saved))
     assert (cfg.sharded_backend, cfg.sharded_backend_version) == ("torch_dist", 1)
     assert (cfg.common_backend, cfg.common_backend_version) == ("torch", 1)

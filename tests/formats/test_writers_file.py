@@ -242,7 +242,7 @@ def test_torch_file_with_a_non_ascii_name_is_torch_saves_archive(tmp_path):
 _FULL_DISK = """
 import contextlib, sys
 import ckpt_tool.formats.torch_save.writer as w
-w._zip_target = contextlib.contextmanager(lambda path: (yield "/dev/full"))
+w.zip_writer_name = contextlib.contextmanager(lambda path: (yield "/dev/full"))
 from ckpt_tool.cli.app import main
 sys.argv = ["ckpt", "convert", sys.argv[1], sys.argv[2], "--to", "torch"]
 main()

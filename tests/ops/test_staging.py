@@ -19,6 +19,7 @@ def test_output_appears_only_at_the_end(tmp_path):
         assert STAGING_MARK in staging.name and staging.parent == tmp_path
     assert (dst / "a.bin").read_bytes() == b"x"
     assert os.listdir(tmp_path) == ["out"]
+    assert sorted(os.listdir(dst)) == ["a.bin", "ckpt-manifest.json"]  # its manifest inside
 
 
 def test_failure_leaves_nothing(tmp_path):
@@ -36,7 +37,7 @@ def test_overwrite_replaces_and_single_file(tmp_path):
     with staged_output(dst, overwrite=True, file_name="model.pt") as staging:
         (staging / "model.pt").write_bytes(b"new")
     assert dst.read_bytes() == b"new"
-    assert os.listdir(tmp_path) == ["model.pt"]
+    assert sorted(os.listdir(tmp_path)) == ["model.pt", "model.pt.ckpt-manifest.json"]
 
 
 def test_check_output_target_refusals(tmp_path):

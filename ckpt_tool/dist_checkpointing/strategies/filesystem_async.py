@@ -41,13 +41,27 @@ from torch.distributed.checkpoint.filesystem import _write_item
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
+from ckpt_tool.manifest import digest_file
+
 from .._staging_pool import exact_storage, staged_nbytes, staging_pool
 from ..core import CheckpointingException
 
-__all__ = ["FileSystemWriterAsync", "WriteBucket"]
+__all__ = ["FileSystemWriterAsync", "WriteBucket", "take_file_digests"]
 
 # (file path, file name (storage key), ([(item, BytesIO)], [(item, CPU tensor)]))
 WriteBucket = Tuple[str, str, Tuple[list, list]]
+
+
+# {checkpoint directory: {data file name: (size, sha256)}} of this rank's last write there,
+# left by ``retrieve_write_results`` for the integrity manifest (``take_file_digests``)
+_DIGESTS: Dict[str, Dict[str, Tuple[int, str]]] = {}
+
+
+def take_file_digests(checkpoint_dir: Union[str, os.PathLike]) -> Dict[str, Tuple[int, str]]:
+    """``{file name: (size, sha256 hex)}`` of the data files this rank's last write into
+    ``checkpoint_dir`` produced (computed by the writer, right after each file's fsync), once;
+    empty when none is known."""
+    return _DIGESTS.pop(os.path.abspath(os.fspath(checkpoint_dir)), {})
 
 
 def _rank() -> int:
@@ -218,16 +232,19 @@ class FileSystemWriterAsync(FileSystemWriter):
     def write_preloaded_data_multiproc(transform_list: list, use_msc: bool, rank: int,
                                        write_buckets: List[WriteBucket],
                                        global_results_queue: ResultsDrop) -> None:
-        """Write every bucket (one thread each) and put ``{bucket: [WriteResult]}`` or the
-        first exception into ``global_results_queue``."""
+        """Write every bucket (one thread each) and put ``({bucket: [WriteResult]}, {file name:
+        (size, sha256)})`` or the first exception into ``global_results_queue``."""
         if use_msc:
             raise NotImplementedError("multi-storage client is not supported")
         results: Dict[int, Any] = {}
+        digests: Dict[str, Tuple[int, str]] = {}
 
         def work(i: int, bucket: WriteBucket) -> None:
             try:
                 results[i] = FileSystemWriterAsync.write_preloaded_data(
                     transform_list, i, bucket, use_fsync=True)
+                # the integrity manifest's digest, read back while the file is in cache
+                digests[os.path.basename(bucket[0])] = digest_file(bucket[0], "sha256")
             except BaseException as e:  # reported below, never lost in a thread
                 results[i] = e
 
@@ -241,7 +258,7 @@ class FileSystemWriterAsync(FileSystemWriter):
         if errors:
             global_results_queue.put(RuntimeError(f"rank {rank}: {errors[0]!r}"))
         else:
-            global_results_queue.put(results)
+            global_results_queue.put((results, digests))
 
     @staticmethod
     def write_preloaded_data(transform_list: list, local_proc_idx: int, write_bucket: WriteBucket,
@@ -287,6 +304,9 @@ class FileSystemWriterAsync(FileSystemWriter):
             return _wrap_exception(RuntimeError(f"Unreadable write results: {e!r}"))
         if isinstance(results, BaseException):
             return _wrap_exception(RuntimeError(f"Worker failure: {results}"))
+        if isinstance(results, tuple):
+            results, digests = results
+            _DIGESTS[os.path.abspath(self.checkpoint_dir)] = dict(digests)
         if len(results) != len(self.write_buckets):
             return _wrap_exception(RuntimeError(
                 f"Incomplete worker results (expected {len(self.write_buckets)}, got "

@@ -29,6 +29,7 @@ from typing import Any
 
 from ckpt_tool.errors import UsageError
 from ckpt_tool.formats.legacy.layout import LOCAL_TO_DIST_NAMES
+from ckpt_tool.formats.write_guard import torch_save_file
 from ckpt_tool.formats.writer import WriteRequest, Writer
 from ckpt_tool.model import is_optimizer_key
 
@@ -180,7 +181,7 @@ def write_legacy_ranks(directory: Path, plan: Any, source: Any,
                 state[f"model{vp or 0}"] = sd
         path = iter_dir / rp.file
         path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(state, path)
+        torch_save_file(state, path)
     if ranks is None or ranks.is_main:
         tracker = "release" if iteration is None else str(int(iteration))
         (directory / "latest_checkpointed_iteration.txt").write_text(tracker)

@@ -20,6 +20,7 @@ __all__ = [
     "CheckpointingException",
     "check_is_distributed_checkpoint",
     "maybe_load_config",
+    "config_bytes",
     "save_config",
 ]
 
@@ -63,6 +64,12 @@ def check_is_distributed_checkpoint(checkpoint_dir: Optional[str]) -> bool:
     return maybe_load_config(checkpoint_dir) is not None
 
 
+def config_bytes(config: CheckpointingConfig) -> bytes:
+    """The exact bytes :func:`save_config` writes for ``config`` (an integrity manifest
+    written before the marker lists their digest)."""
+    return json.dumps(asdict(config)).encode("utf-8")
+
+
 def save_config(config: CheckpointingConfig, checkpoint_dir: str) -> None:
     """Write ``config`` as ``<checkpoint_dir>/metadata.json``.
 
@@ -73,8 +80,8 @@ def save_config(config: CheckpointingConfig, checkpoint_dir: str) -> None:
     final_path = os.path.join(checkpoint_dir, CONFIG_FNAME)
     tmp_path = f"{final_path}.tmp.{os.getpid()}"
     try:
-        with open(tmp_path, "w", encoding="utf-8") as f:
-            json.dump(asdict(config), f)
+        with open(tmp_path, "wb") as f:
+            f.write(config_bytes(config))
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp_path, final_path)

@@ -32,6 +32,7 @@ from ckpt_tool.formats.dcp_streaming import (
     tensor_items,
 )
 from ckpt_tool.formats.mcore_dist.config import CheckpointingConfig, save_config
+from ckpt_tool.formats.write_guard import torch_save_file
 from ckpt_tool.formats.writer import WriteRequest, Writer
 
 __all__ = ["TorchDistWriter"]
@@ -68,7 +69,7 @@ class TorchDistWriter(Writer):
                          f"Megatron-Core ShardedObjects (key not '<key>/shard_<offset>_<shape>') in "
                          f"{COMMON_FILE}: {', '.join(moved[:3])}{more}")
         if is_main_rank(request):
-            torch.save(common, self.directory / COMMON_FILE)
+            torch_save_file(common, self.directory / COMMON_FILE)
         items = tensor_items(request) + [bytes_write_item(k) for k in object_keys]
         run_dcp_save(self, request, items, planner_data=None, keep_local_plans=True,
                       tensor=request.source.read,

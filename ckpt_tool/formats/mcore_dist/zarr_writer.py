@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_tool.errors import UnsupportedError, plural
+from ckpt_tool.formats.write_guard import torch_save_file
 from ckpt_tool.formats.write_pieces import (DEFAULT_MAX_MEMORY, my_share, pull_piece,
                                          run_share, slab_pieces, tensor_bytes)
 from ckpt_tool.formats.writer import WriteRequest, Writer
@@ -53,12 +54,12 @@ def _safe_relpath(key: str) -> bool:
 
 
 def save_torch_checked(obj: Any, path: Path, what: str) -> None:
-    """``torch.save(obj, path)``; UnsupportedError when ``obj`` holds inert stand-ins (values
+    """``torch_save_file(obj, path)``; UnsupportedError when ``obj`` holds inert stand-ins (values
     of classes the safe unpickler did not import), which cannot be pickled back."""
     import torch
 
     try:
-        torch.save(obj, path)
+        torch_save_file(obj, path)
     except (pickle.PicklingError, TypeError, AttributeError) as exc:
         names = _stand_ins(obj)
         if names:

@@ -31,6 +31,7 @@ from ckpt_tool.formats.torch_save_files import (
     zip_data_offsets,
     zip_storages,
 )
+from ckpt_tool.manifest import is_manifest
 from ckpt_tool.model import ChunkRef, CheckpointMeta, TensorMeta
 
 __all__ = ["LEGACY_MAGIC", "flatten_state", "zip_data_offsets", "TorchSaveReader", "TORCH"]
@@ -40,9 +41,11 @@ DIR_FILE = "model.pt"
 
 
 def _in_dir(path: Path) -> Path:
-    """``DIR/model.pt`` for a directory that holds it and nothing else, else ``path``."""
+    """``DIR/model.pt`` for a directory that holds it and nothing else (but its manifest),
+    else ``path``."""
     if path.is_dir():
-        entries = [p.name for p in path.iterdir() if not p.name.startswith(".")]
+        entries = [p.name for p in path.iterdir()
+                   if not p.name.startswith(".") and not is_manifest(p.name)]
         if entries == [DIR_FILE] and (path / DIR_FILE).is_file():
             return path / DIR_FILE
     return path

@@ -29,21 +29,20 @@ description.
 from __future__ import annotations
 
 import collections
-import contextlib
 import io
-import os
 import pickle
-import shutil
 import struct
 import zipfile
 from ckpt_tool._crc import crc32
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from ckpt_tool.errors import UnsupportedError, plural
 from ckpt_tool.formats.write_pieces import (DEFAULT_MAX_MEMORY, pull_piece, slab_pieces,
                                          tensor_bytes)
 from ckpt_tool.formats.torch_save_files import zip_data_offsets
+from ckpt_tool.formats.write_guard import (finish_failed_writer, raise_write_failure,
+                                          zip_writer_name)
 from ckpt_tool.formats.writer import WriteRequest, Writer, dropped_objects_note
 from ckpt_tool.model import TensorMeta, dtype_itemsize
 
@@ -152,14 +151,15 @@ class TorchSaveWriter(Writer):
         _Pickler(buf, protocol=_PICKLE_PROTOCOL).dump(state)
         data = buf.getvalue()
         del buf, state
-        with _zip_target(path) as target:
-            deferred = self._write_zip(target, data, storages, request, budget)
+        with zip_writer_name(path) as target:
+            deferred = self._write_zip(target, path, data, storages, request, budget)
         if deferred:
             _fill_records(path, deferred, request, budget)
         return notes
 
-    def _write_zip(self, target: Any, data: bytes, storages: list[tuple[str, TensorMeta]],
-                   request: WriteRequest, budget: int) -> list[tuple[str, TensorMeta]]:
+    def _write_zip(self, target: Any, path: Path, data: bytes,
+                   storages: list[tuple[str, TensorMeta]], request: WriteRequest,
+                   budget: int) -> list[tuple[str, TensorMeta]]:
         """The archive with every record; storages over ``budget`` bytes are only reserved
         (returned as ``(record name, meta)``) and filled afterwards by ``_fill_records``."""
         import torch
@@ -182,19 +182,14 @@ class TorchSaveWriter(Writer):
                     deferred.append((f"{writer.archive_name()}/{name}", t))
                 else:
                     self._write_storage(writer, name, t, request)
-        except BaseException as exc:
-            # An unfinished writer finishes the archive in its C++ destructor, where a second
-            # failed write (a full disk, a write interrupted by Ctrl-C) aborts the process.
-            # Finishing it here marks it finished even when that fails too.
-            with contextlib.suppress(Exception):
-                writer.write_end_of_file()
-            if isinstance(exc, RuntimeError):  # the zip writer's own "file write failed"
-                raise _write_failed(target, exc) from exc
+        except BaseException as exc:  # finished here, not by its destructor (an abort)
+            finish_failed_writer(writer, path, exc)
             raise
         try:
             writer.write_end_of_file()
         except RuntimeError as exc:
-            raise _write_failed(target, exc) from exc
+            raise_write_failure(path, exc)
+            raise
         return deferred
 
     @staticmethod
@@ -207,40 +202,6 @@ class TorchSaveWriter(Writer):
             piece = piece.clone()  # a view into a larger storage: write only its bytes
         writer.write_record(name, piece.untyped_storage(), t.nbytes)
         request.progress(t.nbytes)
-
-
-def _write_failed(target: Any, exc: RuntimeError) -> OSError:
-    """The zip writer's failure as the OSError it stands for (its message names no errno)."""
-    import errno
-
-    reason = str(exc).split("\n", 1)[0]
-    return OSError(errno.EIO, f"writing the archive failed ({reason}); is the disk full or "
-                   "read-only?", getattr(target, "name", target))
-
-
-@contextlib.contextmanager
-def _zip_target(path: Path) -> Iterator[Any]:
-    """The name ``PyTorchFileWriter`` opens ``path`` by. It takes ASCII names only, and
-    ``torch.save`` hands it a Python stream otherwise; but then the writer calls back into
-    Python from C code, where an exception (Ctrl-C's) cannot unwind and aborts the process.
-    So a non-ASCII ``path`` is opened through an ASCII symlink named ``archive`` (the record
-    prefix torch.save gives a stream); the stream is the last resort."""
-    if str(path).isascii():
-        yield str(path)
-        return
-    import tempfile
-
-    link_dir = tempfile.mkdtemp(prefix="ckpt-zip-")
-    link = os.path.join(link_dir, "archive")
-    try:
-        if link.isascii():
-            os.symlink(os.path.abspath(path), link)
-            yield link
-        else:
-            with open(path, "wb") as stream:
-                yield stream
-    finally:
-        shutil.rmtree(link_dir, ignore_errors=True)
 
 
 def _fill_records(path: Path, deferred: list[tuple[str, TensorMeta]], request: WriteRequest,
