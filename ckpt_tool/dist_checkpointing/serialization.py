@@ -15,6 +15,7 @@ from typing import Callable, Dict, Optional, Set, Tuple, Union
 
 import torch
 
+from ._mcore_names import MultiStorageClientFeature, log_single_rank  # noqa: F401 (re-exported as in MCore)
 from .core import CheckpointingConfig, CheckpointingException, save_config
 from .dict_utils import extract_matching_values, merge
 from .mapping import (

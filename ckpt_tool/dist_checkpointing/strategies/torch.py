@@ -29,6 +29,14 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 
 from ckpt_tool.formats.dcp_metadata import mcore_classes
 
+from .._mcore_names import (  # noqa: F401 (re-exported as in MCore)
+    HAVE_DTENSOR,
+    HAVE_TE,
+    MSC_PREFIX,
+    MultiStorageClientFeature,
+    get_torch_version,
+    is_torch_min_version,
+)
 from ..core import CheckpointingException
 from ..dict_utils import dict_list_map_outplace, nested_values
 from ..mapping import (
@@ -47,7 +55,12 @@ from ._dcp_planner import (
     WriteTable,
 )
 from ._mcore_planners import MCoreLoadPlanner, MCoreSavePlanner
-from ._pyt_state_dict import (
+from ._pyt_state_dict import (  # the private ones: MCore's names, for code that imports them
+    _get_filesystem_reader,
+    _replace_sharded_keys_with_state_dict_keys,
+    _replace_state_dict_keys_with_sharded_keys,
+    _restore_dict_types,
+    _unwrap_pyt_sharded_tensor,
     flatten_state_dict,
     mcore_to_pyt_state_dict,
     sharded_tensor_to_torch_sharded_tensor,
@@ -167,19 +180,15 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
 
     def save(self, sharded_state_dict: ShardedStateDict,
              checkpoint_dir: Union[str, Path]) -> None:
-        """Synchronous save: DCP writes straight from the live tensors (no staging copy);
-        with a ``separation_hint``, the async request run in this process (its writer splits
-        the files)."""
-        if self.separation_hint is not None:
-            return super().save(sharded_state_dict, checkpoint_dir)
-        table = self._write_table(sharded_state_dict)
-        writer = McoreFileSystemWriter(str(checkpoint_dir), thread_count=self.thread_count,
-                                       overwrite=True)
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="Detected an existing checkpoint")
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.save({}, storage_writer=writer, planner=TableSavePlanner(table),
-                     no_dist=not _dist_ready())
+        """Synchronous save: :meth:`async_save`'s request run in this process, as MCore does
+        (same writer, same files), except that host tensors are written from where they are
+        (no staging copy: nothing changes them before this returns)."""
+        stage, self.stage_host_tensors = self.stage_host_tensors, False
+        try:
+            request = self.async_save(sharded_state_dict, checkpoint_dir)
+        finally:
+            self.stage_host_tensors = stage
+        request.execute_sync()
 
     def async_save(self, sharded_state_dict: ShardedStateDict,
                    checkpoint_dir: Union[str, Path]) -> AsyncRequest:
@@ -360,7 +369,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
     def can_handle_sharded_objects(self) -> bool:
         return True
 
-    def check_backend_compatibility(self, loaded_backend):
+    def check_backend_compatibility(self, loaded_version):
         pass
 
     def check_version_compatibility(self, loaded_version):
