@@ -64,6 +64,7 @@ _DUMP = """
 import importlib, inspect, json, sys, warnings
 warnings.simplefilter("ignore")
 base = sys.argv[1]
+mcore = base.startswith("megatron.")
 
 def params(obj):
     try:
@@ -98,12 +99,13 @@ for suffix in json.loads(sys.argv[2]):
                 for m in dir(obj):
                     if m.startswith("_") and m != "__init__":
                         continue
-                    raw = inspect.getattr_static(obj, m)
-                    if isinstance(raw, property) or not callable(getattr(obj, m, None)):
-                        continue
-                    if here and m not in vars(obj) and m != "__init__":
+                    if mcore and here and m not in vars(obj) and m != "__init__":
                         continue  # compare what MCore's class itself defines
-                    entry["methods"][m] = params(getattr(obj, m))
+                    raw = inspect.getattr_static(obj, m)
+                    if isinstance(raw, property):
+                        entry["methods"][m] = "property"
+                    elif callable(getattr(obj, m, None)):
+                        entry["methods"][m] = params(getattr(obj, m))
             else:
                 entry["sig"] = params(obj)
         entries[name] = entry
@@ -128,24 +130,49 @@ def ours() -> dict:
     return _dump("ckpt_tool.dist_checkpointing")
 
 
+_OBJECT_INIT = [["self", "POSITIONAL_ONLY", None], ["args", "VAR_POSITIONAL", None],
+                ["kwargs", "VAR_KEYWORD", None]]
+
+
 def compatible(theirs, mine) -> str:
-    """'' when ``mine`` accepts every call ``theirs`` accepts the same way, else why not."""
-    if theirs is None:
+    """'' when ``mine`` accepts every call ``theirs`` accepts the same way, else why not.
+
+    ``self``'s kind is not compared; MCore classes without an ``__init__`` of their own
+    (``object``'s) accept anything ours accepts; a property of ours stands for a method of
+    theirs that takes only ``self`` (``can_handle_sharded_objects``).
+    """
+    if theirs is None or theirs == _OBJECT_INIT:
         return ""
+    if mine == "property" or theirs == "property":
+        ok = mine == theirs or [p[0] for p in theirs] == ["self"]
+        return "" if ok else f"{theirs} is {mine} in ours"
     if mine is None:
         return "ours has no signature"
-    if len(mine) < len(theirs):
-        return f"ours has fewer parameters: {mine} vs {theirs}"
-    for (n1, k1, d1), (n2, k2, d2) in zip(theirs, mine):
+    norm = [[n, "SELF" if n == "self" else k, d] for n, k, d in theirs]
+    mine = [[n, "SELF" if n == "self" else k, d] for n, k, d in mine]
+    their_kw = norm[-1] if norm and norm[-1][1] == "VAR_KEYWORD" else None
+    mine_kw = mine[-1] if mine and mine[-1][1] == "VAR_KEYWORD" else None
+    if their_kw and not mine_kw:
+        return "ours lacks **kwargs"
+    norm = norm[:-1] if their_kw else norm
+    rest = mine[:-1] if mine_kw else mine
+    # ours = theirs in order, plus defaulted extras (keyword-only ones anywhere after theirs)
+    i = 0
+    for n1, k1, d1 in norm:
+        while i < len(rest) and rest[i][0] != n1 and rest[i][1] == "KEYWORD_ONLY" \
+                and rest[i][2] is not None and k1 == "KEYWORD_ONLY":
+            i += 1
+        if i >= len(rest):
+            return f"ours has fewer parameters: {rest} vs {norm}"
+        n2, k2, d2 = rest[i]
         if (n1, k1) != (n2, k2):
             return f"parameter {n1} ({k1}) is {n2} ({k2}) in ours"
         if d1 is not None and d1 != d2:
             return f"default of {n1} is {d1} in MCore, {d2} in ours"
-    for name, kind, default in mine[len(theirs):]:
-        if default is None and kind not in ("VAR_POSITIONAL", "VAR_KEYWORD"):
+        i += 1
+    for name, kind, default in rest[i:]:
+        if default is None and kind != "VAR_POSITIONAL":
             return f"ours adds {name} without a default"
-    if theirs and theirs[-1][1] == "VAR_KEYWORD" and mine[-1][1] != "VAR_KEYWORD":
-        return "ours lacks **kwargs"
     return ""
 
 
@@ -158,6 +185,12 @@ def test_compatible_rules() -> None:
     assert "fewer" in compatible(a + a, a)
     assert "default" in compatible([["x", "POSITIONAL_OR_KEYWORD", "=1"]],
                                    [["x", "POSITIONAL_OR_KEYWORD", "=2"]])
+    kw = [["self", "POSITIONAL_OR_KEYWORD", None], ["args", "VAR_POSITIONAL", None],
+          ["a", "KEYWORD_ONLY", "=<tuple>"], ["kwargs", "VAR_KEYWORD", None]]
+    assert compatible(kw, kw[:3] + [["trust", "KEYWORD_ONLY", "=False"]] + kw[3:]) == ""
+    assert "**kwargs" in compatible(kw, kw[:3])
+    assert compatible(_OBJECT_INIT, [["self", "POSITIONAL_OR_KEYWORD", None]]) == ""
+    assert compatible([["self", "POSITIONAL_OR_KEYWORD", None]], "property") == ""
 
 
 @pytest.mark.parametrize("suffix", MODULES)
@@ -175,6 +208,8 @@ def test_signatures_match_megatron_core(real: dict, ours: dict, suffix: str) -> 
             if why:
                 problems.append(f"{name}{why and ': ' + why}")
         for method, sig in sorted(entry.get("methods", {}).items()):
+            if method not in mine.get("methods", {}) and sig == _OBJECT_INIT:
+                continue
             if method not in mine.get("methods", {}):
                 problems.append(f"{name}.{method}: missing")
                 continue

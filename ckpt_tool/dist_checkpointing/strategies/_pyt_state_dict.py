@@ -214,9 +214,10 @@ def mcore_to_pyt_state_dict(
     return pyt_state_dict
 
 
-def _unwrap_pyt_sharded_tensor(value: Any) -> Union[List[torch.Tensor], Any]:
+def _unwrap_pyt_sharded_tensor(sh_ten: Any) -> Union[List[torch.Tensor], Any]:
     """The local tensors behind a value of :func:`mcore_to_pyt_state_dict` (prepended axes
     dropped); other values (loaded objects) unchanged."""
+    value = sh_ten
     if isinstance(value, CheckpointableShardedTensor):
         return [value._sh_ten.data]
     if isinstance(value, LocalShardsContainer):
