@@ -4,7 +4,7 @@ The whole peer suite (8 gloo ranks, ~170 tests, hours on 2 shared cores) is run 
 a separate job: ``python tests/peer/run_peer.py`` (ours) and ``--impl real`` (the baseline),
 or here with ``CKPT_PEER_FULL=1``. The default suite runs ``SUBSET`` only. Both skip, saying
 why, when Megatron-LM's files are neither cached nor fetchable (no route to GitHub) or when
-the packages that ``megatron.training`` imports are missing (``pip install -e '.[peer]'``).
+the packages that ``megatron.training`` imports are missing (``pip install -e '.[test]'``).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ KNOWN_FAILING_WITH_REAL = json.loads((HERE / "known_failing_with_real.json").rea
 def _prerequisites() -> Path:
     for module in ("megatron.core", "six", "pydantic"):
         if importlib.util.find_spec(module) is None:
-            pytest.skip(f"{module} is not installed (pip install -e '.[peer]' and "
+            pytest.skip(f"{module} is not installed (pip install -e '.[test]' and "
                         "megatron-core==0.16.1 --no-deps)")
     try:
         return fetch_megatron.ensure(timeout=30)
