@@ -67,3 +67,29 @@ def test_peer_full_suite_passes_with_ours(tmp_path: Path) -> None:
     _prerequisites()
     results = run_peer.run("ours", 8, [], [], tmp_path)
     _check(results, [])
+
+
+_IMPORT_TRAINING = """
+import megatron_plugin  # maps megatron.core.dist_checkpointing to ours, CPU patches
+import megatron.training.checkpointing as ckpt
+import megatron.training.async_utils as au
+from megatron.core.dist_checkpointing.strategies import filesystem_async
+assert filesystem_async.__name__.startswith("ckpt_tool."), filesystem_async.__name__
+assert au._results_queue is None
+print("OK", ckpt.__name__)
+"""
+
+
+def test_megatron_training_checkpointing_imports_on_ours(tmp_path: Path) -> None:
+    """Megatron-LM's training checkpointing code imports with ours in place (it imports
+    ``filesystem_async._results_queue``, a private MCore name)."""
+    import subprocess
+
+    root = _prerequisites()
+    env = dict(os.environ, CKPT_PEER_IMPL="ours", CKPT_PEER_ROOT=str(root),
+               CUDA_VISIBLE_DEVICES="",
+               PYTHONPATH=os.pathsep.join([str(HERE), str(run_peer.REPO), str(root)]))
+    done = subprocess.run([sys.executable, "-c", _IMPORT_TRAINING], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and "OK megatron.training.checkpointing" in done.stdout, (
+        done.stdout[-2000:] + done.stderr[-4000:])
