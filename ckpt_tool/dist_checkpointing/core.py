@@ -14,6 +14,8 @@ from ckpt_tool.formats.mcore_dist.config import (
     save_config,
 )
 
+from ._mcore_names import MultiStorageClientFeature  # noqa: F401 (re-exported as in MCore)
+
 __all__ = [
     "CONFIG_FNAME",
     "CheckpointingConfig",

@@ -17,6 +17,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Set, Tuple, TypeVar
 import torch
 import torch.distributed as dist
 
+from ._mcore_names import HAVE_TE_FLOAT8TENSOR, get_pg_rank, get_pg_size, log_single_rank  # noqa: F401 (as MCore)
 from .core import CheckpointingException
 from .dict_utils import nested_values
 from .mapping import ShardedStateDict, ShardedTensor, is_main_replica
@@ -184,22 +185,44 @@ def _empty_like_shard(sh_ten: ShardedTensor, device) -> torch.Tensor:
     return torch.empty(shape, dtype=sh_ten.dtype, device=device)
 
 
-def _receive_target(shard_id: _ShardId, needed: Dict[_ShardId, ShardedTensor],
-                    metadata: Dict[_ShardId, ShardedTensor], device
-                    ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """(buffer to receive into, final destination or None when this rank discards it).
+def _get_empty_tensor_for_exchange(
+    shard_id: _ShardId,
+    needed_shards: Dict[_ShardId, ShardedTensor],
+    unneeded_shards: Dict[_ShardId, ShardedTensor],
+    loaded_tensors: Dict[_ShardId, torch.Tensor],
+) -> Tuple[torch.Tensor, Optional[torch.device]]:
+    """The tensor to receive ``shard_id`` into, and the device of this rank's destination
+    (``None`` when this rank only relays the shard and discards it).
 
-    A needed shard is received into its own ``data`` when that lives on the comm device
-    and is contiguous; otherwise into a buffer copied to ``data`` afterwards.
+    A needed shard is received into its own ``data`` (allocated on the comm device when
+    absent) when that lives on the comm device and is contiguous, otherwise into a new buffer
+    that the exchange copies into ``data`` afterwards; a shard this rank does not need gets a
+    buffer shaped after ``unneeded_shards[shard_id]``. Called once per received shard (tests
+    count the calls), looked up at call time so that it can be instrumented.
     """
-    sh_ten = needed.get(shard_id)
+    device = _exchange_device
+    sh_ten = needed_shards.get(shard_id)
     if sh_ten is None:
-        return _empty_like_shard(metadata[shard_id], device), None
+        return _empty_like_shard(unneeded_shards[shard_id], device), None
     sh_ten.init_data(device)
     data = sh_ten.data
     if data.device == device and data.is_contiguous():
-        return data, data
-    return torch.empty(data.shape, dtype=data.dtype, device=device), data
+        return data, data.device
+    return torch.empty(data.shape, dtype=data.dtype, device=device), data.device
+
+
+_exchange_device = torch.device("cpu")  # set by each exchange to its group's comm device
+
+
+def _receive_target(shard_id: _ShardId, needed: Dict[_ShardId, ShardedTensor],
+                    metadata: Dict[_ShardId, ShardedTensor], device,
+                    loaded: Dict[_ShardId, torch.Tensor]
+                    ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(buffer to receive into, final destination or None when this rank discards it)."""
+    global _exchange_device
+    _exchange_device = torch.device(device)
+    buffer, orig_device = _get_empty_tensor_for_exchange(shard_id, needed, metadata, loaded)
+    return buffer, (None if orig_device is None else needed[shard_id].data)
 
 
 def _exchanged_shards(distribution: ShardDistribution) -> List[Tuple[_ShardId, int]]:
@@ -257,7 +280,7 @@ def exchange_loaded_tensors_broadcast(
             dist.broadcast(send, src=dist.get_global_rank(group, rank), group=group)
             continue
         buffer, destination = _receive_target(
-            shard_id, unloaded_shards, shard_distribution.shard_to_metadata, device)
+            shard_id, unloaded_shards, shard_distribution.shard_to_metadata, device, result)
         dist.broadcast(buffer, src=dist.get_global_rank(group, rank), group=group)
         _finish(result, shard_id, buffer, destination)
     return result
@@ -268,7 +291,7 @@ def exchange_loaded_tensors_broadcast(
 def exchange_loaded_tensors_gather_rounds(
     loaded_tensors: Dict[_ShardId, torch.Tensor],
     unloaded_shards: Dict[_ShardId, ShardedTensor],
-    shard_distribution: ShardDistribution,
+    shard_distribution: Optional[ShardDistribution] = None,
     parallelization_group: Optional[dist.ProcessGroup] = None,
 ) -> Dict[_ShardId, torch.Tensor]:
     """Exchange in rounds of ``all_gather``: per dtype, round i carries every rank's i-th shard.
@@ -277,6 +300,9 @@ def exchange_loaded_tensors_gather_rounds(
     from the metadata), so the collective has equal sizes on any backend.
     Arguments and result as :func:`exchange_loaded_tensors_broadcast`.
     """
+    if shard_distribution is None:
+        raise CheckpointingException("exchange_loaded_tensors_gather_rounds needs the "
+                                     "shard_distribution of the load")
     group = dist.group.WORLD if parallelization_group is None else parallelization_group
     device = _comm_device(group)
     local_rank = dist.get_rank(group=group)

@@ -14,6 +14,7 @@ from typing import Dict, Iterable, Tuple, Union
 
 import torch
 
+from ._mcore_names import log_single_rank, to_local_if_dtensor  # noqa: F401 (re-exported as in MCore)
 from .dict_utils import nested_values
 from .mapping import (
     LocalNonpersistentObject,

@@ -18,6 +18,7 @@ import torch
 from ckpt_tool.formats.mcore_dist.config import config_bytes
 
 from ._manifest import remove_integrity_json, write_integrity_json
+from ._mcore_names import MultiStorageClientFeature, log_single_rank  # noqa: F401 (re-exported as in MCore)
 from .core import CheckpointingConfig, CheckpointingException, save_config
 from .dict_utils import extract_matching_values, merge
 from .mapping import (

@@ -14,6 +14,7 @@ from typing import List, Optional, Set, Tuple, Union
 
 import torch
 
+from ._mcore_names import MultiStorageClientFeature  # noqa: F401 (re-exported as in MCore)
 from ._integrity import check_object_shards, check_tensor_shards, group_by_key
 from .core import CheckpointingException, maybe_load_config
 from .dict_utils import diff, extract_matching_values, nested_values
@@ -309,12 +310,34 @@ def validate_sharding_integrity(
         return
     for key, entries in group_by_key(global_metadata).items():
         if all(isinstance(sh, ShardedObject) for _, sh in entries):
-            check_object_shards(key, entries)
+            _validate_objects_for_key(entries)
         elif all(isinstance(sh, ShardedTensor) for _, sh in entries):
-            check_tensor_shards(key, entries)
+            _validate_sharding_for_key(entries)
         else:
             kinds = sorted({type(sh).__name__ for _, sh in entries})
             raise CheckpointingException(f"Key {key!r} is used by different kinds: {kinds}")
+
+
+def _validate_sharding_for_key(rank_sharding: List[Tuple[int, ShardedTensor]]) -> None:
+    """One key's ShardedTensors of all ranks, as ``(rank, ShardedTensor)``: agree on dtype and
+    global shape, main replicas cover the tensor exactly once (MCore's name; our checks)."""
+    check_tensor_shards(rank_sharding[0][1].key, rank_sharding)
+
+
+def _compute_shards_access(rank_sharding: List[Tuple[int, ShardedTensor]]) -> torch.Tensor:
+    """How many main replicas hold each cell of the regular sharding grid (an int tensor of
+    shape ``axis_fragmentations``; a valid sharding has 1 everywhere)."""
+    counts = torch.zeros(tuple(rank_sharding[0][1].axis_fragmentations), dtype=torch.int)
+    for _, sh_ten in rank_sharding:
+        if is_main_replica(sh_ten.replica_id):
+            counts[tuple(sh_ten.local_chunk_offset_in_global())] += 1
+    return counts
+
+
+def _validate_objects_for_key(sharded_objects: List[Tuple[int, ShardedObject]]) -> None:
+    """One unique object key's ShardedObjects of all ranks, as ``(rank, ShardedObject)``: each
+    cell saved by exactly one main replica (MCore's name; our checks)."""
+    check_object_shards(sharded_objects[0][1].key, sharded_objects)
 
 
 def validate_objects_sharding_integrity(global_metadata: _GlobalMetadata) -> None:

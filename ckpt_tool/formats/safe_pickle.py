@@ -221,12 +221,30 @@ class SafeUnpickler(pickle.Unpickler):
             return super().find_class(module, name)
         if is_allowed(module, name):
             return _import_global(module, name)
+        added = _torch_safe_global(module, name)
+        if added is not None:
+            return added
         if _is_megatron(module):
             return stand_in_class(module, name)
         raise UnsafePickleError(
             f"the pickle references {qual}, which is not on the allowlist of safe globals",
             hint=TRUST_HINT,
         )
+
+
+def _torch_safe_global(module: str, name: str) -> Any:
+    """The switch beside the allowlist: a global the process added with
+    ``torch.serialization.add_safe_globals`` (torch's own ``weights_only`` switch, e.g.
+    ``add_safe_globals([io.BytesIO])`` for ShardedObjects holding BytesIO) is allowed too."""
+    serialization = sys.modules.get("torch.serialization")
+    if serialization is None or not hasattr(serialization, "get_safe_globals"):
+        return None
+    for entry in serialization.get_safe_globals():
+        obj, qual = entry if isinstance(entry, tuple) else (
+            entry, f"{getattr(entry, '__module__', '')}.{getattr(entry, '__qualname__', '')}")
+        if qual == f"{module}.{name}":
+            return obj
+    return None
 
 
 def _import_global(module: str, name: str) -> Any:

@@ -20,11 +20,18 @@ from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard
 from torch.distributed._shard.sharded_tensor import ShardedTensor as TorchShardedTensor
 from torch.distributed._shard.sharded_tensor import ShardedTensorMetadata, TensorProperties
+from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
 from torch.distributed.checkpoint._traverse import OBJ_PATH, traverse_state_dict
 from torch.torch_version import TorchVersion
 
 from ..core import CheckpointingException
-from ..mapping import ShardedBase, ShardedObject, ShardedStateDict, ShardedTensor
+from ..mapping import (
+    ShardedBase,
+    ShardedObject,
+    ShardedStateDict,
+    ShardedTensor,
+    is_main_replica,
+)
 from .checkpointable import CheckpointableShardedTensor, LocalShardsContainer
 
 __all__ = ["flatten_state_dict", "sharded_tensor_to_torch_sharded_tensor",
@@ -207,9 +214,10 @@ def mcore_to_pyt_state_dict(
     return pyt_state_dict
 
 
-def _unwrap_pyt_sharded_tensor(value: Any) -> Union[List[torch.Tensor], Any]:
+def _unwrap_pyt_sharded_tensor(sh_ten: Any) -> Union[List[torch.Tensor], Any]:
     """The local tensors behind a value of :func:`mcore_to_pyt_state_dict` (prepended axes
     dropped); other values (loaded objects) unchanged."""
+    value = sh_ten
     if isinstance(value, CheckpointableShardedTensor):
         return [value._sh_ten.data]
     if isinstance(value, LocalShardsContainer):
@@ -224,3 +232,65 @@ def _unwrap_pyt_sharded_tensor(value: Any) -> Union[List[torch.Tensor], Any]:
             tensor = tensor[0]
         out.append(tensor)
     return out
+
+
+def _replace_state_dict_keys_with_sharded_keys(
+    sharded_state_dict: ShardedStateDict, keep_only_main_replica: bool = False
+) -> Tuple[Dict[str, List[ShardedBase]], Dict[str, OBJ_PATH], Dict[str, List[str]]]:
+    """Group the sharded values by their checkpoint key (``unique_key`` for objects).
+
+    Returns ``(values by key, flat key -> path in the nested dict, checkpoint key -> the flat
+    keys of its values)``, the last two being what
+    :func:`_replace_sharded_keys_with_state_dict_keys` needs to rebuild the nested dict. With
+    ``keep_only_main_replica`` only main replicas are kept.
+    """
+    flat, mapping = flatten_state_dict(sharded_state_dict)
+    by_key: Dict[str, List[ShardedBase]] = {}
+    flat_keys: Dict[str, List[str]] = {}
+    for flat_key, value in flat.items():
+        if not isinstance(value, ShardedBase):
+            raise CheckpointingException(f"{flat_key}: {type(value).__name__} is not sharded")
+        if keep_only_main_replica and not is_main_replica(value.replica_id):
+            continue
+        key = value.unique_key if isinstance(value, ShardedObject) else value.key
+        by_key.setdefault(key, []).append(value)
+        flat_keys.setdefault(key, []).append(flat_key)
+    return by_key, mapping, flat_keys
+
+
+def _replace_sharded_keys_with_state_dict_keys(
+    state_dict: Dict[str, List[Any]], flat_mapping: Dict[str, OBJ_PATH],
+    rename_mapping: Dict[str, List[str]],
+) -> Dict[str, Any]:
+    """The nested dict again, from per-checkpoint-key value lists (inverse of
+    :func:`_replace_state_dict_keys_with_sharded_keys`)."""
+    flat = {}
+    for key, values in state_dict.items():
+        flat_keys = rename_mapping[key]
+        if len(values) != len(flat_keys):
+            raise CheckpointingException(
+                f"{key}: {len(values)} values for {len(flat_keys)} state dict entries")
+        flat.update(zip(flat_keys, values))
+    return unflatten_state_dict(flat, flat_mapping)
+
+
+def _restore_dict_types(x: Any, keys_template: Any) -> None:
+    """Give the dict keys of ``x`` (rebuilt from a flattened dict, so all strings) the types
+    they have in ``keys_template`` (e.g. int layer numbers), recursively, in place."""
+    if isinstance(keys_template, dict):
+        for key, template in keys_template.items():
+            if not isinstance(key, str) and str(key) in x:
+                x[key] = x.pop(str(key))
+            _restore_dict_types(x[key], template)
+    elif isinstance(keys_template, list):
+        for value, template in zip(x, keys_template):
+            _restore_dict_types(value, template)
+
+
+def _get_filesystem_reader(checkpoint_dir, cache_metadata: bool = False):
+    """A DCP reader of ``checkpoint_dir`` (remembering ``.metadata`` with ``cache_metadata``);
+    the multi-storage client is not supported (see ``_mcore_names.MultiStorageClientFeature``).
+    Ours reads ``.metadata`` through the allowlisting unpickler either way."""
+    from .cached_metadata_filesystem_reader import CachedMetadataFileSystemReader
+
+    return CachedMetadataFileSystemReader(checkpoint_dir)

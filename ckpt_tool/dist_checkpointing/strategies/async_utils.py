@@ -18,12 +18,14 @@ detected (exit status / missing answer); an all-reduce tells every rank, which t
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import queue as queue_mod
 import select
 import traceback
 from collections import deque
+from contextlib import contextmanager
 from typing import Any, Callable, Dict, List, NamedTuple, Optional
 
 import torch
@@ -32,6 +34,7 @@ from multiprocessing.reduction import ForkingPickler
 
 from .._staging import SharedSegment, _StagedPickler, dumps_staged, loads_staged
 from .._staging_pool import release_staging_memory
+from .._mcore_names import log_single_rank  # noqa: F401 (re-exported as in MCore)
 from ..core import CheckpointingException
 from ..utils import debug_time
 from ._async_request import AsyncCaller, AsyncRequest, _dist_ready, collective_device
@@ -52,6 +55,19 @@ def _forked_main(ack_fd: int, async_fn: Callable, args: list, kwargs: dict) -> N
     os.write(ack_fd, b"1")
     os.close(ack_fd)
     async_fn(*args, **kwargs)
+
+
+@contextmanager
+def _disable_gc():
+    """Garbage collection off for the duration (as it was before afterwards)."""
+    enabled = gc.isenabled()
+    if enabled:
+        gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class TemporalAsyncCaller(AsyncCaller):
@@ -162,7 +178,7 @@ class PersistentAsyncCaller(AsyncCaller):
         self.queue, self.comp_q = ctx.Queue(), ctx.Queue()
         rank = torch.distributed.get_rank() if _dist_ready() else 0
         self.process = ctx.Process(target=PersistentAsyncCaller.async_loop,
-                                   args=(rank, self.queue, self.comp_q,
+                                   args=(rank, self.queue, None, self.comp_q,
                                          logger.getEffectiveLevel()), daemon=True)
         self.process.start()
 
@@ -249,8 +265,14 @@ class PersistentAsyncCaller(AsyncCaller):
             pass
 
     @staticmethod
-    def async_loop(rank: int, queue: Any, comp_q: Any, log_level: int = logging.INFO) -> None:
-        """Body of the worker: run requests until ``"DONE"``; report each outcome."""
+    def async_loop(rank: int, queue: Any, preload_q: Any, comp_q: Any,
+                   log_level: int = logging.INFO) -> None:
+        """Body of the worker: run requests until ``"DONE"``; report each outcome.
+
+        ``preload_q`` is MCore's channel for staging in the worker; ours stages in the
+        training process before scheduling (the request carries the staged data), so it is
+        unused and may be ``None``.
+        """
         logging.getLogger(__name__).setLevel(log_level)
         segments = _SegmentCache()
         while True:

@@ -15,6 +15,7 @@ from typing import Union
 
 import torch
 
+from .._mcore_names import MultiStorageClientFeature  # noqa: F401 (re-exported as in MCore)
 from ..core import CheckpointingException
 from ..dict_utils import dict_list_map_inplace, nested_values
 from ..mapping import ShardedObject, ShardedStateDict, StateDict, is_main_replica
@@ -141,7 +142,7 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
     def can_handle_sharded_objects(self) -> bool:
         return True
 
-    def check_backend_compatibility(self, loaded_backend):
+    def check_backend_compatibility(self, loaded_version):
         pass
 
     def check_version_compatibility(self, loaded_version):

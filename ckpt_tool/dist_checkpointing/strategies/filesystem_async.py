@@ -22,6 +22,7 @@ and spawned workers alike and needs no helper process.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import pickle
@@ -37,16 +38,23 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import WRAPPED_EXCEPTION, _wrap_exception
-from torch.distributed.checkpoint.filesystem import _write_item
+from torch.distributed.checkpoint.filesystem import _StoragePrefix, _write_item
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
 from ckpt_tool.manifest import digest_file
 
 from .._staging_pool import exact_storage, staged_nbytes, staging_pool
+from .._mcore_names import HAVE_PSUTIL  # noqa: F401 (re-exported as in MCore)
 from ..core import CheckpointingException
+from .async_utils import _disable_gc  # noqa: F401 (MCore's name here)
 
 __all__ = ["FileSystemWriterAsync", "WriteBucket", "take_file_digests"]
+
+# MCore keeps a process-wide Manager queue here for the results of its writer processes (and
+# Megatron-LM's training code imports the name to shut it down). Ours passes each save's
+# results through its own ResultsDrop, so this stays None.
+_results_queue = None
 
 # (file path, file name (storage key), ([(item, BytesIO)], [(item, CPU tensor)]))
 WriteBucket = Tuple[str, str, Tuple[list, list]]
@@ -103,6 +111,39 @@ class ResultsDrop:
         return pickle.loads(data)  # written by our own worker into our private file
 
 
+def _get_write_results_queue() -> "ResultsDrop":
+    """A channel for one save's write results (MCore's name; ours: a fresh ResultsDrop)."""
+    return ResultsDrop()
+
+
+def _process_memory() -> int:
+    """Resident memory of this process in bytes (0 without psutil)."""
+    if not HAVE_PSUTIL:
+        return 0
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+def _write_bucket(transform_list: list, write_bucket: WriteBucket, use_fsync: bool
+                  ) -> List[WriteResult]:
+    """Write one bucket to its file (objects first, then tensors); fsync it with use_fsync."""
+    from torch.distributed.checkpoint.filesystem import SerializationFormat
+
+    path, storage_key, (bytes_data, tensor_data) = write_bucket
+    out = []
+    with open(path, "wb") as stream:
+        for item, data in chain(bytes_data, tensor_data):
+            if isinstance(data, torch.Tensor):  # a view into a staging segment
+                data = exact_storage(data)
+            out.append(_write_item(*transform_list, stream, data, item, storage_key,
+                                   serialization_format=SerializationFormat.TORCH_SAVE))
+        if use_fsync:
+            stream.flush()
+            os.fsync(stream.fileno())
+    return out
+
+
 def _item_size(item: WriteItem) -> int:
     td = item.tensor_data
     n = 1
@@ -146,7 +187,9 @@ class FileSystemWriterAsync(FileSystemWriter):
     """
 
     def __init__(self, path: Union[str, os.PathLike], *args, separation_hint: Optional[str] = None,
-                 **kwargs):
+                 use_msc: bool = False, **kwargs):
+        if use_msc:
+            raise CheckpointingException("the multi-storage client (use_msc) is not supported")
         super().__init__(path, *args, **kwargs)
         if separation_hint is not None and self.thread_count < 2:
             raise CheckpointingException(
@@ -236,17 +279,21 @@ class FileSystemWriterAsync(FileSystemWriter):
         (size, sha256)})`` or the first exception into ``global_results_queue``."""
         if use_msc:
             raise NotImplementedError("multi-storage client is not supported")
-        results: Dict[int, Any] = {}
         digests: Dict[str, Tuple[int, str]] = {}
+        local_results: "queue.Queue" = queue.Queue()
+        count_queue: "queue.Queue" = queue.Queue()  # one token per bucket, as MCore's workers
+        for i in range(len(write_buckets)):
+            count_queue.put(i)
 
         def work(i: int, bucket: WriteBucket) -> None:
-            try:
-                results[i] = FileSystemWriterAsync.write_preloaded_data(
-                    transform_list, i, bucket, use_fsync=True)
+            try:  # looked up at call time: tests replace it to inject failures
+                FileSystemWriterAsync.write_preloaded_data(
+                    transform_list, i, bucket, local_results, count_queue, True,
+                    use_msc=use_msc)
                 # the integrity manifest's digest, read back while the file is in cache
                 digests[os.path.basename(bucket[0])] = digest_file(bucket[0], "sha256")
             except BaseException as e:  # reported below, never lost in a thread
-                results[i] = e
+                local_results.put((i, e))
 
         threads = [threading.Thread(target=work, args=(i, b), daemon=True)
                    for i, b in enumerate(write_buckets)]
@@ -254,30 +301,38 @@ class FileSystemWriterAsync(FileSystemWriter):
             t.start()
         for t in threads:
             t.join()
-        errors = [r for r in results.values() if isinstance(r, BaseException)]
+        results: Dict[int, Any] = {}
+        while not local_results.empty():
+            i, result = local_results.get_nowait()
+            results.setdefault(i, result)
+        errors = [(i, r) for i, r in sorted(results.items()) if isinstance(r, BaseException)]
         if errors:
-            global_results_queue.put(RuntimeError(f"rank {rank}: {errors[0]!r}"))
+            i, err = errors[0]
+            global_results_queue.put(RuntimeError(f"rank {rank}, writer {i}: {err!r}"))
         else:
             global_results_queue.put((results, digests))
 
     @staticmethod
     def write_preloaded_data(transform_list: list, local_proc_idx: int, write_bucket: WriteBucket,
-                             use_fsync: bool = True) -> List[WriteResult]:
-        """Write one bucket to its file (objects first, then tensors); fsync it."""
-        from torch.distributed.checkpoint.filesystem import SerializationFormat
+                             results_queue: Any, count_queue: Any, use_fsync: bool,
+                             **kwargs: Any) -> None:
+        """Write one bucket to its file (objects first, then tensors; fsynced with
+        ``use_fsync``); put ``(local_proc_idx, [WriteResult])``, or the exception, into
+        ``results_queue``; then take one token off ``count_queue`` (MCore's protocol)."""
+        try:
+            results_queue.put((local_proc_idx,
+                               _write_bucket(transform_list, write_bucket, use_fsync)))
+        except Exception as e:  # the caller reports it with the rank
+            results_queue.put((local_proc_idx, e))
+        finally:
+            count_queue.get()
+            count_queue.task_done()
 
-        path, storage_key, (bytes_data, tensor_data) = write_bucket
-        out = []
-        with open(path, "wb") as stream:
-            for item, data in chain(bytes_data, tensor_data):
-                if isinstance(data, torch.Tensor):  # a view into a staging segment
-                    data = exact_storage(data)
-                out.append(_write_item(*transform_list, stream, data, item, storage_key,
-                                       serialization_format=SerializationFormat.TORCH_SAVE))
-            if use_fsync:
-                stream.flush()
-                os.fsync(stream.fileno())
-        return out
+    def prepare_decentralized_global_plan(self, local_plan: SavePlan) -> SavePlan:
+        """The global-plan step of a decentralized save (each rank plans alone): this rank's
+        plan with its file prefix, as the coordinator would have given it."""
+        return dataclasses.replace(
+            local_plan, storage_data=_StoragePrefix(f"__{torch.distributed.get_rank()}_"))
 
     def write_data(self, plan: SavePlan, planner: SavePlanner):
         raise NotImplementedError("FileSystemWriterAsync writes via get_save_function_and_args")

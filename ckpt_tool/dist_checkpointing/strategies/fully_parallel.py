@@ -25,6 +25,7 @@ from typing import Any, Callable, Dict, Optional, Tuple, TypeVar, Union
 import torch
 import torch.distributed as dist
 
+from .._mcore_names import get_pg_rank, get_pg_size  # noqa: F401 (re-exported as in MCore)
 from ..core import CheckpointingException
 from ..dict_utils import dict_list_map_inplace, extract_matching_values, merge, nested_values
 from ..exchange_utils import (

@@ -29,6 +29,14 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 
 from ckpt_tool.formats.dcp_metadata import mcore_classes
 
+from .._mcore_names import (  # noqa: F401 (re-exported as in MCore)
+    HAVE_DTENSOR,
+    HAVE_TE,
+    MSC_PREFIX,
+    MultiStorageClientFeature,
+    get_torch_version,
+    is_torch_min_version,
+)
 from ..core import CheckpointingException
 from ..dict_utils import dict_list_map_outplace, nested_values
 from ..mapping import (
@@ -47,7 +55,12 @@ from ._dcp_planner import (
     WriteTable,
 )
 from ._mcore_planners import MCoreLoadPlanner, MCoreSavePlanner
-from ._pyt_state_dict import (
+from ._pyt_state_dict import (  # the private ones: MCore's names, for code that imports them
+    _get_filesystem_reader,
+    _replace_sharded_keys_with_state_dict_keys,
+    _replace_state_dict_keys_with_sharded_keys,
+    _restore_dict_types,
+    _unwrap_pyt_sharded_tensor,
     flatten_state_dict,
     mcore_to_pyt_state_dict,
     sharded_tensor_to_torch_sharded_tensor,
@@ -360,7 +373,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
     def can_handle_sharded_objects(self) -> bool:
         return True
 
-    def check_backend_compatibility(self, loaded_backend):
+    def check_backend_compatibility(self, loaded_version):
         pass
 
     def check_version_compatibility(self, loaded_version):

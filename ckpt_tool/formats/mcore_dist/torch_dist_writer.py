@@ -51,9 +51,6 @@ class TorchDistWriter(Writer):
     def write(self, request: WriteRequest) -> list[str]:
         """``common.pt``, the DCP items and ``.metadata``, then ``metadata.json``; keeps
         everything (tensors in their dtypes, ShardedObjects, the whole common state)."""
-        import torch
-
-
         notes = stored_shape_note(request)
         common = dict(request.common or {})
         object_keys, moved = [], []

@@ -56,8 +56,6 @@ def _safe_relpath(key: str) -> bool:
 def save_torch_checked(obj: Any, path: Path, what: str) -> None:
     """``torch_save_file(obj, path)``; UnsupportedError when ``obj`` holds inert stand-ins (values
     of classes the safe unpickler did not import), which cannot be pickled back."""
-    import torch
-
     try:
         torch_save_file(obj, path)
     except (pickle.PicklingError, TypeError, AttributeError) as exc:

@@ -32,7 +32,8 @@ def install_slow_write() -> None:
     """Make this process's bucket writes start a file, then hang (to be killed mid-write)."""
     from ckpt_tool.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
-    def slow(transform_list, local_proc_idx, write_bucket, use_fsync=True):
+    def slow(transform_list, local_proc_idx, write_bucket, results_queue, count_queue,
+             use_fsync, **kwargs):
         with open(write_bucket[0], "wb") as f:
             f.write(b"partial")
             f.flush()

@@ -207,7 +207,8 @@ def install_slow_write(marker: str) -> None:
     """Runs in rank 1's checkpoint process: its data write starts a file, then hangs."""
     from ckpt_tool.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
-    def slow(transform_list, local_proc_idx, write_bucket, use_fsync=True):
+    def slow(transform_list, local_proc_idx, write_bucket, results_queue, count_queue,
+             use_fsync, **kwargs):
         with open(write_bucket[0], "wb") as f:
             f.write(b"partial")
         with open(marker, "w") as f:

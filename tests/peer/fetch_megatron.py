@@ -1,0 +1,152 @@
+"""Obtain the parts of Megatron-LM (tag ``core_v0.16.1``) that the peer suite runs.
+
+The peer suite runs Megatron-LM's own ``tests/unit_tests/dist_checkpointing`` on ours; those
+tests import ``megatron.training`` (and through it ``megatron.legacy``, ``megatron.rl``,
+``megatron.post_training``), which the megatron-core wheel does not ship. This script puts
+exactly these paths of the tag into a cache directory, unchanged::
+
+    python tests/peer/fetch_megatron.py            # prints the cache directory
+    python tests/peer/fetch_megatron.py --check    # exit 1 when it is not there yet
+
+Where from, first that works: the cache directory itself (``$CKPT_PEER_CACHE``, default
+``~/.cache/ckpt/megatron-lm-core_v0.16.1``); a local git repository holding the tag
+(``$CKPT_PEER_MEGATRON_GIT``, e.g. a mirror made with ``git clone --mirror``); GitHub's tarball
+of the tag. Nothing is written to the cache until every path has been read (staging directory
+renamed into place), so an interrupted fetch leaves no half tree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import urllib.request
+from pathlib import Path
+
+TAG = "core_v0.16.1"
+REPO_URL = "https://github.com/NVIDIA/Megatron-LM"
+TARBALL_URL = f"https://codeload.github.com/NVIDIA/Megatron-LM/tar.gz/refs/tags/{TAG}"
+# Paths of the tag the suite needs (directories whole).
+PATHS = (
+    "tests/__init__.py",
+    "tests/unit_tests/__init__.py",
+    "tests/unit_tests/test_utilities.py",
+    "tests/unit_tests/dist_checkpointing",
+    "megatron/training",
+    "megatron/legacy",
+    "megatron/post_training",
+    "megatron/rl",
+)
+_MARKER = ".complete"
+
+
+class FetchError(RuntimeError):
+    """The sources could not be obtained from any place."""
+
+
+def cache_dir() -> Path:
+    """The directory the tag's files are kept in (``$CKPT_PEER_CACHE`` overrides it)."""
+    env = os.environ.get("CKPT_PEER_CACHE")
+    if env:
+        return Path(env)
+    return Path.home() / ".cache" / "ckpt" / f"megatron-lm-{TAG}"
+
+
+def is_complete(root: Path) -> bool:
+    """Whether ``root`` holds a finished fetch."""
+    return (root / _MARKER).is_file()
+
+
+def _wanted(path: str) -> bool:
+    return any(path == p or path.startswith(p + "/") for p in PATHS)
+
+
+def _from_git(repo: str, dest: Path) -> None:
+    listing = subprocess.run(["git", "-C", repo, "ls-tree", "-r", "--name-only", TAG, "--",
+                              *PATHS], capture_output=True, text=True, check=True).stdout
+    names = [n for n in listing.splitlines() if n]
+    if not names:
+        raise FetchError(f"{repo} has no {TAG} with the test paths")
+    for name in names:
+        data = subprocess.run(["git", "-C", repo, "show", f"{TAG}:{name}"],
+                              capture_output=True, check=True).stdout
+        target = dest / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data)
+
+
+def _from_github(dest: Path, timeout: float) -> None:
+    with urllib.request.urlopen(TARBALL_URL, timeout=timeout) as resp:  # noqa: S310 (fixed URL)
+        blob = resp.read()
+    with tarfile.open(fileobj=io.BytesIO(blob), mode="r:gz") as tar:
+        for member in tar.getmembers():
+            if not member.isfile():
+                continue
+            name = member.name.split("/", 1)[1] if "/" in member.name else ""
+            if not name or not _wanted(name) or ".." in Path(name).parts:
+                continue
+            target = dest / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with tar.extractfile(member) as src:
+                target.write_bytes(src.read())
+    if not (dest / "tests/unit_tests/dist_checkpointing").is_dir():
+        raise FetchError(f"{TARBALL_URL} has no tests/unit_tests/dist_checkpointing")
+
+
+def ensure(root: Path | None = None, timeout: float = 60.0) -> Path:
+    """Return the cache directory, filling it first when needed; :class:`FetchError` if not."""
+    root = cache_dir() if root is None else root
+    if is_complete(root):
+        return root
+    root.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=root.name + ".staging-", dir=root.parent))
+    errors = []
+    try:
+        git = os.environ.get("CKPT_PEER_MEGATRON_GIT")
+        done = False
+        if git:
+            try:
+                _from_git(git, staging)
+                done = True
+            except (OSError, subprocess.CalledProcessError, FetchError) as exc:
+                errors.append(f"git {git}: {exc}")
+        if not done:
+            try:
+                _from_github(staging, timeout)
+            except Exception as exc:  # noqa: BLE001 (network: any failure means "not here")
+                errors.append(f"{TARBALL_URL}: {exc}")
+                raise FetchError(f"cannot obtain Megatron-LM {TAG}: " + "; ".join(errors)
+                                 + " (set CKPT_PEER_MEGATRON_GIT to a local clone)") from exc
+        (staging / _MARKER).write_text(TAG + "\n")
+        if root.exists():
+            shutil.rmtree(root)
+        staging.rename(root)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+    return root
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="only say whether it is cached")
+    args = parser.parse_args(argv)
+    if args.check:
+        ok = is_complete(cache_dir())
+        print(cache_dir() if ok else f"not cached: {cache_dir()}")
+        return 0 if ok else 1
+    try:
+        print(ensure())
+    except FetchError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
