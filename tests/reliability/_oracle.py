@@ -2,9 +2,9 @@
 
     python _oracle.py CASES.json OUT.json
 
-CASES.json: ``[[case_id, base, path], ...]``. OUT.jsonl gets ``["start", case_id]`` before and
-``[case_id, "ok" | "error: ..."]`` after each case (a loader that aborts the process leaves a
-start without an end: the caller records the crash and goes on with the next case).
+CASES.json: ``[[case_id, base, path], ...]``. OUT.json: ``{case_id: "ok" | "error: ..."}``.
+Each case runs in a forked child (torch and Megatron-Core imported once, before): a loader that
+aborts the process (``std::bad_alloc`` on a TB shape) is that case's "error".
 Loaders: Megatron-Core 0.16 ``load_tensors_metadata`` / ``load_common_state_dict`` /
 ``load_plain_tensors`` / ShardedObject loads (torch_dist, on a 1-rank gloo group); tensorstore
 with the spec Megatron-Core 0.15 used + ``torch.load`` of common.pt and object files (zarr; the
@@ -112,35 +112,49 @@ LOADERS = {"torch_dist": _torch_dist, "zarr": _zarr, "dcp": _dcp, "legacy": _leg
            "torch": _torch, "safetensors": _safetensors, "st_index": _st_index}
 
 
+def _one(base: str, path: str, store: str) -> str:
+    """The verdict on one case, in a forked child (a loader that aborts kills only it)."""
+    import torch.distributed as dist
+
+    signal.alarm(60)
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+        LOADERS[base](Path(path))
+        return "ok"
+    except BaseException as e:  # noqa: BLE001 - any failure is the loader's verdict
+        if os.environ.get("ORACLE_DEBUG"):
+            traceback.print_exc()
+        return f"error: {type(e).__name__}: {str(e)[:300]}"
+
+
 def _alarm(*_):
     raise TimeoutError("the real loader did not finish in 60 s")
 
 
 def main() -> int:
     cases, out = json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2])
-    import torch.distributed as dist
+    import torch.distributed  # noqa: F401  (imported once, before the forks)
+    from dist_worker import import_lib
 
+    import_lib("mcore")
+    signal.signal(signal.SIGALRM, _alarm)
+    verdicts = {}
     with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0,
-                               world_size=1)
-        signal.signal(signal.SIGALRM, _alarm)
-        with open(out, "a") as log:
-            for case_id, base, path in cases:
-                print(json.dumps(["start", case_id]), file=log, flush=True)
-                signal.alarm(60)
-                try:
-                    LOADERS[base](Path(path))
-                    verdict = "ok"
-                except BaseException as e:  # noqa: BLE001 - any failure is the verdict
-                    if isinstance(e, KeyboardInterrupt):
-                        raise
-                    verdict = f"error: {type(e).__name__}: {str(e)[:300]}"
-                    if os.environ.get("ORACLE_DEBUG"):
-                        traceback.print_exc()
-                finally:
-                    signal.alarm(0)
-                print(json.dumps([case_id, verdict]), file=log, flush=True)
-        dist.destroy_process_group()
+        for i, (case_id, base, path) in enumerate(cases):
+            r, w = os.pipe()
+            pid = os.fork()
+            if pid == 0:
+                os.close(r)
+                verdict = _one(base, path, f"{tmp}/store{i}")
+                os.write(w, verdict.encode()[:4000])
+                os._exit(0)
+            os.close(w)
+            with os.fdopen(r, "rb") as f:
+                text = f.read().decode(errors="replace")
+            _, status = os.waitpid(pid, 0)
+            code = os.waitstatus_to_exitcode(status)
+            verdicts[case_id] = text if text else f"error: the loader crashed the process ({code})"
+    out.write_text(json.dumps(verdicts, indent=1))
     return 0
 
 

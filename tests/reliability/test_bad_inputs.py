@@ -37,7 +37,7 @@ ALLOWED = {"inspect": {0, 2}, "validate": {0, 1, 2}, "validate-deep": {0, 1, 2},
            "convert": {0, 1, 2}, "diff": {0, 1, 2}}
 LIMIT_AS = 6 << 30  # address space of an isolated command
 MAX_RSS_KB = 1536 << 10  # its peak resident memory (torch itself is ~0.4 GB)
-TIMEOUT = 240
+TIMEOUT = 300  # only a hang gets near this, even on a loaded machine
 
 
 def _argv(cmd: str, path: Path, out: Path, intact: Path) -> list[str]:
@@ -71,6 +71,17 @@ def _run_isolated(argv: list[str], where: Path) -> tuple[int, str, str]:
     assert not killed, f"{argv} hung (killed after {TIMEOUT} s)"
     assert usage.ru_maxrss < MAX_RSS_KB, f"{argv}: peak RSS {usage.ru_maxrss >> 10} MiB"
     return proc.returncode, so.read_text(errors="replace"), se.read_text(errors="replace")
+
+
+def _record(case_id, cmd, code, stderr, broken) -> None:
+    """``CKPT_CORPUS_LOG=FILE``: one JSON line per run (the README's figures come from it)."""
+    log = os.environ.get("CKPT_CORPUS_LOG")
+    if log:
+        import json
+
+        last = (stderr.strip().splitlines() or [""])[-1][:300]
+        with open(log, "a") as f:
+            f.write(json.dumps([case_id, cmd, code, broken, last]) + "\n")
 
 
 def _broken(case, case_id, verdicts) -> bool:
@@ -117,6 +128,7 @@ def test_command_on_bad_input(corpus, verdicts, case_id, cmd, tmp_path, monkeypa
         if restore:
             os.chmod(*restore)
     label = f"{case_id} {cmd} -> {code}\n{stderr}"
+    _record(case_id, cmd, code, stderr, _broken(case, case_id, verdicts))
     assert "Traceback" not in stdout + stderr, label
     assert code in ALLOWED[cmd], label
     lines = [ln for ln in stderr.splitlines() if ln.strip() and not ln.startswith("note:")]
