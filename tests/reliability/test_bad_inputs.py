@@ -136,7 +136,7 @@ def test_command_on_bad_input(corpus, verdicts, case_id, cmd, tmp_path, monkeypa
         assert len(lines) == 1, label
         if code == 2:
             assert lines[0].startswith("ckpt: error: "), label
-    if _broken(case, case_id, verdicts) and cmd != "inspect":
+    if _broken(case, case_id, verdicts) and cmd != "inspect" and cmd not in case.lenient:
         assert code != 0, f"{label}\nreal loaders: {verdicts.get(case_id, 'not asked')}"
     if cmd == "convert" and code != 0:
         assert not out.exists() and os.listdir(tmp_path) in ([], ["stdout", "stderr"]), \
