@@ -1,7 +1,11 @@
 """The oracle itself: the real loaders accept every intact original and reject what the corpus
 says they reject (else the rule "validate passes nothing they reject" would test nothing)."""
 
+import pytest
+
 from _cases import BY_ID
+
+pytestmark = pytest.mark.interop  # the real loaders (Megatron-Core) are the oracle
 
 
 def test_real_loaders_accept_the_intact_originals(verdicts):
