@@ -49,8 +49,12 @@ def check_object_pickles(reader: Any, meta: CheckpointMeta, so_far: list[Finding
         except UnsafePickleError as exc:
             out.append(error(f"object {o.unique_key}: its pickle would run code: "
                              f"{exc.message}", key=o.unique_key, file=o.file))
-        except (CkptError, Exception):  # noqa: BLE001 - damage is the integrity pass's to
-            continue  # report (raw BytesIO items are not pickles at all)
+        except CkptError as exc:  # Megatron-Core objects are always torch.save archives
+            if meta.format != "dcp":  # (DCP bytes items may be raw BytesIO: not pickles)
+                out.append(error(f"object {o.unique_key}: unreadable: {exc.message}",
+                                 key=o.unique_key, file=o.file))
+        except Exception:  # noqa: BLE001 - damage is the integrity pass's to report
+            continue
     stats["objects_unpickled"] = checked
     return out
 

@@ -110,6 +110,9 @@ def test_command_on_bad_input(corpus, verdicts, case_id, cmd, tmp_path, monkeypa
     out = tmp_path / "converted"
     argv = _argv(cmd, path, out, corpus.intact(case.base))
     restore = None
+    if case.deny and ROOT and case.base == "torch":
+        pytest.skip("as root, permissions are simulated in Python; torch.load opens the file "
+                    "in C++ (real permissions are tested when not root)")
     if case.deny:
         victim = (path / case.deny) if case.deny != "." else path
         if ROOT:
@@ -140,7 +143,7 @@ def test_command_on_bad_input(corpus, verdicts, case_id, cmd, tmp_path, monkeypa
     if _broken(case, case_id, verdicts) and cmd != "inspect" and cmd not in case.lenient:
         assert code != 0, f"{label}\nreal loaders: {verdicts.get(case_id, 'not asked')}"
     if cmd == "convert" and code != 0:
-        assert not out.exists() and os.listdir(tmp_path) in ([], ["stdout", "stderr"]), \
+        assert not out.exists() and set(os.listdir(tmp_path)) <= {"stdout", "stderr"}, \
             (label, os.listdir(tmp_path))
     assert not (cdir / MARKER).exists(), f"{label}: a pickle ran"
     assert _outside_state(cdir) == before, f"{label}: something outside the checkpoint changed"
