@@ -38,6 +38,15 @@ ALLOWED = {"inspect": {0, 2}, "validate": {0, 1, 2}, "validate-deep": {0, 1, 2},
            "convert": {0, 1, 2}, "diff": {0, 1, 2}}
 LIMIT_AS = 6 << 30  # address space of an isolated command
 MAX_RSS_KB = 1536 << 10  # its peak resident memory (torch itself is ~0.4 GB)
+# Defects the corpus found that are not fixed yet (strict: the test fails once they are)
+KNOWN = {
+    ("zarr/zarray-missing", "validate"): "an array directory without .zarray is skipped",
+    ("zarr/zarray-missing", "validate-deep"): "an array directory without .zarray is skipped",
+    ("zarr/zarray-missing", "convert"): "an array directory without .zarray is skipped",
+    ("torch_dist/storage-overlapping", "convert"): "convert does not check item overlaps",
+    ("torch_dist/object-malicious", "diff"): "diff does not compare objects' payloads",
+    ("zarr/object-malicious", "diff"): "diff does not compare objects' payloads",
+}
 TIMEOUT = 300  # only a hang gets near this, even on a loaded machine
 
 
@@ -102,8 +111,10 @@ def _outside_state(cdir: Path) -> dict:
 
 @pytest.mark.parametrize("cmd", COMMANDS)
 @pytest.mark.parametrize("case_id", sorted(BY_ID))
-def test_command_on_bad_input(corpus, verdicts, case_id, cmd, tmp_path, monkeypatch):
+def test_command_on_bad_input(corpus, verdicts, case_id, cmd, tmp_path, monkeypatch, request):
     case = BY_ID[case_id]
+    if (case_id, cmd) in KNOWN:
+        request.applymarker(pytest.mark.xfail(reason=KNOWN[case_id, cmd], strict=True))
     path = corpus.path(case_id)
     cdir = corpus.case_dir(case_id)
     before = _outside_state(cdir)
