@@ -20,11 +20,12 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_tool.errors import CorruptCheckpointError, InputError
+from ckpt_tool.formats.base import inside_name
 from ckpt_tool.formats.safe_pickle import safe_load
 from ckpt_tool.model import ChunkRef, ObjectMeta, TensorMeta
 
 __all__ = ["metadata_path", "read_dcp_metadata", "read_dcp_metadata_light", "dcp_tensor_metas",
-           "mcore_classes", "METADATA_FILE"]
+           "mcore_classes", "METADATA_FILE", "data_file_name"]
 
 METADATA_FILE = ".metadata"
 _MCORE_TORCH = "megatron.core.dist_checkpointing.strategies.torch"
@@ -114,6 +115,7 @@ def read_dcp_metadata(checkpoint_dir: str | os.PathLike, *, trust: bool = False,
             f"does not hold DCP Metadata (found {type(md).__name__})", path=path)
     if getattr(md, "storage_meta", None) is None:
         md.storage_meta = StorageMeta()
+    _check_storage_paths(md, path)
     return md
 
 
@@ -136,7 +138,22 @@ def read_dcp_metadata_light(checkpoint_dir: str | os.PathLike, *, trust: bool = 
     if not hasattr(md, "state_dict_metadata") or not isinstance(md.state_dict_metadata, dict):
         raise CorruptCheckpointError(
             f"does not hold DCP Metadata (found {_type_name(md)})", path=path)
+    _check_storage_paths(md, path)
     return md
+
+
+def _check_storage_paths(md: Any, path: Path) -> None:
+    """Every storage entry names a data file inside the checkpoint (see data_file_name), so
+    no reader (ours, or torch's FileSystemReader given this Metadata) opens one outside."""
+    storage = getattr(md, "storage_data", None) or {}
+    if not isinstance(storage, dict):
+        raise CorruptCheckpointError("storage_data is not a mapping", path=path)
+    for idx, info in storage.items():
+        try:
+            data_file_name(getattr(info, "relative_path", None), getattr(idx, "fqn", idx))
+        except CorruptCheckpointError as exc:
+            exc.path = str(path)
+            raise
 
 
 class _NeedsTorchSignal(BaseException):
@@ -189,7 +206,7 @@ def dcp_tensor_metas(md: Any, *, mcore_data: dict[str, Any] | None = None
             info = storage.get((key, offsets))
             chunks.append(ChunkRef(
                 offsets=offsets, sizes=tuple(int(s) for s in ch.sizes),
-                file=None if info is None else info.relative_path,
+                file=None if info is None else data_file_name(info.relative_path, key),
                 byte_offset=None if info is None else int(info.offset),
                 byte_length=None if info is None else int(info.length),
                 transforms=tuple(getattr(info, "transform_descriptors", None) or ()),
@@ -205,6 +222,12 @@ def dcp_tensor_metas(md: Any, *, mcore_data: dict[str, Any] | None = None
             origin=_origin(md, key))
     objects.sort(key=lambda o: (o.key, o.global_offset, o.unique_key))
     return tensors, objects
+
+
+def data_file_name(name: Any, key: str) -> str:
+    """A storage ``relative_path`` checked to stay inside the checkpoint directory (see
+    :func:`ckpt_tool.formats.base.inside_name`)."""
+    return inside_name(name, f"item {key}: its data file", ".metadata")
 
 
 def _dtype_str(dtype: Any) -> str:
@@ -230,7 +253,7 @@ def _object_meta(key: str, info: Any) -> ObjectMeta:
             shape = tuple(int(x) for x in m.group(3).split("."))
     return ObjectMeta(
         key=base, unique_key=key,
-        file=None if info is None else info.relative_path,
+        file=None if info is None else data_file_name(info.relative_path, key),
         byte_offset=None if info is None else int(info.offset),
         byte_length=None if info is None else int(info.length),
         global_shape=shape, global_offset=offset)

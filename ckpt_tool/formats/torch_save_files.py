@@ -98,16 +98,37 @@ def zip_data_offsets(raw: Any, header_offset: int) -> int:
     return header_offset + 30 + name_len + extra_len
 
 
+def _check_extent(path: Path, key: str, t: Any, shape: tuple[int, ...],
+                  contiguous: list[int], size: int) -> None:
+    strides = list(t.stride) if t.stride is not None else contiguous
+    if math.prod(shape) == 0:
+        return
+    if len(strides) != len(shape) or any(int(st) < 0 for st in strides) or t.storage_offset < 0:
+        raise CorruptCheckpointError(f"tensor {key!r}: strides {strides} do not fit its shape "
+                                     f"{list(shape)}", path=path)
+    last = int(t.storage_offset) + sum((n - 1) * int(st) for n, st in zip(shape, strides))
+    need = (last + 1) * dtype_itemsize(t.dtype)
+    if need > size:
+        raise CorruptCheckpointError(
+            f"tensor {key!r}: shape {list(shape)} needs {need} bytes of storage "
+            f"{t.storage.key}, which holds {size} (torch.load refuses it)", path=path)
+
+
 def placeholder_chunk(path: Path, key: str, t: Any, shape: tuple[int, ...],
                       storages: dict[str, tuple[int, int]], byteorder: str) -> ChunkRef | None:
-    """A raw ChunkRef for a contiguous little-endian tensor, else ``None``."""
-    if t.storage is None or t.storage.key not in storages or byteorder != "little":
+    """A raw ChunkRef for a contiguous little-endian tensor, else ``None``. A view (any
+    strides) reaching beyond its storage is CorruptCheckpointError: ``torch.load`` refuses it
+    too, and nothing may size an allocation by its shape."""
+    if t.storage is None or t.storage.key not in storages:
         return None
     expect, stride = 1, []
     for s in reversed(shape):
         stride.insert(0, expect)
         expect *= s
     numel = math.prod(shape)
+    _check_extent(path, key, t, shape, stride, storages[t.storage.key][1])
+    if byteorder != "little":
+        return None
     if t.stride is not None and numel > 1 and any(
             st != e for st, e, s in zip(t.stride, stride, shape) if s > 1):
         return None

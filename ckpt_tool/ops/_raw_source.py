@@ -9,6 +9,7 @@ torch path, per tensor. Skipping ``import torch`` (about 1 s) is most of a small
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import threading
@@ -108,12 +109,20 @@ class RawSource:
                                              path=self.root)
             mapped = mmap.mmap(f.fileno(), chunk.byte_offset + chunk.byte_length - start,
                                access=mmap.ACCESS_READ, offset=start)
+        raw = item = data = None
         try:
             with memoryview(mapped) as whole:
                 item = whole[chunk.byte_offset - start:]
                 raw = raw_item(item)
                 if raw.dtype != dtype:
                     raise NotSimple(f"item holds {raw.dtype}, the metadata says {dtype}")
+                if raw.numel != math.prod(chunk.sizes):
+                    from ckpt_tool.errors import CorruptCheckpointError
+
+                    raise CorruptCheckpointError(
+                        f"{chunk.file}: the item at byte {chunk.byte_offset} holds "
+                        f"{list(raw.shape)}, the metadata says {list(chunk.sizes)}",
+                        path=self.root)
                 size = dt.itemsize
                 data = np.ndarray(raw.shape, dtype=dt, buffer=raw.data,
                                   offset=raw.storage_offset * size,
@@ -121,8 +130,9 @@ class RawSource:
                 if data.shape != tuple(chunk.sizes):
                     data = data.reshape(chunk.sizes)
                 out[dst] = data[src]
-                del data
-                raw.data.release()
-                item.release()
-        finally:
+        finally:  # every view released before the unmap, also on an error (else the
+            del data  # BufferError of close() would hide it)
+            for view in (None if raw is None else raw.data, item):
+                if view is not None:
+                    view.release()
             mapped.close()

@@ -13,11 +13,10 @@ Checks, in order (the pure ones live in ``ops/_checks.py``, CRC32/sha256 ones in
    the manifest (``ckpt_tool.manifest``): files present at their sizes, digests with ``deep``;
 5. stale ``*.distcp`` files nobody references, leftover ``*.tmp``/staging files (warnings);
 6. the caller's expectations: ``expect_tp``/``expect_pp``/``expect_keys``/``expect_iteration``;
-   Megatron-LM legacy: every ``mp_rank_*`` file for TP x PP (x EP) present, replicated
-   tensors consistent across TP ranks;
-7. ``deep``: read every tensor, count NaN/Inf (warnings), report read failures (errors).
-   Chunks stored as plain tensor archives / raw elements are counted in place during the
-   pass of 4. (no copies); the rest is read through the reader.
+   legacy: every ``mp_rank_*`` file present, replicated tensors consistent across TP ranks;
+   objects' pickles through the allowlist (``_validate_items``);
+7. ``deep``: read every tensor, count NaN/Inf (warnings), report read failures (errors);
+   plain tensor archives / raw elements are counted in place during 4. (no copies).
 
 A path that is not a checkpoint at all (missing, unknown format, unsafe pickle without
 ``trust``) raises the usual :class:`~ckpt_tool.errors.InputError` (exit 2): there is nothing to
@@ -38,6 +37,7 @@ from ckpt_tool.ops._checks import (Finding, check_coverage, check_expectations, 
 from ckpt_tool.ops._integrity import BoundedReader, check_zip_item, scan_archives
 from ckpt_tool.ops.manifest import manifest_findings
 from ckpt_tool.ops._validate_deep import deep_read
+from ckpt_tool.ops._validate_items import check_object_pickles, check_overlaps
 
 __all__ = ["Finding", "ValidateResult", "validate", "read_expected_keys", "BoundedReader",
            "check_zip_item"]
@@ -123,9 +123,8 @@ def validate(path: str | Path, *, trust: bool = False, deep: bool = False,
 
     ``ranks`` (a ``ckpt_tool.parallel.Ranks`` under torchrun): every rank of the job calls
     this, the byte scan is split over them and every rank gets every finding."""
-    from ckpt_tool.formats.save_dir import resolve_checkpoint_dir
-
     from ckpt_tool.formats.base import check_readable
+    from ckpt_tool.formats.save_dir import resolve_checkpoint_dir
 
     p = Path(path)
     check_readable(p)  # missing, symlink loop, permission denied: InputError (exit 2)
@@ -168,7 +167,7 @@ def validate(path: str | Path, *, trust: bool = False, deep: bool = False,
                      chunks=sum(len(t.chunks) for t in meta.tensors.values()))
         sizes = _file_sizes(base, meta)
         stats["files"] = sum(1 for s in sizes.values() if s is not None)
-        findings.extend(check_storage(meta, sizes))
+        findings.extend(check_storage(meta, sizes) + check_overlaps(meta))
         for key in sorted(meta.tensors):
             findings.extend(check_coverage(meta.tensors[key]))
         findings.extend(_check_common_state(base, meta))
@@ -191,6 +190,8 @@ def validate(path: str | Path, *, trust: bool = False, deep: bool = False,
             meta, expect_tp=expect_tp, expect_pp=expect_pp,
             expect_keys=None if expect_keys is None else list(expect_keys),
             expect_iteration=expect_iteration))
+        findings.extend(check_object_pickles(reader, meta, findings, deep=deep, trust=trust,
+                                             stats=stats))
         if deep:
             findings.extend(deep_read(reader, meta, findings, stats, counted, nonfinite,
                                       progress))
@@ -314,9 +315,8 @@ def _sharded_only(fmt: Any, root: Path, trust: bool) -> tuple[Any, CheckpointMet
 
 
 def _legacy_rank_findings(reader: Any) -> list[Finding]:
-    """Megatron-LM legacy checkpoints: every ``mp_rank_*`` file for TP x PP (x EP) from args is
-    present, replicated tensors agree in dtype/shape across TP ranks (the reader collects both
-    while building the metadata, in ``reader.problems``)."""
+    """Megatron-LM legacy: every ``mp_rank_*`` file for TP x PP (x EP) present, replicated
+    tensors agree across TP ranks (``reader.problems``, collected with the metadata)."""
     return [error(p["message"], key=p.get("key"), file=p.get("file"))
             for p in getattr(reader, "problems", ())]
 

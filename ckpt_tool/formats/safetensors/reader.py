@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_tool.errors import CorruptCheckpointError, InputError, UnsupportedError
-from ckpt_tool.formats.base import Format, Reader, register
+from ckpt_tool.formats.base import Format, Reader, inside_name, register
 from ckpt_tool.model import ChunkRef, CheckpointMeta, TensorMeta, dtype_itemsize
 
 __all__ = ["SAFETENSORS_DTYPES", "read_header", "SafetensorsReader", "SAFETENSORS"]
@@ -76,6 +76,10 @@ def _file_tensors(path: Path, rel: str) -> tuple[dict[str, TensorMeta], dict[str
     n, header = read_header(path)
     data_size = path.stat().st_size - 8 - n
     extra = header.pop("__metadata__", None) or {}
+    if not isinstance(extra, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                              for k, v in extra.items()):
+        raise CorruptCheckpointError("__metadata__ is not a map of strings to strings "
+                                     "(safetensors refuses the file)", path=path)
     tensors: dict[str, TensorMeta] = {}
     for key, entry in header.items():
         try:
@@ -101,7 +105,28 @@ def _file_tensors(path: Path, rel: str) -> tuple[dict[str, TensorMeta], dict[str
         chunk = ChunkRef(offsets=(0,) * len(shape), sizes=shape, file=rel,
                          byte_offset=8 + n + start, byte_length=nbytes, layout="raw")
         tensors[key] = TensorMeta(key=key, dtype=dtype, shape=shape, chunks=(chunk,))
+    _check_packed(tensors, data_size, 8 + n, path)
     return tensors, extra
+
+
+def _check_packed(tensors: dict[str, TensorMeta], data_size: int, start: int,
+                  path: Path) -> None:
+    """The safetensors library's layout rule: the tensors' byte ranges, in offset order, follow
+    each other with no gap and no overlap and end exactly at the end of the file (anything
+    else, it refuses the whole file)."""
+    at = start
+    for key, c in sorted(((k, t.chunks[0]) for k, t in tensors.items()),
+                         key=lambda kc: (kc[1].byte_offset, kc[1].byte_length)):
+        if c.byte_offset != at:
+            how = "overlaps the previous tensor" if c.byte_offset < at else "leaves a gap"
+            raise CorruptCheckpointError(
+                f"tensor {key!r}: data_offsets start {c.byte_offset - start} {how} (ends at "
+                f"{at - start}); safetensors refuses the file", path=path)
+        at += c.byte_length
+    if at != start + data_size:
+        raise CorruptCheckpointError(
+            f"the tensors cover {at - start} of the {data_size} data bytes (trailing bytes); "
+            "safetensors refuses the file", path=path)
 
 
 def _index_files(d: Path) -> list[Path]:
@@ -218,6 +243,11 @@ class SafetensorsReader(Reader):
         tensors: dict[str, TensorMeta] = {}
         by_file: dict[str, Any] = {}
         for name in sorted(set(map(str, wmap.values()))):
+            try:
+                inside_name(name, f"{index.name}: weight_map file", index.name)
+            except CorruptCheckpointError as exc:
+                exc.path = str(self.path)
+                raise
             f = self.path / name
             if not f.is_file():
                 raise CorruptCheckpointError(f"{index.name} names {name}, which is missing",

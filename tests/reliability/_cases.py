@@ -1,0 +1,446 @@
+"""The bad-input corpus: each case damages a copy of a checkpoint the real libraries wrote
+(``fixtures/`` for Megatron-Core torch_dist and zarr, PyTorch DCP and Megatron-LM legacy;
+``torch.save`` and ``safetensors`` files written at test time by torch and safetensors).
+
+A case is ``Case(name, base, mutate, ...)``; ``mutate(ck)`` gets the copy (a directory, or the
+file for torch.save / safetensors) and damages it in place."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import _mutate as m
+
+FIX = Path(__file__).resolve().parents[2] / "fixtures"
+FIXTURE_BASES = {
+    "torch_dist": FIX / "mcore016_gpt_tp2pp2_fp32" / "iter_0000010",
+    "zarr": FIX / "mcore015_zarr_gpt_tp2pp2" / "iter_0000010",
+    "dcp": FIX / "dcp_plain",
+    "legacy": FIX / "megatron_legacy_tp2pp2",
+}
+FILE_NAMES = {"torch": "model.pt", "safetensors": "model.safetensors",
+              "st_index": "model.safetensors.index.json"}
+MARKER = "PWNED"  # what a malicious pickle would create, beside the checkpoint copy
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    base: str
+    mutate: Callable[[Path], None]
+    must_reject: bool = False  # invalid whatever the real loaders say (code, paths outside)
+    oracle: bool = True  # ask the real loaders (False: they would run the pickle or hang)
+    isolate: bool = False  # subprocess with a time and memory limit (may hang / allocate TBs)
+    deny: str | None = None  # path (relative to the copy) nobody may read
+    # commands that may succeed although the case is broken, because what they read is
+    # intact: convert to safetensors drops objects; a dist checkpoint without metadata.json is
+    # a complete plain DCP one; a missing common.pt leaves every tensor readable
+    lenient: tuple = ()
+    tags: tuple = field(default_factory=tuple)
+
+
+def write_pristine(root: Path) -> dict[str, Path]:
+    """torch.save, safetensors and a safetensors index set written by the real libraries."""
+    import torch
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(0)
+    sd = {"embed.weight": torch.randn(16, 8, generator=g),
+          "fc.weight": torch.randn(8, 8, generator=g).bfloat16(),
+          "fc.bias": torch.randn(8, generator=g), "step": torch.tensor([3, 4])}
+    out = {}
+    (root / "torch").mkdir(parents=True)
+    torch.save(sd, root / "torch" / "model.pt")
+    out["torch"] = root / "torch" / "model.pt"
+    (root / "safetensors").mkdir()
+    save_file(sd, root / "safetensors" / "model.safetensors", metadata={"format": "pt"})
+    out["safetensors"] = root / "safetensors" / "model.safetensors"
+    d = root / "st_index"
+    d.mkdir()
+    parts = [{k: sd[k] for k in ("embed.weight", "fc.weight")},
+             {k: sd[k] for k in ("fc.bias", "step")}]
+    weight_map = {}
+    for i, part in enumerate(parts):
+        name = f"model-{i + 1:05d}-of-00002.safetensors"
+        save_file(part, d / name, metadata={"format": "pt"})
+        weight_map.update({k: name for k in part})
+    total = sum(t.numel() * t.element_size() for t in sd.values())
+    (d / FILE_NAMES["st_index"]).write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    out["st_index"] = d
+    return out
+
+
+# -- mutation builders ------------------------------------------------------------------------
+
+def _f(rel, fn):
+    """Apply ``fn(path)`` to ``ck/rel`` (or to ``ck`` itself when rel is None)."""
+    return lambda ck: fn(ck / rel if rel else ck)
+
+
+def truncate(rel, keep):
+    return _f(rel, lambda p: m.truncate(p, keep))
+
+
+def write(rel, data: bytes):
+    return _f(rel, lambda p: p.write_bytes(data))
+
+
+def remove(rel):
+    return _f(rel, lambda p: shutil.rmtree(p) if p.is_dir() else p.unlink())
+
+
+def garble(rel, n=700):
+    return write(rel, bytes((i * 131 + 7) % 256 for i in range(n)))
+
+
+def as_dir(rel):
+    """A directory where a file is expected."""
+    def fn(p):
+        p.unlink()
+        p.mkdir()
+        (p / "x").write_bytes(b"x")
+    return _f(rel, fn)
+
+
+def as_file(rel):
+    """A file where a directory is expected."""
+    def fn(p):
+        shutil.rmtree(p)
+        p.write_bytes(b"not a directory\n")
+    return _f(rel, fn)
+
+
+def symlink_loop(rel):
+    def fn(p):
+        p.unlink() if not p.is_dir() else shutil.rmtree(p)
+        os.symlink(p.name + ".loop", p)
+        os.symlink(p.name, p.with_name(p.name + ".loop"))
+    return _f(rel, fn)
+
+
+def evil_torch_save(rel, wrap=lambda e: {"args": e}):
+    """A torch.save file whose pickle would create the marker file."""
+    return _f(rel, lambda p: p.write_bytes(m.torch_save_bytes(wrap(m.evil(_marker(p))))))
+
+
+def _marker(p: Path) -> Path:
+    """Where a malicious pickle would create its file: the case directory (above ``ck``)."""
+    for q in (p, *p.parents):
+        if q.name == "ck":
+            return q.parent / MARKER
+    raise AssertionError(p)
+
+
+def dcp_meta(fn):
+    """Edit the pickled DCP Metadata of the copy with ``fn(md, ck)``."""
+    def mut(ck):
+        md = m.read_dcp_metadata(ck)
+        fn(md, ck)
+        m.write_dcp_metadata(ck, md)
+    return mut
+
+
+def _set_storage(fqn, **changes):
+    def fn(md, ck):
+        idx, info = m.storage_of(md, fqn)
+        vals = {k: (v(ck, info) if callable(v) else v) for k, v in changes.items()}
+        md.storage_data[idx] = dataclasses.replace(info, **vals)
+    return dcp_meta(fn)
+
+
+def _overlap(a, b):
+    def fn(md, ck):
+        _, ia = m.storage_of(md, a)
+        ib_idx, _ = m.storage_of(md, b)
+        md.storage_data[ib_idx] = ia
+    return dcp_meta(fn)
+
+
+def _tb_shape(fqn, scale_chunks):
+    import torch
+
+    def fn(md, ck):
+        tm = md.state_dict_metadata[fqn]
+        big = torch.Size([1 << 20] * 2 + list(tm.size[2:])) if len(tm.size) >= 2 \
+            else torch.Size([1 << 40])
+        tm.size = big
+        if scale_chunks:
+            for c in tm.chunks:
+                c.sizes = big  # noqa: one chunk "covers" all of it, its data is KBs
+    return dcp_meta(fn)
+
+
+def _outside_copy(rel_target, how):
+    """Point every item of ``rel_target`` at a copy outside the checkpoint (``../`` or an
+    absolute path); ``how="fifo"`` puts a FIFO there instead (reading it would block)."""
+    def mut(ck):
+        outside = ck.parent / "outside"
+        outside.mkdir(exist_ok=True)
+        dst = outside / Path(rel_target).name
+        if how == "fifo":
+            os.mkfifo(dst)
+        else:
+            shutil.copy(ck / rel_target, dst)
+        rel = os.path.relpath(dst, ck) if how in ("relative", "fifo") else str(dst)
+        md = m.read_dcp_metadata(ck)
+        for idx, info in list(md.storage_data.items()):
+            if info.relative_path == rel_target:
+                md.storage_data[idx] = dataclasses.replace(info, relative_path=rel)
+        m.write_dcp_metadata(ck, md)
+    return mut
+
+
+def item_field(fqn, family, field, entry=0, mask=1):
+    return lambda ck: m.flip_item_field(ck, fqn, family, field, entry, mask)
+
+
+def file_field(rel, family, field, entry=0, mask=1):
+    def fn(p):
+        m.xor(p, m.zip_field_at(p.read_bytes(), family, field, entry), mask)
+    return _f(rel, fn)
+
+
+def evil_item(fqn):
+    return lambda ck: m.append_item(ck, fqn, m.torch_save_bytes([m.evil(_marker(ck))]))
+
+
+def evil_pickle(rel):
+    import pickle
+
+    return _f(rel, lambda p: p.write_bytes(pickle.dumps({"x": m.evil(_marker(p))})))
+
+
+def st_header(rel, fn):
+    return _f(rel, lambda p: m.edit_st(p, fn))
+
+
+def st_raw(rel, raw=None, length=None):
+    def fn(p):
+        header, body = m.read_st(p)
+        m.write_st(p, header, body, raw_header=raw, length=length)
+    return _f(rel, fn)
+
+
+def json_edit(rel, fn):
+    def mut(p):
+        d = json.loads(p.read_text())
+        fn(d, p)
+        p.write_text(json.dumps(d))
+    return _f(rel, mut)
+
+
+def _escape_index(how):
+    def fn(d, p):
+        outside = p.parent.parent / "outside"
+        outside.mkdir(exist_ok=True)
+        shard = "model-00002-of-00002.safetensors"
+        shutil.copy(p.parent / shard, outside / shard)
+        target = f"../outside/{shard}" if how == "relative" else str(outside / shard)
+        d["weight_map"] = {k: (target if v == shard else v) for k, v in d["weight_map"].items()}
+    return json_edit(FILE_NAMES["st_index"], fn)
+
+
+def _tb_storage_pickle(p):
+    # torch.save of {"embed.weight": [16, 8] ...}: size (16, 8) -> (2**20, 2**20)
+    m.rewrite_zip_member(p, "data.pkl", lambda b: b.replace(
+        b"K\x10K\x08\x86", b"J\x00\x00\x10\x00J\x00\x00\x10\x00\x86", 1))
+
+
+def _short_storage(p):
+    import zipfile
+
+    names = zipfile.ZipFile(p).namelist()
+    storage = sorted(n for n in names if "/data/" in n)[0]
+    m.rewrite_zip_member(p, storage, lambda b: b[: len(b) // 2])
+
+
+# -- the corpus -------------------------------------------------------------------------------
+
+D0 = "__0_0.distcp"
+OUT_W = "output_layer.weight"
+RNG = "rng_state/shard_0.0_2.2"
+ZW = "output_layer.weight"
+LEG = "iter_0000010/mp_rank_00_000/model_optim_rng.pt"
+ST, IX = "", FILE_NAMES["st_index"]
+SH2 = "model-00002-of-00002.safetensors"
+
+
+def _corpus() -> list[Case]:
+    C = Case
+    td = [
+        C("truncated-half", "torch_dist", truncate(D0, 0.5)),
+        C("truncated-end-record", "torch_dist", truncate(D0, -5)),
+        C("truncated-in-first-header", "torch_dist", truncate(D0, 20)),
+        C("empty-data-file", "torch_dist", write(D0, b"")),
+        C("zip64-disk-number", "torch_dist", item_field(OUT_W, "end", "zip64 record: disk")),
+        C("zip64-directory-size-beyond-file", "torch_dist",
+          item_field(OUT_W, "end", "zip64 record: directory size", mask=0x40)),
+        C("central-local-header-offset", "torch_dist",
+          item_field(OUT_W, "central", "local header offset", entry=1, mask=0x10)),
+        C("local-header-signature", "torch_dist", item_field(OUT_W, "local", "signature")),
+        C("storage-offset-out-of-bounds", "torch_dist",
+          _set_storage(OUT_W, offset=lambda ck, i: (ck / i.relative_path).stat().st_size + 64)),
+        C("storage-length-1TB", "torch_dist", _set_storage(OUT_W, length=1 << 40),
+          isolate=True),
+        C("storage-overlapping", "torch_dist",
+          _overlap("decoder.final_layernorm.weight", "decoder.final_layernorm.bias")),
+        C("shape-TBs-uncovered", "torch_dist", dcp_meta_tb(OUT_W, False), isolate=True),
+        C("shape-TBs-one-chunk", "torch_dist", dcp_meta_tb(OUT_W, True), isolate=True),
+        C("unknown-dtype", "torch_dist", _f(".metadata", lambda p: m.replace_first(
+            p, b"float32", b"flaot32"))),
+        C("metadata-missing", "torch_dist", remove(".metadata")),
+        C("metadata-empty", "torch_dist", write(".metadata", b"")),
+        C("metadata-truncated", "torch_dist", truncate(".metadata", 0.6)),
+        C("metadata-malicious", "torch_dist", evil_pickle(".metadata"), must_reject=True,
+          oracle=False),
+        C("common-missing", "torch_dist", remove("common.pt"), lenient=("convert", "diff")),
+        C("common-empty", "torch_dist", write("common.pt", b"")),
+        C("common-truncated", "torch_dist", truncate("common.pt", 0.5)),
+        C("common-malicious", "torch_dist", evil_torch_save("common.pt"), must_reject=True,
+          oracle=False),
+        C("metadata-json-missing", "torch_dist", remove("metadata.json"),
+          lenient=("convert", "diff")),
+        C("metadata-json-garbled", "torch_dist", garble("metadata.json", 60)),
+        C("metadata-json-unknown-backend", "torch_dist", write(
+            "metadata.json", b'{"sharded_backend": "nope", "sharded_backend_version": 1, '
+                             b'"common_backend": "torch", "common_backend_version": 1}')),
+        C("object-malicious", "torch_dist", evil_item(RNG), must_reject=True, oracle=False,
+          lenient=("convert",)),
+        C("path-escape-relative", "torch_dist", _outside_copy(D0, "relative"),
+          must_reject=True),
+        C("path-escape-fifo", "torch_dist", _outside_copy(D0, "fifo"), must_reject=True,
+          oracle=False, isolate=True),
+        C("data-file-unreadable", "torch_dist", lambda ck: None, deny=D0, must_reject=True,
+          oracle=False),
+        C("data-file-symlink-loop", "torch_dist", symlink_loop(D0)),
+        C("data-file-is-directory", "torch_dist", as_dir(D0)),
+        C("metadata-is-directory", "torch_dist", as_dir(".metadata")),
+    ]
+    zarr = [
+        C("chunk-truncated", "zarr", truncate(f"{ZW}/0.0", 0.5)),
+        C("chunk-missing", "zarr", remove(f"{ZW}/1.0"), must_reject=True),
+        C("zarray-missing", "zarr", remove(f"{ZW}/.zarray")),
+        C("zarray-garbled", "zarr", garble(f"{ZW}/.zarray", 100)),
+        C("zarray-unknown-dtype", "zarr",
+          json_edit(f"{ZW}/.zarray", lambda d, p: d.update(dtype="<q9"))),
+        C("zarray-shape-TBs", "zarr", json_edit(
+            f"{ZW}/.zarray", lambda d, p: d.update(shape=[1 << 20, 1 << 20])), isolate=True,
+          must_reject=True),
+        C("zarray-chunks-TBs", "zarr", json_edit(
+            f"{ZW}/.zarray", lambda d, p: d.update(shape=[1 << 20, 1 << 20],
+                                                   chunks=[1 << 20, 1 << 20])), isolate=True),
+        C("array-is-file", "zarr", as_file(ZW)),
+        C("common-malicious", "zarr", evil_torch_save("common.pt"), must_reject=True,
+          oracle=False),
+        C("object-malicious", "zarr", evil_torch_save("rng_state/shard_0.0_2.2.pt",
+                                                      wrap=lambda e: [e]),
+          must_reject=True, oracle=False, lenient=("convert",)),
+        C("object-truncated", "zarr", truncate("rng_state/shard_0.0_2.2.pt", 0.5),
+          lenient=("convert",)),
+        C("metadata-json-empty", "zarr", write("metadata.json", b"")),
+    ]
+    dcp = [
+        C("truncated-third", "dcp", truncate(D0, 0.33)),
+        C("truncated-end-record", "dcp", truncate("__1_0.distcp", -1)),
+        C("end-record-entries", "dcp", item_field("model.head.weight", "end",
+                                                  "end record: entries")),
+        C("central-method", "dcp", item_field("model.head.weight", "central", "method",
+                                              mask=8)),
+        C("central-disk", "dcp", item_field("model.embed.weight", "central", "disk")),
+        C("local-compressed-size", "dcp", item_field("model.embed.weight", "local",
+                                                     "compressed size", entry=2, mask=0x80)),
+        C("metadata-malicious", "dcp", evil_pickle(".metadata"), must_reject=True,
+          oracle=False),
+        C("metadata-garbled", "dcp", garble(".metadata")),
+        C("storage-offset-out-of-bounds", "dcp", _set_storage(
+            "model.head.weight", offset=lambda ck, i: (ck / i.relative_path).stat().st_size)),
+        C("storage-overlapping", "dcp", _overlap("model.head.weight", "model.embed.weight")),
+        C("path-escape-relative", "dcp", _outside_copy(D0, "relative"), must_reject=True),
+        C("path-escape-absolute", "dcp", _outside_copy(D0, "absolute"), must_reject=True),
+        C("bytes-item-malicious", "dcp", evil_item("extra.note"), must_reject=True,
+          oracle=False, lenient=("convert",)),
+        C("shape-TBs", "dcp", dcp_meta_tb("model.embed.weight", True), isolate=True),
+        C("directory-unreadable", "dcp", lambda ck: None, deny=".", must_reject=True,
+          oracle=False),
+    ]
+    legacy = [
+        C("truncated-half", "legacy", truncate(LEG, 0.5)),
+        C("truncated-end-record", "legacy", truncate(LEG, -10)),
+        C("central-disk", "legacy", file_field(LEG, "central", "disk", entry=1)),
+        C("end-record-directory-offset", "legacy", file_field(
+            LEG, "end", "zip64 record: directory offset", mask=0x20)),
+        C("malicious", "legacy", evil_torch_save(LEG, wrap=lambda e: {"model": {}, "args": e}),
+          must_reject=True, oracle=False),
+        C("data-pkl-garbled", "legacy", _f(LEG, lambda p: m.rewrite_zip_member(
+            p, "data.pkl", lambda b: b[:40] + bytes(range(256)) + b[296:]))),
+        C("rank-dir-is-file", "legacy", as_file("iter_0000010/mp_rank_01_001")),
+        C("rank-missing", "legacy", remove("iter_0000010/mp_rank_01_001"), must_reject=True),
+        C("tracker-garbage", "legacy", write("latest_checkpointed_iteration.txt", b"1x0\n")),
+        C("file-unreadable", "legacy", lambda ck: None, deny=LEG, must_reject=True,
+          oracle=False),
+    ]
+    torch_ = [
+        C("truncated-third", "torch", truncate(ST, 0.33)),
+        C("truncated-end-record", "torch", truncate(ST, -3)),
+        C("end-record-directory-offset", "torch", _f(ST, lambda p: m.xor(
+            p, m.zip_field_at(p.read_bytes(), "end", "end record: directory offset"), 4))),
+        C("central-disk", "torch", file_field(ST, "central", "disk")),
+        C("local-signature", "torch", file_field(ST, "local", "signature", entry=0)),
+        C("malicious", "torch", evil_torch_save(ST, wrap=lambda e: {"w": e}),
+          must_reject=True),
+        C("data-pkl-garbled", "torch", _f(ST, lambda p: m.rewrite_zip_member(
+            p, "data.pkl", lambda b: b[:30] + b"\xff" * 40 + b[70:]))),
+        C("shape-TBs", "torch", _f(ST, _tb_storage_pickle), isolate=True),
+        C("storage-short", "torch", _f(ST, _short_storage)),
+        C("unknown-dtype", "torch", _f(ST, lambda p: m.rewrite_zip_member(
+            p, "data.pkl", lambda b: b.replace(b"FloatStorage", b"FlaotStorage", 1)))),
+        C("symlink-loop", "torch", symlink_loop(ST)),
+        C("unreadable", "torch", lambda ck: None, deny=ST, must_reject=True, oracle=False),
+    ]
+    st = [
+        C("header-bigger-than-file", "safetensors", st_raw(ST, length=1 << 20)),
+        C("header-length-huge", "safetensors", st_raw(ST, length=(1 << 63) - 1),
+          isolate=True),
+        C("header-garbled", "safetensors", st_raw(ST, raw=b'{"a": [1, 2')),
+        C("header-empty", "safetensors", st_raw(ST, raw=b"")),
+        C("offsets-out-of-bounds", "safetensors", st_header(
+            ST, lambda h: h["step"].update(data_offsets=[10 ** 6, 10 ** 6 + 16]))),
+        C("offsets-overlapping", "safetensors", st_header(
+            ST, lambda h: h["fc.bias"].update(data_offsets=h["embed.weight"]["data_offsets"][
+                :1] + [h["embed.weight"]["data_offsets"][0] + 32]))),
+        C("unknown-dtype", "safetensors", st_header(ST, lambda h: h["fc.bias"].update(
+            dtype="F128"))),
+        C("shape-TBs", "safetensors", st_header(ST, lambda h: h["embed.weight"].update(
+            shape=[1 << 20, 1 << 20])), isolate=True),
+        C("truncated-data", "safetensors", truncate(ST, -20)),
+        C("metadata-not-strings", "safetensors", st_header(
+            ST, lambda h: h.update(__metadata__={"format": ["pt"]}))),
+    ]
+    ix = [
+        C("index-escape-relative", "st_index", _escape_index("relative"), must_reject=True),
+        C("index-escape-absolute", "st_index", _escape_index("absolute"), must_reject=True),
+        C("index-missing-shard", "st_index", remove(SH2)),
+        C("index-garbled", "st_index", garble(IX, 90)),
+        C("index-empty", "st_index", write(IX, b"")),
+        C("index-key-not-in-shard", "st_index", json_edit(
+            IX, lambda d, p: d["weight_map"].update({"ghost.weight": SH2})), must_reject=True),
+        C("index-shard-is-directory", "st_index", as_dir(SH2)),
+        C("index-shard-symlink-loop", "st_index", symlink_loop(SH2)),
+    ]
+    return td + zarr + dcp + legacy + torch_ + st + ix
+
+
+def dcp_meta_tb(fqn, scale_chunks):
+    return _tb_shape(fqn, scale_chunks)
+
+
+CASES = _corpus()
+BY_ID = {f"{c.base}/{c.name}": c for c in CASES}
+assert len(BY_ID) == len(CASES), "case names must be unique per base"

@@ -1,0 +1,169 @@
+"""Byte-level tools the bad-input corpus uses to damage COPIES of real checkpoints: truncate,
+flip zip record fields, rewrite DCP ``.metadata`` and safetensors headers, craft pickles that
+would run code. Nothing here touches ``fixtures/``: every function gets a path inside a copy."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import struct
+import zipfile
+from pathlib import Path
+
+# zip record fields: offset inside the record (APPNOTE.TXT 4.3.7, 4.3.12, 4.3.14-16)
+CDIR = {"signature": 0, "made by": 4, "version needed": 6, "flags": 8, "method": 10,
+        "crc": 16, "compressed size": 20, "size": 24, "name length": 28, "extra length": 30,
+        "comment length": 32, "disk": 34, "local header offset": 42}
+LOCAL = {"signature": 0, "version needed": 4, "flags": 6, "method": 8, "crc": 14,
+         "compressed size": 18, "size": 22, "name length": 26, "extra length": 28}
+# relative to the end-of-central-directory record (zip64 locator 20 bytes and record 56 before)
+END = {"end record: disk": 4, "end record: directory disk": 6, "end record: entries": 10,
+       "end record: directory size": 12, "end record: directory offset": 16,
+       "end record: comment length": 20,
+       "zip64 locator: signature": -20, "zip64 locator: disks": -20 + 16,
+       "zip64 record: signature": -76, "zip64 record: disk": -76 + 16,
+       "zip64 record: entries": -76 + 32, "zip64 record: directory size": -76 + 40,
+       "zip64 record: directory offset": -76 + 48}
+
+
+class Reduce:
+    """Pickles as ``func(*args)``: unpickling it runs ``func``."""
+
+    def __init__(self, func, *args):
+        self.func, self.args = func, args
+
+    def __reduce__(self):
+        return (self.func, self.args)
+
+
+def evil(marker: Path):
+    """An object whose unpickling creates ``marker`` (nothing else)."""
+    return Reduce(os.system, f"touch {marker}")
+
+
+def truncate(path: Path, keep: int | float) -> None:
+    """Keep ``keep`` bytes (an int; negative counts from the end) or that fraction."""
+    data = path.read_bytes()
+    n = int(len(data) * keep) if isinstance(keep, float) else (keep if keep >= 0
+                                                                else len(data) + keep)
+    path.write_bytes(data[:n])
+
+
+def patch(path: Path, at: int, new: bytes) -> None:
+    data = bytearray(path.read_bytes())
+    data[at:at + len(new)] = new
+    path.write_bytes(bytes(data))
+
+
+def xor(path: Path, at: int, mask: int = 1) -> None:
+    data = bytearray(path.read_bytes())
+    data[at] ^= mask
+    path.write_bytes(bytes(data))
+
+
+def replace_first(path: Path, old: bytes, new: bytes) -> None:
+    data = path.read_bytes()
+    assert old in data, (path, old)
+    path.write_bytes(data.replace(old, new, 1))
+
+
+def zip_field_at(blob: bytes, family: str, field: str, entry: int = 0) -> int:
+    """Offset of a zip structure field inside ``blob`` (one archive)."""
+    if family == "end":
+        return blob.rfind(b"PK\x05\x06") + END[field]
+    sig, table = (b"PK\x01\x02", CDIR) if family == "central" else (b"PK\x03\x04", LOCAL)
+    starts = [i for i in range(len(blob) - 3) if blob[i:i + 4] == sig]
+    return starts[entry] + table[field]
+
+
+def rewrite_zip_member(path: Path, member_suffix: str, fn) -> None:
+    """Rewrite one member of a torch.save zip with ``fn(bytes) -> bytes`` (stored, aligned
+    like torch's own writer is not needed by its reader)."""
+    src = zipfile.ZipFile(io.BytesIO(path.read_bytes()))
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as dst:
+        for info in src.infolist():
+            data = src.read(info)
+            if info.filename.endswith(member_suffix):
+                data = fn(data)
+            dst.writestr(info.filename, data)
+    path.write_bytes(out.getvalue())
+
+
+# -- DCP .metadata ----------------------------------------------------------------------------
+
+def read_dcp_metadata(ck: Path):
+    """The real torch reader (plain pickle: only ever used on our pristine copies)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return FileSystemReader(str(ck)).read_metadata()
+
+
+def write_dcp_metadata(ck: Path, md) -> None:
+    (ck / ".metadata").write_bytes(pickle.dumps(md))
+
+
+def storage_of(md, fqn: str):
+    """(MetadataIndex, _StorageInfo) of the first stored item of ``fqn``."""
+    for idx, info in md.storage_data.items():
+        if idx.fqn == fqn:
+            return idx, info
+    raise KeyError(fqn)
+
+
+def item_blob(ck: Path, fqn: str) -> tuple[Path, int, int]:
+    """File, offset and length of a DCP item (from the pristine metadata)."""
+    _, info = storage_of(read_dcp_metadata(ck), fqn)
+    return ck / info.relative_path, info.offset, info.length
+
+
+def flip_item_field(ck: Path, fqn: str, family: str, field: str, entry: int = 0,
+                    mask: int = 1) -> None:
+    path, off, length = item_blob(ck, fqn)
+    blob = path.read_bytes()[off:off + length]
+    xor(path, off + zip_field_at(blob, family, field, entry), mask)
+
+
+def append_item(ck: Path, fqn: str, payload: bytes) -> None:
+    """Append ``payload`` to the item's data file and point ``fqn``'s storage at it."""
+    import dataclasses
+
+    md = read_dcp_metadata(ck)
+    idx, info = storage_of(md, fqn)
+    path = ck / info.relative_path
+    start = path.stat().st_size
+    with open(path, "ab") as f:
+        f.write(payload)
+    md.storage_data[idx] = dataclasses.replace(info, offset=start, length=len(payload))
+    write_dcp_metadata(ck, md)
+
+
+def torch_save_bytes(obj) -> bytes:
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+# -- safetensors ------------------------------------------------------------------------------
+
+def read_st(path: Path) -> tuple[dict, bytes]:
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    return json.loads(data[8:8 + n]), data[8 + n:]
+
+
+def write_st(path: Path, header, body: bytes, raw_header: bytes | None = None,
+             length: int | None = None) -> None:
+    h = raw_header if raw_header is not None else json.dumps(header).encode()
+    h += b" " * (-len(h) % 8)
+    path.write_bytes(struct.pack("<Q", len(h) if length is None else length) + h + body)
+
+
+def edit_st(path: Path, fn) -> None:
+    header, body = read_st(path)
+    fn(header)
+    write_st(path, header, body)
