@@ -66,23 +66,26 @@ def _find_overlaps(chunks: list[ChunkRef], limit: int) -> list[tuple[ChunkRef, C
 
 def _union_volume(chunks: list[ChunkRef], shape: tuple[int, ...],
                   max_cells: int = 1 << 16) -> int | None:
-    """Elements covered by the union of ``chunks`` (coordinate compression), or None when the
-    compressed grid would be too large to enumerate."""
-    import itertools
+    """Elements covered by the union of ``chunks`` (coordinate compression: each chunk marks
+    its block of the compressed grid), or None when that grid would be too large."""
+    import bisect
+    import functools
+
+    import numpy as np
 
     bounds = []
     for d in range(len(shape)):
-        b = sorted({0, shape[d]} | {c.offsets[d] for c in chunks}
-                   | {c.offsets[d] + c.sizes[d] for c in chunks})
-        bounds.append(b)
+        bounds.append(sorted({0, shape[d]} | {c.offsets[d] for c in chunks}
+                             | {c.offsets[d] + c.sizes[d] for c in chunks}))
     if math.prod(len(b) - 1 for b in bounds) > max_cells:
         return None
-    total = 0
-    for cell in itertools.product(*(range(len(b) - 1) for b in bounds)):
-        lo = [bounds[d][i] for d, i in enumerate(cell)]
-        if any(all(o <= x < o + s for o, s, x in zip(c.offsets, c.sizes, lo)) for c in chunks):
-            total += math.prod(bounds[d][i + 1] - bounds[d][i] for d, i in enumerate(cell))
-    return total
+    covered = np.zeros([len(b) - 1 for b in bounds], dtype=bool)
+    for c in chunks:
+        covered[tuple(slice(bisect.bisect_left(b, o), bisect.bisect_left(b, o + s))
+                      for b, o, s in zip(bounds, c.offsets, c.sizes))] = True
+    widths = [np.diff(np.asarray(b, dtype=np.int64)) for b in bounds]
+    cell_volume = functools.reduce(np.multiply.outer, widths, np.int64(1))
+    return int((cell_volume * covered).sum())
 
 
 def check_coverage(t: TensorMeta) -> list[Finding]:
