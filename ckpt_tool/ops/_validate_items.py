@@ -15,6 +15,7 @@ unpickler: nothing runs) and a refused global is an error finding. Objects bigge
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from ckpt_tool.errors import CkptError, UnsafePickleError
@@ -50,6 +51,10 @@ def check_object_pickles(reader: Any, meta: CheckpointMeta, so_far: list[Finding
             out.append(error(f"object {o.unique_key}: its pickle would run code: "
                              f"{exc.message}", key=o.unique_key, file=o.file))
         except CkptError as exc:  # Megatron-Core objects are always torch.save archives
+            elsewhere = getattr(exc, "path", None)
+            if elsewhere is not None and os.path.basename(str(elsewhere)) != \
+                    os.path.basename(o.file or ""):
+                continue  # another file's damage (a broken common.pt), reported on its own
             if meta.format != "dcp":  # (DCP bytes items may be raw BytesIO: not pickles)
                 out.append(error(f"object {o.unique_key}: unreadable: {exc.message}",
                                  key=o.unique_key, file=o.file))
