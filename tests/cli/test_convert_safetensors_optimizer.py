@@ -25,7 +25,8 @@ def test_model_safetensors_holds_no_optimizer_state(tmp_path):
     out = tmp_path / "st"
     res = _run("convert", str(OPTIM), str(out), "--to", "safetensors", "--quiet")
     assert res.exit_code == 0, res.output
-    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors", "optimizer.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["ckpt-manifest.json", "model.safetensors",
+                                                   "optimizer.safetensors"]
     with safe_open(out / "model.safetensors", "pt") as f:
         model = set(f.keys())
     with safe_open(out / "optimizer.safetensors", "pt") as f:
@@ -57,7 +58,7 @@ def test_model_only_writes_model_safetensors_alone(tmp_path):
     res = _run("convert", str(OPTIM), str(out), "--to", "safetensors", "--model-only",
                "--quiet")
     assert res.exit_code == 0, res.output
-    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["ckpt-manifest.json", "model.safetensors"]
 
 
 def test_one_safetensors_file_is_the_model_and_says_the_optimizer_was_left_out(tmp_path):
