@@ -20,6 +20,18 @@ from ckpt_tool.errors import CorruptCheckpointError, InputError, UnsafePickleErr
 from ckpt_tool.formats.common_state import jsonable, load_torch_save_light, summarize_common
 from ckpt_tool.formats.safe_pickle import StandIn, load_torch_file, safe_loads
 
+
+@pytest.fixture(autouse=True)
+def _only_our_allowlist():
+    """These tests are about the allowlist alone: importing the real megatron.core (earlier
+    tests in the same process do) registers its classes with
+    ``torch.serialization.add_safe_globals``, the switch the unpickler also honours."""
+    before = torch.serialization.get_safe_globals()
+    torch.serialization.clear_safe_globals()
+    yield
+    torch.serialization.clear_safe_globals()
+    torch.serialization.add_safe_globals(before)
+
 ENUMS = "megatron.core.transformer.enums"
 OPT = "megatron.core.optimizer.optimizer_config"
 
