@@ -117,7 +117,7 @@ def _write_atomically(path: Path, doc: dict[str, Any]) -> None:
             f.write("\n")
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())
+        os.chmod(tmp, 0o666 & ~current_umask())
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -125,16 +125,22 @@ def _write_atomically(path: Path, doc: dict[str, Any]) -> None:
         except OSError:
             pass
         raise
-    dfd = os.open(path.parent, os.O_RDONLY)
+    fsync_dir(path.parent)
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync a directory (its entries durable); some file systems refuse: ignored."""
+    fd = os.open(path, os.O_RDONLY)
     try:
-        os.fsync(dfd)
+        os.fsync(fd)
     except OSError:
         pass
     finally:
-        os.close(dfd)
+        os.close(fd)
 
 
-def _umask() -> int:
+def current_umask() -> int:
+    """The process's umask (read without changing it for long)."""
     mask = os.umask(0o022)
     os.umask(mask)
     return mask

@@ -17,6 +17,7 @@ from typing import Any, Iterator
 
 from ckpt_tool.errors import OutputError, UsageError, plural
 from ckpt_tool.leftovers import OLD_MARK, STAGING_MARK, reclaim, target_lock
+from ckpt_tool.manifest import current_umask, fsync_dir
 
 __all__ = ["check_output_target", "staged_output", "staged_output_ranks", "fsync_tree",
            "verify_output", "output_estimate", "STAGING_MARK"]
@@ -53,23 +54,7 @@ def fsync_tree(root: Path) -> None:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-        _fsync_dir(Path(dirpath))
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    except OSError:  # some filesystems refuse fsync on directories
-        pass
-    finally:
-        os.close(fd)
-
-
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
+        fsync_dir(Path(dirpath))
 
 
 @contextlib.contextmanager
@@ -159,7 +144,7 @@ def _staged(out: Path, overwrite: bool, file_name: str | None) -> Iterator[Path]
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}{STAGING_MARK}", dir=out.parent))
     try:
         yield staging
-        os.chmod(staging, 0o777 & ~_umask())  # mkdtemp made it 0700: the output follows umask
+        os.chmod(staging, 0o777 & ~current_umask())  # mkdtemp made it 0700: the output follows umask
         produced = staging / file_name if file_name else staging
         side = _add_manifest(staging, file_name, out)
         fsync_tree(staging)
@@ -177,7 +162,7 @@ def _staged(out: Path, overwrite: bool, file_name: str | None) -> Iterator[Path]
             os.rename(produced, out)
         if file_name:
             shutil.rmtree(staging, ignore_errors=True)
-        _fsync_dir(out.parent)
+        fsync_dir(out.parent)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
