@@ -1,0 +1,257 @@
+"""torchrun worker: Megatron-LM's own training code (tag core_v0.16.1) trains a tiny GPT with the
+distributed optimizer on CPU/gloo and checkpoints it with ``megatron.training.checkpointing``,
+on ours or on the real ``megatron.core.dist_checkpointing`` (``CKPT_PEER_IMPL``, mapped by
+``megatron_plugin``)::
+
+    CKPT_PEER_IMPL=ours torchrun --nproc-per-node 2 _training_ckpt_worker.py \\
+        [--save DIR] [--load DIR ...]
+
+``--save DIR``: build the model and optimizer with ``megatron.training``'s own
+``setup_model_and_optimizer`` (``get_model``: Float16Module + DDP; ``get_megatron_optimizer``:
+DistributedOptimizer), take one training step (``train_step``), ``save_checkpoint`` it at
+iteration 1 into DIR, keep per rank the model parameters and the optimizer's ``state_dict`` in
+``DIR/reference_rank<N>.pt`` and the losses of the next two steps of the uninterrupted run.
+``--load DIR``: build a fresh model and optimizer from another seed, ``load_checkpoint`` DIR
+(``setup_model_and_optimizer`` with ``--load``, as a resumed job does), and check on every rank
+that the iteration, every parameter and the optimizer state equal the reference and that the
+next two steps give exactly the same losses. Prints ``rank R: OK ...`` per check.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SEED_TRAIN, SEED_FRESH = 1234, 4321
+SEQ, MBS, VOCAB = 16, 2, 128
+
+
+def megatron_argv(seed: int, load: str | None, save: str | None) -> list[str]:
+    """Megatron-LM's command line of this tiny run (what ``pretrain_gpt.py`` would get)."""
+    argv = ["pretrain_gpt.py", "--num-layers", "2", "--hidden-size", "64",
+            "--num-attention-heads", "4", "--ffn-hidden-size", "128", "--seq-length", str(SEQ),
+            "--max-position-embeddings", str(SEQ), "--micro-batch-size", str(MBS),
+            "--global-batch-size", str(MBS * 2), "--lr", "1e-3", "--min-lr", "1e-4",
+            "--lr-warmup-iters", "1", "--train-iters", "10", "--bf16", "--use-distributed-optimizer",
+            "--transformer-impl", "local", "--use-cpu-initialization", "--no-gradient-accumulation-fusion",
+            "--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion",
+            "--no-rope-fusion", "--no-persist-layer-norm", "--attention-dropout", "0",
+            "--hidden-dropout", "0", "--tokenizer-type", "NullTokenizer", "--vocab-size",
+            str(VOCAB), "--ckpt-format", "torch_dist", "--seed", str(seed),
+            "--distributed-backend", "gloo", "--attention-backend", "local",
+            "--spec", "local", "--save-interval", "1000"]
+    if load:
+        argv += ["--load", load]
+    if save:
+        argv += ["--save", save]
+    return argv
+
+
+def patch_streams() -> None:
+    """CUDA streams on a CPU-only host: ``get_model`` builds DDP on a side stream (beyond the
+    CUDA calls ``megatron_plugin`` already patches)."""
+    import contextlib
+
+    import torch
+
+    class _Stream:
+        def wait_stream(self, other):
+            pass
+
+        def synchronize(self):
+            pass
+
+    torch.cuda.Stream = lambda *a, **k: _Stream()
+    torch.cuda.current_stream = lambda *a, **k: _Stream()
+    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
+
+
+def initialize(seed: int, load: str | None, save: str | None):
+    """``megatron.training.initialize.initialize_megatron`` on CPU/gloo (the args, the global
+    variables, torch.distributed and the model-parallel state, the seeds, the rerun state
+    machine); its last step compiles GPU kernels and the dataset helpers, which a CPU run has
+    no use for, so that step is skipped."""
+    import megatron.training.initialize as init
+
+    sys.argv = megatron_argv(seed, load, save)
+    init._compile_dependencies = lambda: None
+    init.initialize_megatron(allow_no_cuda=True)
+
+
+def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None,
+                   pg_collection=None):
+    """The GPT of ``pretrain_gpt.py`` with the local (non-Transformer-Engine) layer spec."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.training import get_args
+    from megatron.training.arguments import core_transformer_config_from_args
+
+    args = get_args()
+    return GPTModel(config=config or core_transformer_config_from_args(args),
+                    transformer_layer_spec=get_gpt_layer_local_spec(),
+                    vocab_size=args.padded_vocab_size,
+                    max_sequence_length=args.max_position_embeddings,
+                    pre_process=pre_process, post_process=post_process,
+                    share_embeddings_and_output_weights=True, position_embedding_type="rope",
+                    vp_stage=vp_stage)
+
+
+def setup(seed: int, load: str | None, save: str | None):
+    """Model, optimizer and scheduler as ``megatron.training.training.pretrain`` builds them
+    (and, with ``load``, resumes them: ``load_checkpoint`` inside)."""
+    from megatron.core.enums import ModelType
+    from megatron.training import get_args
+    from megatron.training.training import setup_model_and_optimizer
+
+    args = get_args()
+    args.seed, args.load, args.save = seed, load, save
+    import megatron.training.initialize as init
+
+    init._set_random_seed(seed)
+    model, optimizer, scheduler = setup_model_and_optimizer(model_provider,
+                                                            ModelType.encoder_or_decoder)
+    return model, optimizer, scheduler
+
+
+LOSSES: list = []
+_PATCHES: list = []
+
+
+def batch(step: int):
+    """The micro-batches of training step ``step`` on this data-parallel rank (fixed tokens)."""
+    import torch
+
+    rank = torch.distributed.get_rank()
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    tokens = torch.randint(0, VOCAB, (MBS, SEQ + 1), generator=g)
+    pos = torch.arange(SEQ).unsqueeze(0).expand(MBS, SEQ)
+    return [dict(tokens=tokens[:, :-1], labels=tokens[:, 1:], position_ids=pos)] * 2
+
+
+def forward_step(data_iterator, model):
+    """``pretrain_gpt.forward_step``'s contract: the output and a loss function returning
+    (summed loss, token count, logged values)."""
+    import torch
+
+    data = next(data_iterator)
+    output = model(data["tokens"], data["position_ids"], None, labels=data["labels"])
+
+    def loss_func(output_tensor):
+        loss = output_tensor.float().sum()
+        tokens = torch.tensor(output_tensor.numel(), dtype=torch.int)
+        LOSSES.append(loss.detach().clone())
+        return loss, tokens, {"lm loss": torch.stack([loss.detach(), tokens.float()])}
+
+    return output, loss_func
+
+
+def step(model, optimizer, scheduler, iteration: int):
+    """One ``megatron.training.training.train_step`` (two micro-batches); returns this rank's
+    summed losses of its micro-batches."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.rerun_state_machine import RerunDataIterator
+    from megatron.core.utils import get_model_config
+    from megatron.training.training import train_step
+
+    LOSSES.clear()
+    config = get_model_config(model[0])
+    out = train_step(forward_step, RerunDataIterator(iter(batch(iteration))), model, optimizer, scheduler, config,
+                     get_forward_backward_func(), iteration=iteration)
+    skipped = out[1]
+    assert not skipped, f"step {iteration} skipped"
+    return [float(x) for x in LOSSES]
+
+
+def snapshot(model, optimizer):
+    """Every model parameter (by name) and the optimizer's state dict (tensors cloned)."""
+    import copy
+
+    params = {f"{i}.{n}": p.detach().clone() for i, m in enumerate(model)
+              for n, p in m.named_parameters()}
+    return {"params": params, "optimizer": copy.deepcopy(optimizer.state_dict())}
+
+
+def diff(a, b, path="") -> list:
+    """Where two nested structures of tensors and plain values differ (empty: equal)."""
+    import torch
+
+    if torch.is_tensor(a) or torch.is_tensor(b):
+        ok = torch.is_tensor(a) and torch.is_tensor(b) and a.dtype == b.dtype \
+            and a.shape == b.shape and torch.equal(a, b)
+        return [] if ok else [path]
+    if isinstance(a, dict) and isinstance(b, dict):
+        if set(a) != set(b):
+            return [f"{path} keys {sorted(map(str, set(a) ^ set(b)))}"]
+        return [d for k in a for d in diff(a[k], b[k], f"{path}.{k}")]
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        if len(a) != len(b):
+            return [f"{path} len {len(a)} != {len(b)}"]
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in diff(x, y, f"{path}[{i}]")]
+    return [] if a == b else [f"{path}: {a!r} != {b!r}"]
+
+
+def do_save(save_dir: str) -> None:
+    import torch
+
+    from megatron.training.checkpointing import save_checkpoint
+
+    rank = torch.distributed.get_rank()
+    model, optimizer, scheduler = setup(SEED_TRAIN, None, save_dir)
+    step(model, optimizer, scheduler, 0)
+    save_checkpoint(1, model, optimizer, scheduler, 0)
+    ref = snapshot(model, optimizer)
+    ref["losses"] = [step(model, optimizer, scheduler, 1), step(model, optimizer, scheduler, 2)]
+    torch.save(ref, os.path.join(save_dir, f"reference_rank{rank}.pt"))
+    torch.distributed.barrier()
+    print(f"rank {rank}: OK saved {save_dir}", flush=True)
+
+
+def do_load(load_dir: str) -> None:
+    import torch
+
+    from megatron.training import get_args
+
+    rank = torch.distributed.get_rank()
+    model, optimizer, scheduler = setup(SEED_FRESH, load_dir, None)
+    ref = torch.load(os.path.join(load_dir, f"reference_rank{rank}.pt"), weights_only=False)
+    assert get_args().iteration == 1, f"iteration {get_args().iteration} restored, not 1"
+    got = snapshot(model, optimizer)
+    bad = diff(ref["params"], got["params"], "params")
+    assert not bad, f"rank {rank}: parameters differ after load_checkpoint: {bad[:5]}"
+    bad = diff(ref["optimizer"], got["optimizer"], "optimizer")
+    assert not bad, f"rank {rank}: optimizer state differs after load_checkpoint: {bad[:5]}"
+    losses = [step(model, optimizer, scheduler, 1), step(model, optimizer, scheduler, 2)]
+    assert losses == ref["losses"], f"rank {rank}: losses {losses} != {ref['losses']}"
+    print(f"rank {rank}: OK loaded {load_dir} (iteration 1, {len(got['params'])} params, "
+          f"losses {losses})", flush=True)
+
+
+def main(argv: list[str]) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--save")
+    parser.add_argument("--load", action="append", default=[])
+    opts = parser.parse_args(argv)
+    import megatron_plugin  # noqa: F401  (ours or the real one; CPU patches)
+
+    patch_streams()
+    sys.path.insert(0, os.path.join(REPO, "fixtures"))
+    import _mcore_cpu  # Tensor.type() naming torch.cuda.* types, as the optimizer checks
+
+    _PATCHES.append(_mcore_cpu.optimizer_on_cpu())  # kept: its exit would undo them
+    _PATCHES[-1].__enter__()
+
+    initialize(SEED_TRAIN, None, None)
+    if opts.save:
+        do_save(opts.save)
+    for load_dir in opts.load:
+        do_load(load_dir)
+    return 0
+
+
+if __name__ == "__main__":
+    from ckpt_tool._torchrun import exit_cleanly
+
+    exit_cleanly(main(sys.argv[1:]))
