@@ -97,21 +97,40 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
                     vp_stage=vp_stage)
 
 
-def setup(seed: int, load: str | None, save: str | None):
+def setup(seed: int, save: str | None):
     """Model, optimizer and scheduler as ``megatron.training.training.pretrain`` builds them
-    (and, with ``load``, resumes them: ``load_checkpoint`` inside)."""
+    (``setup_model_and_optimizer`` without ``--load``)."""
+    import megatron.training.initialize as init
     from megatron.core.enums import ModelType
     from megatron.training import get_args
     from megatron.training.training import setup_model_and_optimizer
 
     args = get_args()
-    args.seed, args.load, args.save = seed, load, save
-    import megatron.training.initialize as init
-
+    args.seed, args.load, args.save = seed, None, save
     init._set_random_seed(seed)
-    model, optimizer, scheduler = setup_model_and_optimizer(model_provider,
-                                                            ModelType.encoder_or_decoder)
-    return model, optimizer, scheduler
+    return setup_model_and_optimizer(model_provider, ModelType.encoder_or_decoder)
+
+
+def fresh_optimizer_states(optimizer) -> None:
+    """A resumed job's optimizer before ``load_checkpoint``. On a GPU, Megatron-LM steps Apex or
+    Transformer Engine FusedAdam, whose fresh state already has what
+    ``DistributedOptimizer.state_dict`` reads; a CPU run steps torch's Adam, whose state is
+    empty until its first step, so Megatron-Core's own initialiser fills it with dummy values
+    (which the load then overwrites)."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        opt._init_optimizer_states_with_dummy_values()
+
+
+def unshare_adam_steps(optimizer) -> None:
+    """After a load without Apex/TE, Megatron-Core 0.16.1's ``DistributedOptimizer.load_state_dict``
+    gives every parameter's torch-Adam state the *same* ``step`` tensor, which torch's Adam
+    then increments once per parameter per step (bias corrections go wrong from the second
+    step after a resume, with either checkpointing library). FusedAdam on a GPU keeps the step
+    in its param groups; here each parameter gets its own copy, as before the save."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for state in opt.optimizer.state.values():
+            if "step" in state:
+                state["step"] = state["step"].clone()
 
 
 LOSSES: list = []
@@ -163,13 +182,21 @@ def step(model, optimizer, scheduler, iteration: int):
     return [float(x) for x in LOSSES]
 
 
-def snapshot(model, optimizer):
-    """Every model parameter (by name) and the optimizer's state dict (tensors cloned)."""
+def snapshot(model, optimizer, scheduler):
+    """Every model parameter (by name), the optimizer's state dict, the state dicts of the
+    torch optimizers it wraps (fp32 main params, Adam moments and steps, learning rates) and
+    the scheduler's (tensors cloned)."""
     import copy
 
     params = {f"{i}.{n}": p.detach().clone() for i, m in enumerate(model)
               for n, p in m.named_parameters()}
-    return {"params": params, "optimizer": copy.deepcopy(optimizer.state_dict())}
+    inner = [opt.optimizer.state_dict() for opt in getattr(optimizer, "chained_optimizers",
+                                                            [optimizer])]
+    for sd in inner:  # without Apex/TE the load also writes the step into the param groups,
+        for group in sd["param_groups"]:  # where torch's Adam never reads it
+            group.pop("step", None)
+    return copy.deepcopy({"params": params, "optimizer": optimizer.state_dict(),
+                          "inner": inner, "scheduler": scheduler.state_dict()})
 
 
 def diff(a, b, path="") -> list:
@@ -197,10 +224,10 @@ def do_save(save_dir: str) -> None:
     from megatron.training.checkpointing import save_checkpoint
 
     rank = torch.distributed.get_rank()
-    model, optimizer, scheduler = setup(SEED_TRAIN, None, save_dir)
+    model, optimizer, scheduler = setup(SEED_TRAIN, save_dir)
     step(model, optimizer, scheduler, 0)
     save_checkpoint(1, model, optimizer, scheduler, 0)
-    ref = snapshot(model, optimizer)
+    ref = snapshot(model, optimizer, scheduler)
     ref["losses"] = [step(model, optimizer, scheduler, 1), step(model, optimizer, scheduler, 2)]
     torch.save(ref, os.path.join(save_dir, f"reference_rank{rank}.pt"))
     torch.distributed.barrier()
@@ -211,16 +238,22 @@ def do_load(load_dir: str) -> None:
     import torch
 
     from megatron.training import get_args
+    from megatron.training.checkpointing import load_checkpoint
 
     rank = torch.distributed.get_rank()
-    model, optimizer, scheduler = setup(SEED_FRESH, load_dir, None)
+    model, optimizer, scheduler = setup(SEED_FRESH, None)
+    fresh_optimizer_states(optimizer)
+    get_args().load = load_dir
+    iteration, _flops = load_checkpoint(model, optimizer, scheduler)
+    unshare_adam_steps(optimizer)
     ref = torch.load(os.path.join(load_dir, f"reference_rank{rank}.pt"), weights_only=False)
-    assert get_args().iteration == 1, f"iteration {get_args().iteration} restored, not 1"
-    got = snapshot(model, optimizer)
+    assert iteration == 1, f"rank {rank}: iteration {iteration} restored, not 1"
+    got = snapshot(model, optimizer, scheduler)
     bad = diff(ref["params"], got["params"], "params")
     assert not bad, f"rank {rank}: parameters differ after load_checkpoint: {bad[:5]}"
-    bad = diff(ref["optimizer"], got["optimizer"], "optimizer")
-    assert not bad, f"rank {rank}: optimizer state differs after load_checkpoint: {bad[:5]}"
+    for part in ("optimizer", "inner", "scheduler"):
+        bad = diff(ref[part], got[part], part)
+        assert not bad, f"rank {rank}: {part} state differs after load_checkpoint: {bad[:5]}"
     losses = [step(model, optimizer, scheduler, 1), step(model, optimizer, scheduler, 2)]
     assert losses == ref["losses"], f"rank {rank}: losses {losses} != {ref['losses']}"
     print(f"rank {rank}: OK loaded {load_dir} (iteration 1, {len(got['params'])} params, "
