@@ -149,6 +149,19 @@ def test_shape_mismatch(saved):
     assert torch.equal(out["e"][:16], full) and torch.all(out["e"][16:] == 0)
 
 
+def test_shape_mismatch_into_a_parameter(saved):
+    """Megatron-LM loads the padded embedding into a tensor of the model's state dict that may
+    be the parameter itself (requires grad): as MCore, the load zeroes and fills its detached
+    data in place and returns that (sharing the parameter's storage)."""
+    param = torch.nn.Parameter(torch.full((20, 8), 7.0))
+    padded = ShardedTensor.from_rank_offsets("embedding.word_embeddings.weight", param)
+    padded.allow_shape_mismatch = True
+    out = dc.load({"e": padded}, str(saved))
+    full = layouts.global_tensors()["embedding.word_embeddings.weight"]
+    assert not out["e"].requires_grad and out["e"].data_ptr() == param.data_ptr()
+    assert torch.equal(param.detach()[:16], full) and torch.all(param.detach()[16:] == 0)
+
+
 def test_missing_keys(saved):
     req = {"nope": ShardedTensor.from_rank_offsets("nope", torch.zeros(2))}
     with pytest.raises(CheckpointingException, match="nope"):

@@ -280,11 +280,14 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             if sh.data is None:
                 sh.init_data("cpu", init_fn=torch.zeros if sh.allow_shape_mismatch
                              else torch.empty)
-            elif sh.allow_shape_mismatch:
-                sh.data.zero_()
+            else:
+                if sh.data.requires_grad:  # as MCore: the loaded value is the detached tensor
+                    sh.data = sh.data.detach()  # (its storage), so a parameter can be zeroed
+                if sh.allow_shape_mismatch:
+                    sh.data.zero_()
             if not sh.allow_shape_mismatch:
                 shape_checked[sh.key] = tuple(sh.global_shape)
-            target = _chunk_view(sh, sh.data.detach())
+            target = _chunk_view(sh, sh.data)
             requests[id(sh)] = TensorRequest(sh.key, tuple(sh.global_offset), target)
 
         reader = CachedMetadataFileSystemReader(str(checkpoint_dir), trust=self.trust)
