@@ -267,7 +267,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--save")
     parser.add_argument("--load", action="append", default=[])
     opts = parser.parse_args(argv)
-    import megatron_plugin  # noqa: F401  (ours or the real one; CPU patches)
+    import megatron_plugin  # ours or the real one (CKPT_PEER_IMPL); CPU patches
 
     patch_streams()
     sys.path.insert(0, os.path.join(REPO, "fixtures"))
@@ -276,6 +276,11 @@ def main(argv: list[str]) -> int:
     _PATCHES.append(_mcore_cpu.optimizer_on_cpu())  # kept: its exit would undo them
     _PATCHES[-1].__enter__()
 
+    import megatron.training.checkpointing as training_checkpointing
+
+    impl = training_checkpointing.dist_checkpointing.__name__
+    want = "ckpt_tool." if megatron_plugin.IMPL == "ours" else "megatron.core."
+    assert impl.startswith(want), f"megatron.training.checkpointing uses {impl}"
     initialize(SEED_TRAIN, None, None)
     if opts.save:
         do_save(opts.save)
