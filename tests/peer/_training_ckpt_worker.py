@@ -234,7 +234,7 @@ def do_save(save_dir: str) -> None:
     print(f"rank {rank}: OK saved {save_dir}", flush=True)
 
 
-def do_load(load_dir: str) -> None:
+def do_load(load_dir: str, fully_parallel: bool = False) -> None:
     import torch
 
     from megatron.training import get_args
@@ -244,6 +244,7 @@ def do_load(load_dir: str) -> None:
     model, optimizer, scheduler = setup(SEED_FRESH, None)
     fresh_optimizer_states(optimizer)
     get_args().load = load_dir
+    get_args().ckpt_fully_parallel_load = fully_parallel
     iteration, _flops = load_checkpoint(model, optimizer, scheduler)
     unshare_adam_steps(optimizer)
     ref = torch.load(os.path.join(load_dir, f"reference_rank{rank}.pt"), weights_only=False)
@@ -256,7 +257,8 @@ def do_load(load_dir: str) -> None:
         assert not bad, f"rank {rank}: {part} state differs after load_checkpoint: {bad[:5]}"
     losses = [step(model, optimizer, scheduler, 1), step(model, optimizer, scheduler, 2)]
     assert losses == ref["losses"], f"rank {rank}: losses {losses} != {ref['losses']}"
-    print(f"rank {rank}: OK loaded {load_dir} (iteration 1, {len(got['params'])} params, "
+    how = "fully parallel" if fully_parallel else "plain"
+    print(f"rank {rank}: OK loaded {load_dir} ({how}, iteration 1, {len(got['params'])} params, "
           f"losses {losses})", flush=True)
 
 
@@ -265,7 +267,9 @@ def main(argv: list[str]) -> int:
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--save")
-    parser.add_argument("--load", action="append", default=[])
+    parser.add_argument("--load", action="append", default=[], type=lambda d: (d, False))
+    parser.add_argument("--load-fully-parallel", action="append", dest="load",
+                        type=lambda d: (d, True), help="load with --ckpt-fully-parallel-load")
     opts = parser.parse_args(argv)
     import megatron_plugin  # ours or the real one (CKPT_PEER_IMPL); CPU patches
 
@@ -281,11 +285,12 @@ def main(argv: list[str]) -> int:
     impl = training_checkpointing.dist_checkpointing.__name__
     want = "ckpt_tool." if megatron_plugin.IMPL == "ours" else "megatron.core."
     assert impl.startswith(want), f"megatron.training.checkpointing uses {impl}"
+    print(f"rank {os.environ.get('RANK')}: OK dist_checkpointing is {impl}", flush=True)
     initialize(SEED_TRAIN, None, None)
     if opts.save:
         do_save(opts.save)
-    for load_dir in opts.load:
-        do_load(load_dir)
+    for load_dir, fully_parallel in opts.load:
+        do_load(load_dir, fully_parallel)
     return 0
 
 

@@ -72,13 +72,17 @@ def test_megatron_lm_training_checkpoints_on_ours_and_cross_loads(tmp_path: Path
     root = _megatron_lm()
     real_dir, ours_dir = str(tmp_path / "real"), str(tmp_path / "ours")
     out = _run(root, "real", "--save", real_dir)
+    assert _oks(out, "dist_checkpointing is megatron.core.dist_checkpointing") == NPROC
     assert _oks(out, f"saved {real_dir}") == NPROC, out[-3000:]
     # ours: save_checkpoint, then load_checkpoint of its own and of the real library's save
-    out = _run(root, "ours", "--save", ours_dir, "--load", ours_dir, "--load", real_dir)
+    # (the latter with --ckpt-fully-parallel-load)
+    out = _run(root, "ours", "--save", ours_dir, "--load", ours_dir,
+               "--load-fully-parallel", real_dir)
+    assert _oks(out, "dist_checkpointing is ckpt_tool.dist_checkpointing") == NPROC, out[-3000:]
     assert _oks(out, f"saved {ours_dir}") == NPROC, out[-3000:]
-    assert _oks(out, f"loaded {ours_dir} (iteration 1") == NPROC, out[-3000:]
-    assert _oks(out, f"loaded {real_dir} (iteration 1") == NPROC, out[-3000:]
-    assert "ckpt_tool.dist_checkpointing" in out  # its log lines: ours did the work
+    assert _oks(out, f"loaded {ours_dir} (plain, iteration 1") == NPROC, out[-3000:]
+    assert _oks(out, f"loaded {real_dir} (fully parallel, iteration 1") == NPROC, out[-3000:]
     # the drop-in promise the other way: the real library resumes from our checkpoint
     out = _run(root, "real", "--load", ours_dir)
-    assert _oks(out, f"loaded {ours_dir} (iteration 1") == NPROC, out[-3000:]
+    assert _oks(out, "dist_checkpointing is megatron.core.dist_checkpointing") == NPROC
+    assert _oks(out, f"loaded {ours_dir} (plain, iteration 1") == NPROC, out[-3000:]
