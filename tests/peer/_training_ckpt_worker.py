@@ -4,17 +4,18 @@ on ours or on the real ``megatron.core.dist_checkpointing`` (``CKPT_PEER_IMPL``,
 ``megatron_plugin``)::
 
     CKPT_PEER_IMPL=ours torchrun --nproc-per-node 2 _training_ckpt_worker.py \\
-        [--save DIR] [--load DIR ...]
+        [--save DIR] [--save-async DIR] [--load DIR] [--load-fully-parallel DIR] ...
 
-``--save DIR``: build the model and optimizer with ``megatron.training``'s own
+Saving: build the model and optimizer with ``megatron.training``'s own
 ``setup_model_and_optimizer`` (``get_model``: Float16Module + DDP; ``get_megatron_optimizer``:
 DistributedOptimizer), take one training step (``train_step``), ``save_checkpoint`` it at
-iteration 1 into DIR, keep per rank the model parameters and the optimizer's ``state_dict`` in
-``DIR/reference_rank<N>.pt`` and the losses of the next two steps of the uninterrupted run.
-``--load DIR``: build a fresh model and optimizer from another seed, ``load_checkpoint`` DIR
-(``setup_model_and_optimizer`` with ``--load``, as a resumed job does), and check on every rank
-that the iteration, every parameter and the optimizer state equal the reference and that the
-next two steps give exactly the same losses. Prints ``rank R: OK ...`` per check.
+iteration 1 into each DIR (``--save-async``: ``--async-save`` with the persistent worker, then
+``maybe_finalize_async_save``), and keep per rank the parameters, optimizer and scheduler state
+and the losses of the next two steps of the uninterrupted run in ``DIR/reference_rank<N>.pt``.
+Loading: build a fresh model and optimizer from another seed, ``load_checkpoint`` DIR (with
+``--ckpt-fully-parallel-load`` for ``--load-fully-parallel``) and check on every rank that the
+iteration, every parameter and the optimizer and scheduler state equal the reference and that
+the next two steps give exactly the same losses. Prints ``rank R: OK ...`` per check.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ SEED_TRAIN, SEED_FRESH = 1234, 4321
 SEQ, MBS, VOCAB = 16, 2, 128
 
 
-def megatron_argv(seed: int, load: str | None, save: str | None) -> list[str]:
+def megatron_argv(seed: int, extra: list[str]) -> list[str]:
     """Megatron-LM's command line of this tiny run (what ``pretrain_gpt.py`` would get)."""
     argv = ["pretrain_gpt.py", "--num-layers", "2", "--hidden-size", "64",
             "--num-attention-heads", "4", "--ffn-hidden-size", "128", "--seq-length", str(SEQ),
@@ -41,11 +42,7 @@ def megatron_argv(seed: int, load: str | None, save: str | None) -> list[str]:
             str(VOCAB), "--ckpt-format", "torch_dist", "--seed", str(seed),
             "--distributed-backend", "gloo", "--attention-backend", "local",
             "--spec", "local", "--save-interval", "1000"]
-    if load:
-        argv += ["--load", load]
-    if save:
-        argv += ["--save", save]
-    return argv
+    return argv + extra
 
 
 def patch_streams() -> None:
@@ -67,14 +64,14 @@ def patch_streams() -> None:
     torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
 
 
-def initialize(seed: int, load: str | None, save: str | None):
+def initialize(seed: int, extra: list[str]):
     """``megatron.training.initialize.initialize_megatron`` on CPU/gloo (the args, the global
     variables, torch.distributed and the model-parallel state, the seeds, the rerun state
     machine); its last step compiles GPU kernels and the dataset helpers, which a CPU run has
     no use for, so that step is skipped."""
     import megatron.training.initialize as init
 
-    sys.argv = megatron_argv(seed, load, save)
+    sys.argv = megatron_argv(seed, extra)
     init._compile_dependencies = lambda: None
     init.initialize_megatron(allow_no_cuda=True)
 
@@ -97,7 +94,7 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
                     vp_stage=vp_stage)
 
 
-def setup(seed: int, save: str | None):
+def setup(seed: int):
     """Model, optimizer and scheduler as ``megatron.training.training.pretrain`` builds them
     (``setup_model_and_optimizer`` without ``--load``)."""
     import megatron.training.initialize as init
@@ -106,7 +103,7 @@ def setup(seed: int, save: str | None):
     from megatron.training.training import setup_model_and_optimizer
 
     args = get_args()
-    args.seed, args.load, args.save = seed, None, save
+    args.seed, args.load = seed, None
     init._set_random_seed(seed)
     return setup_model_and_optimizer(model_provider, ModelType.encoder_or_decoder)
 
@@ -218,20 +215,33 @@ def diff(a, b, path="") -> list:
     return [] if a == b else [f"{path}: {a!r} != {b!r}"]
 
 
-def do_save(save_dir: str) -> None:
+def do_save(save_dirs: list) -> None:
+    """Train one step, save it into each ``(directory, async)`` of ``save_dirs``, then keep the
+    reference (state at the save, losses of the next two steps) beside each."""
     import torch
 
+    from megatron.training import get_args
+    from megatron.training.async_utils import maybe_finalize_async_save
     from megatron.training.checkpointing import save_checkpoint
 
     rank = torch.distributed.get_rank()
-    model, optimizer, scheduler = setup(SEED_TRAIN, save_dir)
+    model, optimizer, scheduler = setup(SEED_TRAIN)
     step(model, optimizer, scheduler, 0)
-    save_checkpoint(1, model, optimizer, scheduler, 0)
+    for save_dir, is_async in save_dirs:
+        get_args().save, get_args().async_save = save_dir, is_async
+        save_checkpoint(1, model, optimizer, scheduler, 0)
+        if is_async:  # what the training loop does before it exits
+            maybe_finalize_async_save(blocking=True)
+    if any(is_async for _d, is_async in save_dirs):
+        maybe_finalize_async_save(blocking=True, terminate=True)
     ref = snapshot(model, optimizer, scheduler)
     ref["losses"] = [step(model, optimizer, scheduler, 1), step(model, optimizer, scheduler, 2)]
-    torch.save(ref, os.path.join(save_dir, f"reference_rank{rank}.pt"))
+    for save_dir, is_async in save_dirs:
+        assert os.path.exists(os.path.join(save_dir, "latest_checkpointed_iteration.txt"))
+        torch.save(ref, os.path.join(save_dir, f"reference_rank{rank}.pt"))
+        how = "async" if is_async else "sync"
+        print(f"rank {rank}: OK saved {save_dir} ({how})", flush=True)
     torch.distributed.barrier()
-    print(f"rank {rank}: OK saved {save_dir}", flush=True)
 
 
 def do_load(load_dir: str, fully_parallel: bool = False) -> None:
@@ -241,7 +251,7 @@ def do_load(load_dir: str, fully_parallel: bool = False) -> None:
     from megatron.training.checkpointing import load_checkpoint
 
     rank = torch.distributed.get_rank()
-    model, optimizer, scheduler = setup(SEED_FRESH, None)
+    model, optimizer, scheduler = setup(SEED_FRESH)
     fresh_optimizer_states(optimizer)
     get_args().load = load_dir
     get_args().ckpt_fully_parallel_load = fully_parallel
@@ -266,7 +276,9 @@ def main(argv: list[str]) -> int:
     import argparse
 
     parser = argparse.ArgumentParser()
-    parser.add_argument("--save")
+    parser.add_argument("--save", action="append", default=[], type=lambda d: (d, False))
+    parser.add_argument("--save-async", action="append", dest="save", type=lambda d: (d, True),
+                        help="save with --async-save (Megatron-LM's persistent worker)")
     parser.add_argument("--load", action="append", default=[], type=lambda d: (d, False))
     parser.add_argument("--load-fully-parallel", action="append", dest="load",
                         type=lambda d: (d, True), help="load with --ckpt-fully-parallel-load")
@@ -286,7 +298,10 @@ def main(argv: list[str]) -> int:
     want = "ckpt_tool." if megatron_plugin.IMPL == "ours" else "megatron.core."
     assert impl.startswith(want), f"megatron.training.checkpointing uses {impl}"
     print(f"rank {os.environ.get('RANK')}: OK dist_checkpointing is {impl}", flush=True)
-    initialize(SEED_TRAIN, None, None)
+    # --async-save: Megatron-LM's persistent async checkpoint worker (a separate process)
+    async_save = any(is_async for _d, is_async in opts.save)
+    initialize(SEED_TRAIN, ["--async-save", "--use-persistent-ckpt-worker"] if async_save
+               else [])
     if opts.save:
         do_save(opts.save)
     for load_dir, fully_parallel in opts.load:

@@ -4,13 +4,14 @@
 ``_training_ckpt_worker.py`` (2 gloo ranks, CPU) builds a tiny GPT (2 layers, hidden 64) with
 ``megatron.training``'s ``initialize_megatron`` and ``setup_model_and_optimizer`` (Float16Module,
 DDP, DistributedOptimizer, bf16), takes a ``train_step``, ``save_checkpoint``s it (torch_dist,
-Megatron-LM's default ``dp_reshardable`` optimizer sharding, fully parallel save), then a fresh
+Megatron-LM's default ``dp_reshardable`` optimizer sharding, fully parallel save; sync and,
+for ours, also ``--async-save`` through Megatron-LM's persistent worker), then a fresh
 model and optimizer from another seed ``load_checkpoint`` it and must hold the same iteration,
 parameters, optimizer and scheduler state and give exactly the same losses for the next two
-steps as the run that went on without the save. Three runs: the real library saves; ours saves,
-loads its own and loads the real one's; the real library loads ours. Skipped, saying why, when
-Megatron-LM's files are neither cached nor fetchable (``fetch_megatron.py``) or the packages
-``megatron.training`` imports are missing.
+steps as the run that went on without the save. Three runs: the real library saves; ours saves
+(sync and async), loads its own and the real one's; the real library loads both of ours.
+Skipped, saying why, when Megatron-LM's files are neither cached nor fetchable
+(``fetch_megatron.py``) or the packages ``megatron.training`` imports are missing.
 """
 
 from __future__ import annotations
@@ -70,19 +71,21 @@ def _oks(out: str, what: str) -> int:
 
 def test_megatron_lm_training_checkpoints_on_ours_and_cross_loads(tmp_path: Path) -> None:
     root = _megatron_lm()
-    real_dir, ours_dir = str(tmp_path / "real"), str(tmp_path / "ours")
+    real_dir, ours_dir, async_dir = (str(tmp_path / d) for d in ("real", "ours", "ours_async"))
     out = _run(root, "real", "--save", real_dir)
     assert _oks(out, "dist_checkpointing is megatron.core.dist_checkpointing") == NPROC
-    assert _oks(out, f"saved {real_dir}") == NPROC, out[-3000:]
-    # ours: save_checkpoint, then load_checkpoint of its own and of the real library's save
-    # (the latter with --ckpt-fully-parallel-load)
-    out = _run(root, "ours", "--save", ours_dir, "--load", ours_dir,
+    assert _oks(out, f"saved {real_dir} (sync)") == NPROC, out[-3000:]
+    # ours: save_checkpoint (sync, and async through Megatron-LM's persistent worker), then
+    # load_checkpoint of its own and of the real library's save (--ckpt-fully-parallel-load)
+    out = _run(root, "ours", "--save", ours_dir, "--save-async", async_dir, "--load", ours_dir,
                "--load-fully-parallel", real_dir)
     assert _oks(out, "dist_checkpointing is ckpt_tool.dist_checkpointing") == NPROC, out[-3000:]
-    assert _oks(out, f"saved {ours_dir}") == NPROC, out[-3000:]
+    assert _oks(out, f"saved {ours_dir} (sync)") == NPROC, out[-3000:]
+    assert _oks(out, f"saved {async_dir} (async)") == NPROC, out[-3000:]
     assert _oks(out, f"loaded {ours_dir} (plain, iteration 1") == NPROC, out[-3000:]
     assert _oks(out, f"loaded {real_dir} (fully parallel, iteration 1") == NPROC, out[-3000:]
-    # the drop-in promise the other way: the real library resumes from our checkpoint
-    out = _run(root, "real", "--load", ours_dir)
+    # the drop-in promise the other way: the real library resumes from our checkpoints
+    out = _run(root, "real", "--load", ours_dir, "--load", async_dir)
     assert _oks(out, "dist_checkpointing is megatron.core.dist_checkpointing") == NPROC
     assert _oks(out, f"loaded {ours_dir} (plain, iteration 1") == NPROC, out[-3000:]
+    assert _oks(out, f"loaded {async_dir} (plain, iteration 1") == NPROC, out[-3000:]
