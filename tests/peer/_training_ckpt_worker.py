@@ -227,9 +227,10 @@ def do_save(save_dirs: list) -> None:
     rank = torch.distributed.get_rank()
     model, optimizer, scheduler = setup(SEED_TRAIN)
     step(model, optimizer, scheduler, 0)
+    context: dict = {}  # pretrain's checkpointing_context: the save strategy is reused
     for save_dir, is_async in save_dirs:
         get_args().save, get_args().async_save = save_dir, is_async
-        save_checkpoint(1, model, optimizer, scheduler, 0)
+        save_checkpoint(1, model, optimizer, scheduler, 0, checkpointing_context=context)
         if is_async:  # what the training loop does before it exits
             maybe_finalize_async_save(blocking=True)
     if any(is_async for _d, is_async in save_dirs):
