@@ -80,6 +80,19 @@ def build(spec: dict, tp: int, pp: int):
         gradient_accumulation_fusion=False, **moe_config(spec))
     layer_spec = get_gpt_layer_local_spec(num_experts=spec.get("experts"),
                                           normalization=norm, qk_layernorm=spec["qk_norm"])
+    cuda = torch.Tensor.cuda
+    # tied embeddings across pipeline stages: GPTModel all-reduces the output layer's copy of
+    # the embedding between the first and last stage after moving it to .cuda()
+    torch.Tensor.cuda = lambda self, *a, **k: self
+    try:
+        return _gpt(GPTModel, config, layer_spec, spec, gpt2)
+    finally:
+        torch.Tensor.cuda = cuda
+
+
+def _gpt(GPTModel, config, layer_spec, spec: dict, gpt2: bool):
+    from megatron.core import parallel_state
+
     return GPTModel(config=config, transformer_layer_spec=layer_spec,
                     vocab_size=spec["padded_vocab"], max_sequence_length=spec["seq"],
                     parallel_output=False,
@@ -97,6 +110,14 @@ def save(model, spec: dict, tp: int, pp: int) -> None:
     from megatron.core import dist_checkpointing
 
     H.fill_deterministic(model, seed=spec.get("seed", 0))
+    if spec["tied"] and pp > 1:  # one embedding: the last stage's copy is the first's, as
+        from megatron.core import parallel_state as ps  # GPTModel's setup all-reduce makes it
+
+        weight = model.shared_embedding_or_output_weight()
+        with torch.no_grad():
+            if not ps.is_pipeline_first_stage():
+                weight.zero_()
+            torch.distributed.all_reduce(weight.data, group=ps.get_embedding_group())
     moe = {}
     if spec.get("experts"):
         moe = dict(num_experts=spec["experts"], moe_router_topk=spec["topk"],

@@ -8,7 +8,8 @@ test_hf_interop.py leaves out, all Megatron-Core runs in one ``torchrun`` (2 glo
   ``norm_topk_prob``) at TP1, Llama at PP2 (each stage its own GPTModel, hidden states sent
   from stage to stage).
 * Megatron-Core checkpoints saved by the real library -> ``convert --to hf`` ->
-  transformers gives the Megatron logits: a Mixtral-style MoE at TP2, a Llama at PP2.
+  transformers gives the Megatron logits: a Mixtral-style MoE and a Qwen2-MoE-style one
+  (shared expert and its gate, softmax before top-k, QKV bias) at TP2, a tied Llama at PP2.
 * bf16 stays bf16: a bf16 transformers MoE -> torch_dist -> HF is bit-exact, dtype kept.
 """
 
@@ -106,7 +107,7 @@ IMPORTS = [("mistral_tp2", "mistral", ["--tp", "2"]),
            ("mistral_pp2", "mistral", ["--pp", "2"]),
            ("qwen3_tp2", "qwen3", ["--tp", "2"]),
            ("mixtral_tp2", "mixtral", ["--tp", "2", "--local-spec"]),
-           ("qwen3_moe_tp1", "qwen3_moe", []),
+           ("qwen3_moe_tp1", "qwen3_moe", ["--local-spec"]),  # MoE: the norm names differ
            ("llama_pp2", "llama", ["--pp", "2"])]
 # (job name, tp, pp, model): checkpoints the real Megatron-Core saves
 SAVE_BASE = dict(layers=2, hidden=64, heads=4, groups=2, head_dim=16, ffn=128,
@@ -114,6 +115,8 @@ SAVE_BASE = dict(layers=2, hidden=64, heads=4, groups=2, head_dim=16, ffn=128,
                  qkv_bias=False, qk_norm=False, dtype="float32", mode="save", tokens=TOKENS)
 EXPORTS = [("mixtral_save_tp2", 2, 1, dict(experts=4, topk=2, moe_ffn=32, shared_ffn=None,
                                            pre_softmax=False)),
+           ("qwen2_moe_save_tp2", 2, 1, dict(experts=4, topk=2, moe_ffn=32, shared_ffn=48,
+                                             pre_softmax=True, qkv_bias=True)),
            ("llama_save_pp2", 1, 2, dict(layers=4, tied=True))]
 
 
@@ -156,8 +159,9 @@ def test_megatron_save_to_hf_gives_megatron_logits(runs, job, tp, pp, model):
     want = torch.load(tmp / f"{job}.pt")
     ckpt("convert", tmp / job, tmp / f"{job}_hf", "--to", "hf")
     config = json.loads((tmp / f"{job}_hf" / "config.json").read_text())
-    assert config["architectures"] == ["MixtralForCausalLM" if "experts" in model
-                                       else "LlamaForCausalLM"]
+    arch = {"mixtral": "MixtralForCausalLM", "qwen2": "Qwen2MoeForCausalLM",
+            "llama": "LlamaForCausalLM"}[job.split("_")[0]]
+    assert config["architectures"] == [arch]
     torch.testing.assert_close(hf_logits(tmp / f"{job}_hf"), want, rtol=1e-4, atol=1e-5)
 
 
