@@ -1,15 +1,16 @@
 """Hugging Face interop proven by logits, for the architectures and layouts
-test_hf_interop.py leaves out, all Megatron-Core runs in one ``torchrun`` (2 gloo ranks).
+test_hf_interop.py leaves out, all Megatron-Core runs in one ``torchrun`` (4 gloo ranks).
 
 * HF -> ``convert --to torch_dist`` -> the real Megatron-Core GPTModel (local spec, CPU),
   built from the ``args`` the conversion wrote, loads it with its own sharded state dict and
   gives transformers' logits: Mistral (tied) at TP2 and at PP2, Qwen3 (q/k norm, head_dim
   != hidden / heads) at TP2, Mixtral (router, experts) at TP2, Qwen3-MoE (q/k norm,
-  ``norm_topk_prob``) at TP1, Llama at PP2 (each stage its own GPTModel, hidden states sent
-  from stage to stage).
+  ``norm_topk_prob``) at TP1, Llama at PP2 and at TP2 x PP2 (each stage its own GPTModel,
+  hidden states sent from stage to stage).
 * Megatron-Core checkpoints saved by the real library -> ``convert --to hf`` ->
   transformers gives the Megatron logits: a Mixtral-style MoE and a Qwen2-MoE-style one
-  (shared expert and its gate, softmax before top-k, QKV bias) at TP2, a tied Llama at PP2.
+  (shared expert and its gate, softmax before top-k, QKV bias) at TP2, a tied Llama at PP2,
+  an untied one at TP2 x PP2.
 * bf16 stays bf16: a bf16 transformers MoE -> torch_dist -> HF is bit-exact, dtype kept.
 """
 
@@ -108,7 +109,8 @@ IMPORTS = [("mistral_tp2", "mistral", ["--tp", "2"]),
            ("qwen3_tp2", "qwen3", ["--tp", "2"]),
            ("mixtral_tp2", "mixtral", ["--tp", "2", "--local-spec"]),
            ("qwen3_moe_tp1", "qwen3_moe", ["--local-spec"]),  # MoE: the norm names differ
-           ("llama_pp2", "llama", ["--pp", "2"])]
+           ("llama_pp2", "llama", ["--pp", "2"]),
+           ("llama_tp2pp2", "llama", ["--tp", "2", "--pp", "2"])]
 # (job name, tp, pp, model): checkpoints the real Megatron-Core saves
 SAVE_BASE = dict(layers=2, hidden=64, heads=4, groups=2, head_dim=16, ffn=128,
                  padded_vocab=128, vocab=100, seq=64, eps=1e-6, theta=10000.0, tied=False,
@@ -117,7 +119,11 @@ EXPORTS = [("mixtral_save_tp2", 2, 1, dict(experts=4, topk=2, moe_ffn=32, shared
                                            pre_softmax=False)),
            ("qwen2_moe_save_tp2", 2, 1, dict(experts=4, topk=2, moe_ffn=32, shared_ffn=48,
                                              pre_softmax=True, qkv_bias=True)),
-           ("llama_save_pp2", 1, 2, dict(layers=4, tied=True))]
+           ("llama_save_pp2", 1, 2, dict(layers=4, tied=True)),
+           ("llama_save_tp2pp2", 2, 2, dict(layers=4))]
+
+
+RANKS = 4  # TP2 x PP2; jobs at a smaller layout run with data-parallel replicas
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +148,7 @@ def runs(tmp_path_factory):
         jobs.append(dict(SAVE_BASE, name=job, ckpt=str(tmp / job), out=str(tmp / f"{job}.pt"),
                          tp=tp, pp=pp, **model))
     (tmp / "spec.json").write_text(json.dumps({"jobs": jobs}))
-    torchrun(str(WORKER), 2, str(tmp / "spec.json"), timeout=900)
+    torchrun(str(WORKER), RANKS, str(tmp / "spec.json"), timeout=900)
     return tmp, srcs
 
 
