@@ -118,12 +118,16 @@ def save(model, spec: dict, tp: int, pp: int) -> None:
             if not ps.is_pipeline_first_stage():
                 weight.zero_()
             torch.distributed.all_reduce(weight.data, group=ps.get_embedding_group())
-    moe = {}
+    extra = {}
     if spec.get("experts"):
-        moe = dict(num_experts=spec["experts"], moe_router_topk=spec["topk"],
-                   moe_ffn_hidden_size=spec["moe_ffn"],
-                   moe_shared_expert_intermediate_size=spec.get("shared_ffn"),
-                   moe_router_pre_softmax=spec["pre_softmax"], moe_grouped_gemm=False)
+        extra = dict(num_experts=spec["experts"], moe_router_topk=spec["topk"],
+                     moe_ffn_hidden_size=spec["moe_ffn"],
+                     moe_shared_expert_intermediate_size=spec.get("shared_ffn"),
+                     moe_router_pre_softmax=spec["pre_softmax"], moe_grouped_gemm=False)
+    if spec.get("arch") == "gpt2":  # LayerNorm, biases, exact GELU, learned positions
+        extra = dict(normalization="LayerNorm", add_bias_linear=True, swiglu=False,
+                     position_embedding_type="learned_absolute", openai_gelu=False,
+                     use_rotary_position_embeddings=False)
     world = torch.distributed.get_world_size()
     args = H.megatron_args(
         tp, pp, world // (tp * pp), getattr(torch, spec["dtype"]), num_layers=spec["layers"],
@@ -131,10 +135,11 @@ def save(model, spec: dict, tp: int, pp: int) -> None:
         num_attention_heads=spec["heads"], num_query_groups=spec["groups"],
         kv_channels=spec.get("head_dim") or spec["hidden"] // spec["heads"],
         seq_length=spec["seq"], max_position_embeddings=spec["seq"],
-        rotary_base=spec["theta"], normalization="RMSNorm", norm_epsilon=spec["eps"],
-        add_bias_linear=False, add_qkv_bias=spec["qkv_bias"], qk_layernorm=spec["qk_norm"],
-        untie_embeddings_and_output_weights=not spec["tied"], vocab_size=spec["vocab"],
-        padded_vocab_size=spec["padded_vocab"], make_vocab_size_divisible_by=64, **moe)
+        rotary_base=spec["theta"], norm_epsilon=spec["eps"], add_qkv_bias=spec["qkv_bias"],
+        qk_layernorm=spec["qk_norm"], untie_embeddings_and_output_weights=not spec["tied"],
+        vocab_size=spec["vocab"], padded_vocab_size=spec["padded_vocab"],
+        make_vocab_size_divisible_by=64, **{"normalization": "RMSNorm",
+                                            "add_bias_linear": False, **extra})
     state = {"args": args, "checkpoint_version": 3.0, "iteration": 10,
              "model": model.sharded_state_dict()}
     if torch.distributed.get_rank() == 0:

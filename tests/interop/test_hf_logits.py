@@ -7,10 +7,11 @@ test_hf_interop.py leaves out, all Megatron-Core runs in one ``torchrun`` (4 glo
   != hidden / heads) at TP2, Mixtral (router, experts) at TP2, Qwen3-MoE (q/k norm,
   ``norm_topk_prob``) at TP1, Llama at PP2 and at TP2 x PP2 (each stage its own GPTModel,
   hidden states sent from stage to stage).
-* Megatron-Core checkpoints saved by the real library -> ``convert --to hf`` ->
-  transformers gives the Megatron logits: a Mixtral-style MoE and a Qwen2-MoE-style one
-  (shared expert and its gate, softmax before top-k, QKV bias) at TP2, a tied Llama at PP2,
-  an untied one at TP2 x PP2.
+* Megatron-Core checkpoints saved by the real library -> ``convert --to hf`` (architecture
+  guessed from ``args``) -> transformers gives the Megatron logits, at TP2: Mixtral-style MoE,
+  Qwen2-MoE-style (shared expert and its gate, softmax before top-k, QKV bias), Qwen3-MoE-
+  and Qwen3-style (q/k norm, head_dim != hidden / heads), GPT-2-style (LayerNorm, biases,
+  learned positions); a tied Llama at PP2, an untied one at TP2 x PP2 (also as Mistral).
 * bf16 stays bf16: a bf16 transformers MoE -> torch_dist -> HF is bit-exact, dtype kept.
 """
 
@@ -115,12 +116,19 @@ IMPORTS = [("mistral_tp2", "mistral", ["--tp", "2"]),
 SAVE_BASE = dict(layers=2, hidden=64, heads=4, groups=2, head_dim=16, ffn=128,
                  padded_vocab=128, vocab=100, seq=64, eps=1e-6, theta=10000.0, tied=False,
                  qkv_bias=False, qk_norm=False, dtype="float32", mode="save", tokens=TOKENS)
-EXPORTS = [("mixtral_save_tp2", 2, 1, dict(experts=4, topk=2, moe_ffn=32, shared_ffn=None,
-                                           pre_softmax=False)),
-           ("qwen2_moe_save_tp2", 2, 1, dict(experts=4, topk=2, moe_ffn=32, shared_ffn=48,
-                                             pre_softmax=True, qkv_bias=True)),
-           ("llama_save_pp2", 1, 2, dict(layers=4, tied=True)),
-           ("llama_save_tp2pp2", 2, 2, dict(layers=4))]
+EXPORTS = [("mixtral_save_tp2", 2, 1, "MixtralForCausalLM",
+            dict(experts=4, topk=2, moe_ffn=32, shared_ffn=None, pre_softmax=False)),
+           ("qwen2_moe_save_tp2", 2, 1, "Qwen2MoeForCausalLM",
+            dict(experts=4, topk=2, moe_ffn=32, shared_ffn=48, pre_softmax=True,
+                 qkv_bias=True)),
+           ("qwen3_moe_save_tp2", 2, 1, "Qwen3MoeForCausalLM",
+            dict(experts=4, topk=2, moe_ffn=32, shared_ffn=None, pre_softmax=False,
+                 qk_norm=True, head_dim=32)),
+           ("qwen3_save_tp2", 2, 1, "Qwen3ForCausalLM", dict(qk_norm=True, head_dim=32)),
+           ("gpt2_save_tp2", 2, 1, "GPT2LMHeadModel",
+            dict(arch="gpt2", groups=4, ffn=256, qkv_bias=True, tied=True, eps=1e-5)),
+           ("llama_save_pp2", 1, 2, "LlamaForCausalLM", dict(layers=4, tied=True)),
+           ("llama_save_tp2pp2", 2, 2, "LlamaForCausalLM", dict(layers=4))]
 
 
 RANKS = 4  # TP2 x PP2; jobs at a smaller layout run with data-parallel replicas
@@ -144,7 +152,7 @@ def runs(tmp_path_factory):
         jobs.append(job_from_args(args, out, name=job, out=str(tmp / f"{job}.pt"),
                                   tp=args.tensor_model_parallel_size,
                                   pp=args.pipeline_model_parallel_size))
-    for job, tp, pp, model in EXPORTS:
+    for job, tp, pp, _, model in EXPORTS:
         jobs.append(dict(SAVE_BASE, name=job, ckpt=str(tmp / job), out=str(tmp / f"{job}.pt"),
                          tp=tp, pp=pp, **model))
     (tmp / "spec.json").write_text(json.dumps({"jobs": jobs}))
@@ -159,16 +167,20 @@ def test_hf_to_torch_dist_gives_transformers_logits(runs, job, model, opts):
     torch.testing.assert_close(got, hf_logits(srcs[model]), rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("job,tp,pp,model", EXPORTS, ids=[j[0] for j in EXPORTS])
-def test_megatron_save_to_hf_gives_megatron_logits(runs, job, tp, pp, model):
+@pytest.mark.parametrize("job,tp,pp,arch,model", EXPORTS, ids=[j[0] for j in EXPORTS])
+def test_megatron_save_to_hf_gives_megatron_logits(runs, job, tp, pp, arch, model):
     tmp, _ = runs
     want = torch.load(tmp / f"{job}.pt")
     ckpt("convert", tmp / job, tmp / f"{job}_hf", "--to", "hf")
     config = json.loads((tmp / f"{job}_hf" / "config.json").read_text())
-    arch = {"mixtral": "MixtralForCausalLM", "qwen2": "Qwen2MoeForCausalLM",
-            "llama": "LlamaForCausalLM"}[job.split("_")[0]]
-    assert config["architectures"] == [arch]
+    assert config["architectures"] == [arch]  # guessed from the args
     torch.testing.assert_close(hf_logits(tmp / f"{job}_hf"), want, rtol=1e-4, atol=1e-5)
+    if arch == "LlamaForCausalLM" and tp * pp == 4:  # the same weights as a Mistral
+        ckpt("convert", tmp / job, tmp / f"{job}_mistral", "--to", "hf", "--hf-arch", "mistral")
+        config = json.loads((tmp / f"{job}_mistral" / "config.json").read_text())
+        assert config["architectures"] == ["MistralForCausalLM"]
+        torch.testing.assert_close(hf_logits(tmp / f"{job}_mistral"), want, rtol=1e-4,
+                                   atol=1e-5)
 
 
 def test_bf16_transformers_moe_round_trip_keeps_dtype_bit_exact(tmp_path):
