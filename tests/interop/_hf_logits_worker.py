@@ -1,20 +1,26 @@
 """torchrun worker: the REAL Megatron-Core GPTModel (local spec, CPU, gloo) for the HF tests.
 
-    torchrun --nproc-per-node TP _hf_logits_worker.py SPEC.json
+    torchrun --nproc-per-node N _hf_logits_worker.py SPEC.json
 
-SPEC (written by tests/interop/test_hf_interop.py): the model (``layers``, ``hidden``,
-``heads``, ``groups``, ``ffn``, ``padded_vocab``, ``vocab``, ``seq``, ``eps``, ``theta``,
-``tied``, ``qkv_bias``, ``qk_norm``, ``dtype``; MoE: ``experts``, ``topk``, ``moe_ffn``,
-``shared_ffn``, ``pre_softmax``), ``tokens`` (a batch of token ids), ``mode`` and
-``ckpt``, ``out``:
+SPEC (written by tests/interop/test_hf_interop.py and test_hf_logits.py) is one job, run at
+TP = N, or ``{"jobs": [job, ...]}``, run one after the other in the same processes, each at its
+own ``tp`` and ``pp`` (the ranks left over are data-parallel replicas). A job: the model
+(``layers``, ``hidden``, ``heads``, ``groups``, ``head_dim``, ``ffn``, ``padded_vocab``,
+``vocab``, ``seq``, ``eps``, ``theta``, ``tied``, ``qkv_bias``, ``qk_norm``, ``dtype``, ``arch``;
+MoE: ``experts``, ``topk``, ``moe_ffn``, ``shared_ffn``, ``pre_softmax``), ``tokens`` (a batch
+of token ids), ``mode`` and ``ckpt``, ``out``:
 
 * ``save``: fill the parameters with seeded values, save a Megatron-LM-shaped state dict
   (``args``, ``iteration``, ``model``) with ``dist_checkpointing.save`` into ``ckpt``;
-* ``load``: set every parameter to NaN, load ``ckpt`` with ``dist_checkpointing.load`` (the
-  model's own sharded state dict, as Megatron-LM does; ``_extra_state`` objects left out)
-  and fail if any parameter was not loaded.
+* ``load``: set every parameter to NaN, load ``ckpt`` with ``dist_checkpointing.load`` (each
+  stage's model's own sharded state dict, as Megatron-LM does; ``_extra_state`` objects left
+  out) and fail if any parameter was not loaded.
 
-Then rank 0 writes the logits for ``tokens`` (the first ``vocab`` columns) to ``out``.
+Then the logits for ``tokens`` (the first ``vocab`` columns): with ``pp`` > 1 each stage's
+GPTModel (``pre_process`` on the first, ``post_process`` on the last) runs its layers and
+sends its hidden states to the next stage (``set_input_tensor``, as Megatron's pipeline
+schedule does, by plain send/recv over gloo). The first rank of the last stage writes them to
+``out``.
 """
 
 from __future__ import annotations
@@ -40,9 +46,10 @@ def moe_config(spec: dict) -> dict:
                 moe_token_dispatcher_type="allgather", moe_grouped_gemm=False)
 
 
-def build(spec: dict, tp: int):
+def build(spec: dict, tp: int, pp: int):
     import torch
     import torch.nn.functional as F
+    from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -60,75 +67,162 @@ def build(spec: dict, tp: int):
     config = TransformerConfig(
         num_layers=spec["layers"], hidden_size=spec["hidden"],
         num_attention_heads=spec["heads"], num_query_groups=spec["groups"],
+        kv_channels=spec.get("head_dim") or spec["hidden"] // spec["heads"],
         ffn_hidden_size=spec["ffn"], gated_linear_unit=not gpt2,
         activation_func=F.gelu if gpt2 else F.silu,
         add_bias_linear=gpt2, add_qkv_bias=spec["qkv_bias"], qk_layernorm=spec["qk_norm"],
         normalization=norm, layernorm_epsilon=spec["eps"],
-        tensor_model_parallel_size=tp, use_cpu_initialization=True, params_dtype=dtype,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        use_cpu_initialization=True, params_dtype=dtype,
         pipeline_dtype=dtype, bf16=dtype == torch.bfloat16, hidden_dropout=0.0,
         attention_dropout=0.0, masked_softmax_fusion=False, bias_activation_fusion=False,
         bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
         gradient_accumulation_fusion=False, **moe_config(spec))
     layer_spec = get_gpt_layer_local_spec(num_experts=spec.get("experts"),
                                           normalization=norm, qk_layernorm=spec["qk_norm"])
+    cuda = torch.Tensor.cuda
+    # tied embeddings across pipeline stages: GPTModel all-reduces the output layer's copy of
+    # the embedding between the first and last stage after moving it to .cuda()
+    torch.Tensor.cuda = lambda self, *a, **k: self
+    try:
+        return _gpt(GPTModel, config, layer_spec, spec, gpt2)
+    finally:
+        torch.Tensor.cuda = cuda
+
+
+def _gpt(GPTModel, config, layer_spec, spec: dict, gpt2: bool):
+    from megatron.core import parallel_state
+
     return GPTModel(config=config, transformer_layer_spec=layer_spec,
                     vocab_size=spec["padded_vocab"], max_sequence_length=spec["seq"],
                     parallel_output=False,
+                    pre_process=parallel_state.is_pipeline_first_stage(),
+                    post_process=parallel_state.is_pipeline_last_stage(),
                     position_embedding_type="learned_absolute" if gpt2 else "rope",
                     rotary_base=spec["theta"],
                     share_embeddings_and_output_weights=spec["tied"])
+
+
+def save(model, spec: dict, tp: int, pp: int) -> None:
+    import torch
+
+    import _mcore_cpu as H
+    from megatron.core import dist_checkpointing
+
+    H.fill_deterministic(model, seed=spec.get("seed", 0))
+    if spec["tied"] and pp > 1:  # one embedding: the last stage's copy is the first's, as
+        from megatron.core import parallel_state as ps  # GPTModel's setup all-reduce makes it
+
+        weight = model.shared_embedding_or_output_weight()
+        with torch.no_grad():
+            if not ps.is_pipeline_first_stage():
+                weight.zero_()
+            torch.distributed.all_reduce(weight.data, group=ps.get_embedding_group())
+    extra = {}
+    if spec.get("experts"):
+        extra = dict(num_experts=spec["experts"], moe_router_topk=spec["topk"],
+                     moe_ffn_hidden_size=spec["moe_ffn"],
+                     moe_shared_expert_intermediate_size=spec.get("shared_ffn"),
+                     moe_router_pre_softmax=spec["pre_softmax"], moe_grouped_gemm=False)
+    if spec.get("arch") == "gpt2":  # LayerNorm, biases, exact GELU, learned positions
+        extra = dict(normalization="LayerNorm", add_bias_linear=True, swiglu=False,
+                     position_embedding_type="learned_absolute", openai_gelu=False,
+                     use_rotary_position_embeddings=False)
+    world = torch.distributed.get_world_size()
+    args = H.megatron_args(
+        tp, pp, world // (tp * pp), getattr(torch, spec["dtype"]), num_layers=spec["layers"],
+        hidden_size=spec["hidden"], ffn_hidden_size=spec["ffn"],
+        num_attention_heads=spec["heads"], num_query_groups=spec["groups"],
+        kv_channels=spec.get("head_dim") or spec["hidden"] // spec["heads"],
+        seq_length=spec["seq"], max_position_embeddings=spec["seq"],
+        rotary_base=spec["theta"], norm_epsilon=spec["eps"], add_qkv_bias=spec["qkv_bias"],
+        qk_layernorm=spec["qk_norm"], untie_embeddings_and_output_weights=not spec["tied"],
+        vocab_size=spec["vocab"], padded_vocab_size=spec["padded_vocab"],
+        make_vocab_size_divisible_by=64, **{"normalization": "RMSNorm",
+                                            "add_bias_linear": False, **extra})
+    state = {"args": args, "checkpoint_version": 3.0, "iteration": 10,
+             "model": model.sharded_state_dict()}
+    if torch.distributed.get_rank() == 0:
+        os.makedirs(spec["ckpt"], exist_ok=True)
+    torch.distributed.barrier()
+    dist_checkpointing.save(state, spec["ckpt"])
+
+
+def load(model, spec: dict) -> None:
+    import torch
+
+    from megatron.core import dist_checkpointing
+
+    sharded = {k: v for k, v in model.sharded_state_dict().items() if "_extra_state" not in k}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(float("nan"))
+    loaded = dist_checkpointing.load(sharded, spec["ckpt"])
+    model.load_state_dict(loaded, strict=False)
+    bad = [n for n, p in model.named_parameters() if torch.isnan(p).any()]
+    if bad:
+        raise RuntimeError(f"{spec.get('name', spec['ckpt'])}: not loaded: {bad}")
+
+
+def forward(model, spec: dict):
+    """The logits on the last stage (None elsewhere); stages chained by send/recv."""
+    import torch
+
+    from megatron.core import parallel_state as ps
+
+    tokens = torch.tensor(spec["tokens"], dtype=torch.long)
+    b, s = tokens.shape
+    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1)[None, None]
+    position_ids = torch.arange(s).unsqueeze(0).expand_as(tokens)
+    model.eval()
+    with torch.no_grad():
+        if not ps.is_pipeline_first_stage():
+            hidden = torch.empty(s, b, spec["hidden"], dtype=getattr(torch, spec["dtype"]))
+            torch.distributed.recv(hidden, src=ps.get_pipeline_model_parallel_prev_rank())
+            model.set_input_tensor(hidden)
+        out = model(tokens, position_ids, mask)
+        if not ps.is_pipeline_last_stage():
+            torch.distributed.send(out.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
+            return None
+    return out
+
+
+def run_job(spec: dict, tp: int, pp: int) -> None:
+    import torch
+
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    torch.manual_seed(1234)
+    model_parallel_cuda_manual_seed(1234)
+    model = build(spec, tp, pp)
+    if spec["mode"] == "save":
+        save(model, spec, tp, pp)
+    else:
+        load(model, spec)
+    logits = forward(model, spec)
+    first = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
+    if logits is not None and first:
+        torch.save(logits[..., : spec["vocab"]].float().clone(), spec["out"])
+    torch.distributed.barrier()
 
 
 def main() -> int:
     import torch
 
     import _mcore_cpu as H
-    from megatron.core import dist_checkpointing
 
     spec = json.loads(open(sys.argv[1]).read())
-    tp = int(os.environ["WORLD_SIZE"])
+    world = int(os.environ["WORLD_SIZE"])
+    jobs = spec["jobs"] if "jobs" in spec else [dict(spec, tp=world, pp=1)]
     H.patch_cuda_for_cpu()
-    H.init_parallel(tp, 1)
-    model = build(spec, tp)
-    sharded = {k: v for k, v in model.sharded_state_dict().items() if "_extra_state" not in k}
-    if spec["mode"] == "save":
-        H.fill_deterministic(model, seed=spec.get("seed", 0))
-        args = H.megatron_args(
-            tp, 1, 1, getattr(torch, spec["dtype"]), num_layers=spec["layers"],
-            hidden_size=spec["hidden"], ffn_hidden_size=spec["ffn"],
-            num_attention_heads=spec["heads"], num_query_groups=spec["groups"],
-            kv_channels=spec["hidden"] // spec["heads"], seq_length=spec["seq"],
-            max_position_embeddings=spec["seq"], rotary_base=spec["theta"],
-            normalization="RMSNorm", norm_epsilon=spec["eps"], add_bias_linear=False,
-            add_qkv_bias=spec["qkv_bias"], qk_layernorm=spec["qk_norm"],
-            untie_embeddings_and_output_weights=not spec["tied"], vocab_size=spec["vocab"],
-            padded_vocab_size=spec["padded_vocab"], make_vocab_size_divisible_by=64)
-        state = {"args": args, "checkpoint_version": 3.0, "iteration": 10,
-                 "model": model.sharded_state_dict()}
+    torch.distributed.init_process_group(backend="gloo")
+    for job in jobs:
+        run_job(job, job.get("tp", 1), job.get("pp", 1))
         if torch.distributed.get_rank() == 0:
-            os.makedirs(spec["ckpt"], exist_ok=True)
-        torch.distributed.barrier()
-        dist_checkpointing.save(state, spec["ckpt"])
-    else:
-        with torch.no_grad():
-            for p in model.parameters():
-                p.fill_(float("nan"))
-        loaded = dist_checkpointing.load(sharded, spec["ckpt"])
-        model.load_state_dict(loaded, strict=False)
-        bad = [n for n, p in model.named_parameters() if torch.isnan(p).any()]
-        if bad:
-            print("not loaded:", bad)
-            return 1
-    tokens = torch.tensor(spec["tokens"], dtype=torch.long)
-    s = tokens.shape[1]
-    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1)[None, None]
-    position_ids = torch.arange(s).unsqueeze(0).expand_as(tokens)
-    model.eval()
-    with torch.no_grad():
-        logits = model(tokens, position_ids, mask)
-    if torch.distributed.get_rank() == 0:
-        torch.save(logits[..., : spec["vocab"]].float().clone(), spec["out"])
-    torch.distributed.barrier()
+            print("done:", job.get("name", job["ckpt"]), flush=True)
     torch.distributed.destroy_process_group()
     return 0
 
