@@ -35,7 +35,7 @@ def main() -> None:
         t = full[rank * 2:(rank + 1) * 2].clone()
         dist.all_reduce(t)
         dist.broadcast_object_list(objs, src=0)
-        print("ok", rank, flush=True)
+        _say_ok(rank)
         return
     from dist_worker import import_lib
 
@@ -49,7 +49,13 @@ def main() -> None:
     want = full[:, rank * 2:(rank + 1) * 2]
     if not torch.equal(out["w"], want):
         raise SystemExit(f"rank {rank}: loaded {out['w'].tolist()}, expected {want.tolist()}")
-    print("ok", rank, flush=True)
+    _say_ok(rank)
+
+
+def _say_ok(rank: int) -> None:
+    """``ok RANK`` in one write (torchrun runs ranks with ``python -u`` on one pipe: print's
+    pieces from two ranks interleave)."""
+    os.write(1, f"ok {rank}\n".encode())
 
 
 if __name__ == "__main__":
