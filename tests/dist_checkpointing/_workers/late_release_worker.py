@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 def last_collectives() -> None:
     outs = [torch.empty(4) for _ in range(20)]
+    dist.all_gather([outs[0]], torch.ones(4))
     for out in outs:
         dist.all_gather([out], torch.ones(4), async_op=True)
 
