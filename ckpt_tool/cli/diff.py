@@ -95,6 +95,7 @@ def verdict(result: Any) -> str:
         (len(result.common_differences), "common-state difference", ""),
         (len(result.objects_only_in_a), "object", "only in A"),
         (len(result.objects_only_in_b), "object", "only in B"),
+        (len(result.object_differences), "object-payload difference", ""),
     ]
     what = ", ".join(" ".join(x for x in (plural(n, noun) if noun else str(n), tail) if x)
                      for n, noun, tail in counts if n) or "no differences"
@@ -156,5 +157,7 @@ def render(result: Any) -> None:
            [(c["path"], c["kind"], c["a"], c["b"]) for c in d["common"]])
     _table("objects only in A", ("unique key",), [(k,) for k in d["objects_only_in_a"]])
     _table("objects only in B", ("unique key",), [(k,) for k in d["objects_only_in_b"]])
+    _table("object payloads", ("object.field", "kind", "A", "B"),
+           [(c["path"], c["kind"], c["a"], c["b"]) for c in d["objects"]])
     for note in d["notes"]:
         message(f"note: {note}")

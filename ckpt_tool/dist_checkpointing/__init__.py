@@ -15,6 +15,8 @@ Typical use::
     loaded = dist_checkpointing.load(sharded, ckpt_dir)
 """
 
+from ckpt_tool._torchrun import register_exit_teardown
+
 from . import core, dict_utils, mapping, optimizer, serialization, utils, validation
 from .core import check_is_distributed_checkpoint
 from .mapping import LocalNonpersistentObject, ShardedObject, ShardedTensor
@@ -27,6 +29,10 @@ from .serialization import (
     remove_sharded_tensors,
     save,
 )
+
+# A script that ends without destroy_process_group must not die in SIGABRT at exit: an exit
+# handler lets gloo's worker threads finish with our collectives' tensors first (issue 15)
+register_exit_teardown()
 
 __all__ = [
     "check_is_distributed_checkpoint",

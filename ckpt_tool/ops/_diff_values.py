@@ -9,6 +9,9 @@ compares them in blocks of ``_ELEMS`` elements in a wide dtype: equal when
 
 :func:`compare_common` flattens both common states (dicts and ``argparse.Namespace`` by field)
 and lists every field that changed, exists on one side only, or cannot be compared.
+:func:`compare_objects` does the same for the payloads of the stored objects both sides hold
+(ShardedObjects: RNG states, extra state), read through each reader's safe unpickler unless
+their stored bytes are identical.
 """
 
 from __future__ import annotations
@@ -22,8 +25,8 @@ from typing import Any, Callable, Iterator
 from ckpt_tool.model import CheckpointMeta, TensorMeta, dtype_itemsize
 from ckpt_tool.ops._diff_bytes import Box, memcmp
 
-__all__ = ["TensorDiff", "CommonDiff", "compare_values", "compare_common", "same_common_file",
-           "js", "PIECE_BYTES"]
+__all__ = ["TensorDiff", "CommonDiff", "compare_values", "compare_common", "compare_objects",
+           "same_common_file", "js", "PIECE_BYTES"]
 
 PIECE_BYTES = 64 << 20  # largest piece read per side
 _ELEMS = 1 << 22  # elements compared at once (in a wide dtype)
@@ -281,4 +284,37 @@ def compare_common(ca: dict[str, Any], cb: dict[str, Any]) -> list[CommonDiff]:
             if v is not True:
                 out.append(CommonDiff(p, "changed" if v is False else "not_compared",
                                       fa[p], fb[p]))
+    return out
+
+
+def _object_bytes(meta: CheckpointMeta, unique_key: str) -> bytes | None:
+    """The stored bytes of one object, or None when they cannot be located."""
+    o = next((o for o in meta.objects if o.unique_key == unique_key), None)
+    if o is None or o.file is None or o.byte_length is None:
+        return None
+    try:
+        with open(Path(meta.root) / o.file, "rb") as f:
+            f.seek(o.byte_offset or 0)
+            data = f.read(o.byte_length)
+    except OSError:
+        return None
+    return data if len(data) == o.byte_length else None
+
+
+def compare_objects(pairs: dict[str, str], ma: CheckpointMeta, mb: CheckpointMeta, ra: Any,
+                    rb: Any) -> list[CommonDiff]:
+    """Payload differences of the objects both sides hold (``{B unique key: A unique key}``):
+    paths are ``<B unique key>`` or ``<B unique key>.<field>``; an unreadable or unsafe object
+    raises the reader's error (CorruptCheckpointError, UnsafePickleError)."""
+    out: list[CommonDiff] = []
+    for kb in sorted(pairs):
+        ka = pairs[kb]
+        raw_a = _object_bytes(ma, ka)
+        if raw_a is not None and raw_a == _object_bytes(mb, kb):
+            continue  # the same stored bytes: the same payload, nothing unpickled
+        pa, pb = ra.read_object(ka), rb.read_object(kb)
+        if isinstance(pa, list) and isinstance(pb, list) and len(pa) == len(pb):
+            pa, pb = dict(enumerate(pa)), dict(enumerate(pb))  # MCore's [rng state dict]
+        out += [CommonDiff(f"{kb}.{c.path}" if c.path else kb, c.kind, c.a, c.b)
+                for c in compare_common({"": pa}, {"": pb})]
     return out

@@ -14,7 +14,9 @@ shape changes, then compares the values of every tensor both sides hold with the
 Memory: two pieces (chunks, or slabs of ``PIECE_BYTES``) at a time. Then the common state: the
 full ``reader.common()`` of both sides (``args`` fields by name; byte-identical ``common.pt``
 files are not loaded), or the metadata summaries with ``keys_only``. Stored objects (RNG
-states, extra state) are compared by unique key, not payload. A side without common state or
+states, extra state) are matched by unique key; the payloads of those both sides hold are
+compared (identical stored bytes, else both unpickled through the safe unpickler, field by
+field as the common state; not with ``keys_only`` or ``filter``). A side without common state or
 objects (safetensors, a plain state dict) is not compared on that part (a note says so): a dist
 checkpoint and its safetensors export are identical.
 
@@ -75,6 +77,7 @@ class DiffResult:
     common: tuple[CommonDiff, ...] = ()
     objects_only_in_a: tuple[str, ...] = ()
     objects_only_in_b: tuple[str, ...] = ()
+    objects: tuple[CommonDiff, ...] = ()  # payload differences of objects both sides hold
     notes: tuple[str, ...] = ()
     stats: dict[str, int] = field(default_factory=dict)
     keys_only: bool = False
@@ -84,6 +87,10 @@ class DiffResult:
     @property
     def common_differences(self) -> tuple[CommonDiff, ...]:
         return tuple(c for c in self.common if c.kind != "not_compared")
+
+    @property
+    def object_differences(self) -> tuple[CommonDiff, ...]:
+        return tuple(c for c in self.objects if c.kind != "not_compared")
 
     @property
     def counted_dtype_changes(self) -> tuple[MetaChange, ...]:
@@ -96,7 +103,8 @@ class DiffResult:
     def identical(self) -> bool:
         return not (self.only_in_a or self.only_in_b or self.counted_dtype_changes
                     or self.shape_changes or self.values or self.common_differences
-                    or self.objects_only_in_a or self.objects_only_in_b)
+                    or self.objects_only_in_a or self.objects_only_in_b
+                    or self.object_differences)
 
     def to_dict(self) -> dict[str, Any]:
         """The ``diff --json`` document."""
@@ -111,6 +119,7 @@ class DiffResult:
             "common": [c.to_dict() for c in self.common],
             "objects_only_in_a": list(self.objects_only_in_a),
             "objects_only_in_b": list(self.objects_only_in_b),
+            "objects": [c.to_dict() for c in self.objects],
             "notes": list(self.notes), "stats": self.stats,
         }
 
@@ -217,7 +226,8 @@ def diff(a: str | Path, b: str | Path, *, rename: Iterable[tuple[str, str]] = ()
     bytes read (both sides) and the tensors finished."""
     from ckpt_tool.formats.base import open_checkpoint
     from ckpt_tool.ops._diff_bytes import fast_equal
-    from ckpt_tool.ops._diff_values import compare_common, compare_values, same_common_file
+    from ckpt_tool.ops._diff_values import (compare_common, compare_objects, compare_values,
+                                            same_common_file)
 
     if atol < 0 or rtol < 0:
         raise UsageError("--atol and --rtol must be >= 0")
@@ -239,8 +249,9 @@ def diff(a: str | Path, b: str | Path, *, rename: Iterable[tuple[str, str]] = ()
         ob = [o.unique_key for o in mb.objects if o.unique_key not in inb]
         obj_a: list[str] = []
         obj_b: list[str] = []
+        both: dict[str, str] = {}  # {B unique key: A unique key}
         if oa and ob:
-            _, obj_a, obj_b, _ = _match(oa, ob, rn, rx)
+            both, obj_a, obj_b, _ = _match(oa, ob, rn, rx)
         object_note = (_none_note("stored objects", mb if oa else ma, "B" if oa else "A",
                                   _object_groups(oa or ob)) if bool(oa) != bool(ob) else None)
         same_shape = [(n, t, u) for n, t, u in pairs if t.shape == u.shape]
@@ -297,11 +308,18 @@ def diff(a: str | Path, b: str | Path, *, rename: Iterable[tuple[str, str]] = ()
             elif ca or cb:
                 notes.append(_none_note("common state", mb if ca else ma, "B" if ca else "A",
                                         sorted(str(k) for k in (ca or cb))))
+        objects: list[CommonDiff] = []
+        if both and (keys_only or rx is not None):
+            notes.append("object payloads not compared (--keys-only / --filter)")
+        elif both:
+            objects = compare_objects(both, ma, mb, ra, rb)
         if object_note:
             notes.insert(0, object_note)
         if any(c.kind == "not_compared" for c in cdiffs):
             notes.append("some common-state values cannot be compared (listed as not_compared)")
+        if any(c.kind == "not_compared" for c in objects):
+            notes.append("some object payloads cannot be compared (listed as not_compared)")
     return DiffResult(
         str(a), str(b), ma.format, mb.format, tuple(only_a), tuple(only_b), dtypes, shapes,
-        tuple(values), tuple(cdiffs), tuple(obj_a), tuple(obj_b), tuple(notes), stats,
-        keys_only, float(atol), float(rtol))
+        tuple(values), tuple(cdiffs), tuple(obj_a), tuple(obj_b), tuple(objects), tuple(notes),
+        stats, keys_only, float(atol), float(rtol))

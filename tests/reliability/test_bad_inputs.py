@@ -39,14 +39,7 @@ ALLOWED = {"inspect": {0, 2}, "validate": {0, 1, 2}, "validate-deep": {0, 1, 2},
 LIMIT_AS = 6 << 30  # address space of an isolated command
 MAX_RSS_KB = 1536 << 10  # its peak resident memory (torch itself is ~0.4 GB)
 # Defects the corpus found that are not fixed yet (strict: the test fails once they are)
-KNOWN = {
-    ("zarr/zarray-missing", "validate"): "an array directory without .zarray is skipped",
-    ("zarr/zarray-missing", "validate-deep"): "an array directory without .zarray is skipped",
-    ("zarr/zarray-missing", "convert"): "an array directory without .zarray is skipped",
-    ("zarr/object-truncated", "diff"): "diff does not compare objects' payloads",
-    ("torch_dist/object-malicious", "diff"): "diff does not compare objects' payloads",
-    ("zarr/object-malicious", "diff"): "diff does not compare objects' payloads",
-}
+KNOWN: dict[tuple[str, str], str] = {}
 TIMEOUT = 300  # only a hang gets near this, even on a loaded machine
 
 

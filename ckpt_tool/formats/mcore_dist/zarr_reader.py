@@ -24,6 +24,7 @@ _NUMPY_TYPES = {
     "b1": "bool", "c8": "complex64", "c16": "complex128",
 }
 _SHARD_RE = re.compile(r"shard_([\d.]+?)(?:_([\d.]+))?\.pt")
+_CHUNK_RE = re.compile(r"\d+(?:\.\d+)*")  # a zarr v2 chunk file name ("0", "1.0", "0.0.3")
 
 
 def zarr_dtype_name(dtype: Any) -> str:
@@ -109,6 +110,14 @@ def scan_zarr_dir(root: Path) -> tuple[dict[str, TensorMeta], list[ObjectMeta]]:
                 continue
             shards = sorted(p for p in child.iterdir() if _SHARD_RE.fullmatch(p.name))
             key = child.relative_to(root).as_posix()
+            if not shards and any(_CHUNK_RE.fullmatch(p.name) and p.is_file()
+                                  for p in child.iterdir()):
+                # Megatron-Core lists only directories with a .zarray, then fails to open
+                # this array when a state dict asks for it: the checkpoint does not load
+                raise CorruptCheckpointError(
+                    f"zarr array {key!r} has chunk files but no .zarray: Megatron-Core "
+                    "cannot load it; restore .zarray from the writer's copy or re-save",
+                    path=child / ".zarray")
             for p in shards:
                 m = _SHARD_RE.fullmatch(p.name)
                 assert m is not None

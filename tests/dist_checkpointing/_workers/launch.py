@@ -17,13 +17,23 @@ def torchrun(script: str, nproc: int, *args: str, timeout: float = 300) -> str:
 
     ``--standalone`` makes torchrun pick a free rendezvous port, so tests never collide.
     """
+    code, out, cmd = torchrun_outcome(script, nproc, *args, timeout=timeout)
+    if code != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({code}):\n{out[-6000:]}")
+    return out
+
+
+def torchrun_outcome(script: str, nproc: int, *args: str, timeout: float = 300,
+                     cwd: Path | None = None) -> tuple[int, str, list[str]]:
+    """Like :func:`torchrun` but returns ``(exit code, stdout + stderr, command)``; only a
+    timeout raises."""
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
                PYTHONWARNINGS="ignore")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={nproc}", str(WORKERS / script), *map(str, args)]
     # Own session: on timeout the whole tree dies, including helpers holding our pipes.
-    proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE,
+    proc = subprocess.Popen(cmd, env=env, cwd=cwd or REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
@@ -32,7 +42,4 @@ def torchrun(script: str, nproc: int, *args: str, timeout: float = 300) -> str:
         stdout, stderr = proc.communicate()
         raise AssertionError(f"{' '.join(cmd)} timed out after {timeout}s:\n"
                              f"{(stdout + stderr)[-6000:]}") from None
-    out = stdout + stderr
-    if proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{out[-6000:]}")
-    return out
+    return proc.returncode, stdout + stderr, cmd
