@@ -77,5 +77,6 @@ def test_view_names_origins_and_notes(tied_copy):
 
 
 def test_a_config_that_contradicts_the_weights_cannot_map():
-    with pytest.raises(InputError, match=r"contradicts the weights: no self_attention.linear_qkv.weight for layer 0 \(3 layers\)"):
+    with pytest.raises(InputError, match=r"contradicts the weights: no self_attention"
+                                         r"\.linear_qkv\.weight for layer 0 \(3 layers\)"):
         plan_hf_view(mcore(), {}, hf(False), {**CONFIG, "num_hidden_layers": 3})
