@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,13 +21,13 @@ from typer.testing import CliRunner
 
 from ckpt_tool.cli.app import app
 
+sys.path.insert(0, str(Path(__file__).parent))
+from _hf_dirs import llama_config, llama_dir  # noqa: E402
+
 runner = CliRunner()
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 MCORE = FIXTURES / "mcore016_gpt_tp2pp2_bf16_optim" / "iter_0000010"
-LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 8,
-         "intermediate_size": 12, "num_hidden_layers": 2, "num_attention_heads": 2,
-         "num_key_value_heads": 1, "vocab_size": 10, "max_position_embeddings": 16,
-         "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "torch_dtype": "float32"}
+LLAMA = llama_config()
 
 
 def ckpt(*argv, code: int = 0):
@@ -91,28 +92,7 @@ def test_a_changed_tensor_is_reported_under_both_names(export, tmp_path):
 
 
 def _llama_dir(root: Path) -> Path:
-    g = torch.Generator().manual_seed(0)
-    shapes = {"model.embed_tokens.weight": (10, 8), "lm_head.weight": (10, 8),
-              "model.norm.weight": (8,)}
-    for i in range(2):
-        p = f"model.layers.{i}."
-        shapes.update({p + "self_attn.q_proj.weight": (8, 8), p + "self_attn.k_proj.weight":
-                       (4, 8), p + "self_attn.v_proj.weight": (4, 8),
-                       p + "self_attn.o_proj.weight": (8, 8), p + "mlp.gate_proj.weight": (12, 8),
-                       p + "mlp.up_proj.weight": (12, 8), p + "mlp.down_proj.weight": (8, 12),
-                       p + "input_layernorm.weight": (8,),
-                       p + "post_attention_layernorm.weight": (8,)})
-    state = {k: torch.randn(s, generator=g) for k, s in shapes.items()}
-    root.mkdir()
-    (root / "config.json").write_text(json.dumps(LLAMA))
-    keys = sorted(state)
-    names = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
-    halves = (keys[:10], keys[10:])
-    for name, part in zip(names, halves):
-        save_file({k: state[k] for k in part}, str(root / name), metadata={"format": "pt"})
-    (root / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {}, "weight_map": {k: n for n, p in zip(names, halves) for k in p}}))
-    return root
+    return llama_dir(root)
 
 
 def test_hf_model_and_its_torch_dist_import(tmp_path):
@@ -125,11 +105,11 @@ def test_hf_model_and_its_torch_dist_import(tmp_path):
             "rows, A (hf) holds vocab_size 10; rows 10-127 not compared") in doc["notes"]
     assert any(n.startswith("common state not comparable: A (hf) holds config.json, B "
                             "(torch_dist) holds args") for n in doc["notes"])
-    # the up half of layer 0's linear_fc1 changed in the HF model
-    rewrite(hf / "model-00002-of-00002.safetensors", "model.layers.1.mlp.up_proj.weight",
-            lambda t: t[0].mul_(2))
-    doc = diff_json(mc, hf, 1)
+    # the up half of layer 1's linear_fc1 changed in the HF model
     key = "model.layers.1.mlp.up_proj.weight"
+    shard = json.loads((hf / "model.safetensors.index.json").read_text())["weight_map"][key]
+    rewrite(hf / shard, key, lambda t: t[0].mul_(2))
+    doc = diff_json(mc, hf, 1)
     assert [v["key"] for v in doc["values"]] == [key]
     assert doc["mapped_from"] == {key: "decoder.layers.mlp.linear_fc1.weight[1] (up half)"}
 
