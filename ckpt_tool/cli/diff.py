@@ -54,13 +54,15 @@ def diff(
 ) -> None:
     """Compare two checkpoints of any formats: keys on one side only, dtype/shape changes, every
     differing tensor (count, max abs/rel diff, first differing index) and common-state fields.
-    Values are exact by default; NaN equals NaN at the same position. Exit 0 identical, 1
-    different, 2 unreadable input.
+    Values are exact by default; NaN equals NaN at the same position. A Megatron checkpoint
+    and a Hugging Face model directory are compared in HF names (the rules of convert --to
+    hf). Exit 0 identical, 1 different, 2 unreadable input.
 
     \b
     Examples:
       ckpt diff run1/iter_0000100 export/model.safetensors --json
       ckpt diff old new --rename module.= --filter 'decoder\\.' --rtol 1e-2
+      ckpt diff checkpoints/gpt/iter_0001000 gpt-hf
     """
     from ckpt_tool.cli._progress import progress_bar
     from ckpt_tool.ops.diff import diff as run_diff
