@@ -57,7 +57,7 @@ src, out = {src!r}, {out!r}
 plain = dist_checkpointing.load_plain_tensors(src)
 common = torch.load(src + "/common.pt", weights_only=False)
 sd = {{k: ShardedTensor.from_rank_offsets(k, t.contiguous(), replica_id=0)
-       for k, t in plain.items()}}
+       for k, t in plain.items() if isinstance(t, torch.Tensor)}}
 sd.update(common)
 import os; os.makedirs(out)
 dist_checkpointing.save(sd, out)
@@ -88,9 +88,10 @@ def build(root: Path, layers: int, ckpt: str) -> tuple[Path, Path]:
     if not (mc / "metadata.json").exists():
         shutil.rmtree(mc, ignore_errors=True)
         ours = root / "mcore_ours"
-        shutil.rmtree(ours, ignore_errors=True)
-        subprocess.run([ckpt, "convert", str(hf), str(ours), "--to", "torch_dist",
-                        "--no-progress"], check=True)
+        if not (ours / "metadata.json").exists():
+            shutil.rmtree(ours, ignore_errors=True)
+            subprocess.run([ckpt, "convert", str(hf), str(ours), "--to", "torch_dist",
+                            "--no-progress"], check=True)
         subprocess.run(python_cmd(RESAVE.format(src=str(ours), out=str(mc))), check=True,
                        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
         shutil.rmtree(ours)
