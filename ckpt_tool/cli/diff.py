@@ -54,13 +54,15 @@ def diff(
 ) -> None:
     """Compare two checkpoints of any formats: keys on one side only, dtype/shape changes, every
     differing tensor (count, max abs/rel diff, first differing index) and common-state fields.
-    Values are exact by default; NaN equals NaN at the same position. Exit 0 identical, 1
-    different, 2 unreadable input.
+    Values are exact by default; NaN equals NaN at the same position. A Megatron checkpoint
+    and a Hugging Face model directory are compared in HF names (the rules of convert --to
+    hf). Exit 0 identical, 1 different, 2 unreadable input.
 
     \b
     Examples:
       ckpt diff run1/iter_0000100 export/model.safetensors --json
       ckpt diff old new --rename module.= --filter 'decoder\\.' --rtol 1e-2
+      ckpt diff checkpoints/gpt/iter_0001000 gpt-hf
     """
     from ckpt_tool.cli._progress import progress_bar
     from ckpt_tool.ops.diff import diff as run_diff
@@ -109,7 +111,7 @@ def verdict(result: Any) -> str:
     if result.values:
         v = result.values[0]
         line += (f"; first: {v.key}{list(v.first_index)} is {_num(v.first_a)} in A, "
-                 f"{_num(v.first_b)} in B")
+                 f"{_num(v.first_b)} in B" + result.named(v.key)[len(v.key):])
     return line
 
 
@@ -142,15 +144,16 @@ def _num(x: Any) -> str:
 def render(result: Any) -> None:
     """Rich tables of the differences on stdout; notes last."""
     d = result.to_dict()
-    _table("only in A", ("key",), [(k,) for k in d["only_in_a"]])
-    _table("only in B", ("key",), [(k,) for k in d["only_in_b"]])
-    _table("dtype changes", ("key", "A", "B"), [(c["key"], c["a"], c["b"])
+    name = result.named  # an HF tensor with the Megatron tensor it was mapped from
+    _table("only in A", ("key",), [(name(k),) for k in d["only_in_a"]])
+    _table("only in B", ("key",), [(name(k),) for k in d["only_in_b"]])
+    _table("dtype changes", ("key", "A", "B"), [(name(c["key"]), c["a"], c["b"])
                                                 for c in d["dtype_changes"]])
-    _table("shape changes", ("key", "A", "B"), [(c["key"], c["a"], c["b"])
+    _table("shape changes", ("key", "A", "B"), [(name(c["key"]), c["a"], c["b"])
                                                 for c in d["shape_changes"]])
     _table("different values",
            ("key", "differing", "max abs diff", "max rel diff", "first index", "A", "B"),
-           [(v["key"], f"{v['differing']} of {v['numel']}", _num(v["max_abs_diff"]),
+           [(name(v["key"]), f"{v['differing']} of {v['numel']}", _num(v["max_abs_diff"]),
              _num(v["max_rel_diff"]), v["first_index"], _num(v["first_a"]), _num(v["first_b"]))
             for v in d["values"]])
     _table("common state", ("field", "kind", "A", "B"),

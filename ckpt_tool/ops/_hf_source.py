@@ -3,7 +3,8 @@
 Writers ask for rectangles of target tensors; each part of the recipe that the rectangle
 touches is computed from its source tensors (one decoder layer, or one whole untiled tensor)
 and the requested region copied out. The last part computed is kept, so a writer pulling a
-tensor in row slabs reads its sources once; peak memory is about one layer's tensor.
+tensor in row slabs reads its sources once; a request for a whole untiled tensor gets the
+computed tensor itself (no copy). Peak memory is about one layer's tensor.
 """
 
 from __future__ import annotations
@@ -97,6 +98,7 @@ class HfSource:
         with self._lock:
             if self._cache is not None and self._cache[0] == (key, n):
                 return self._cache[1]
+            self._cache = None  # the previous part is freed before this one is computed
         value = apply_part(p, [self._read_src(s) for s in p.sources]).contiguous()
         with self._lock:
             self._cache = ((key, n), value)
@@ -109,7 +111,16 @@ class HfSource:
         from ckpt_tool.formats.torch_zip import torch_dtype
 
         r = self.recipes[key]
-        out = torch.empty(sizes, dtype=torch_dtype(r.dtype))
+        dtype = torch_dtype(r.dtype)
+        if len(r.parts) == 1 and not r.parts[0].index and not any(offsets) \
+                and tuple(sizes) == tuple(r.shape):  # the whole tensor: handed out, no copy
+            value = self._part(key, 0, r.parts[0])
+            if tuple(value.shape) != tuple(r.shape):
+                raise ValueError(f"{key}: {list(value.shape)}, the plan says {list(r.shape)}")
+            with self._lock:
+                self._cache = None
+            return self._count(key, r, value.to(dtype))
+        out = torch.empty(sizes, dtype=dtype)
         for n, p in enumerate(r.parts):
             lead = len(p.index)
             if any(not o <= i < o + s for i, o, s in zip(p.index, offsets, sizes)):
@@ -121,6 +132,9 @@ class HfSource:
             src = tuple(slice(o, o + s) for o, s in zip(offsets[lead:], sizes[lead:]))
             dst = tuple(i - o for i, o in zip(p.index, offsets))
             out[dst] = value[src].to(out.dtype)
+        return self._count(key, r, out)
+
+    def _count(self, key: str, r: Recipe, out: Any) -> Any:
         n_bytes = out.numel() * out.element_size()
         with self._lock:
             self.largest_piece = max(self.largest_piece, n_bytes)

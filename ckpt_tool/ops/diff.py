@@ -20,6 +20,12 @@ field as the common state; not with ``keys_only`` or ``filter``). A side without
 objects (safetensors, a plain state dict) is not compared on that part (a note says so): a dist
 checkpoint and its safetensors export are identical.
 
+A Megatron checkpoint (torch_dist, zarr, legacy) against a Hugging Face model directory is
+seen in HF names through the export rules (``_hf_view``, planned by ``planning.hf_compare``):
+its export, or the source of an import, is identical; a changed tensor is reported under its
+HF name with the Megatron tensor it comes from (``mapped_from``); what HF cannot hold
+(optimizer state, padded vocab rows, common state) is noted as not comparable.
+
 A dtype change is a difference, except with a tolerance (and values read): then the values
 decide, so a bf16 export is identical to its fp32 source within ``rtol=2**-8``.
 """
@@ -83,6 +89,7 @@ class DiffResult:
     keys_only: bool = False
     atol: float = 0.0
     rtol: float = 0.0
+    origins: dict[str, str] = field(default_factory=dict)
 
     @property
     def common_differences(self) -> tuple[CommonDiff, ...]:
@@ -121,7 +128,12 @@ class DiffResult:
             "objects_only_in_b": list(self.objects_only_in_b),
             "objects": [c.to_dict() for c in self.objects],
             "notes": list(self.notes), "stats": self.stats,
-        }
+        } | ({"mapped_from": self.origins} if self.origins else {})
+
+    def named(self, key: str) -> str:
+        """``key`` with the Megatron tensor it was mapped from (HF vs Megatron diffs)."""
+        side = "A" if self.format_b == "hf" else "B"
+        return f"{key} ({side}: {self.origins[key]})" if key in self.origins else key
 
 
 def parse_rename(specs: Iterable[str]) -> list[tuple[str, str]]:
@@ -225,6 +237,7 @@ def diff(a: str | Path, b: str | Path, *, rename: Iterable[tuple[str, str]] = ()
     """Compare checkpoint ``a`` with ``b`` (see the module docstring); ``progress`` is told the
     bytes read (both sides) and the tensors finished."""
     from ckpt_tool.formats.base import open_checkpoint
+    from ckpt_tool.ops._hf_view import hf_view
     from ckpt_tool.ops._diff_bytes import fast_equal
     from ckpt_tool.ops._diff_values import (compare_common, compare_objects, compare_values,
                                             same_common_file)
@@ -238,12 +251,14 @@ def diff(a: str | Path, b: str | Path, *, rename: Iterable[tuple[str, str]] = ()
                          ) from None
     rn = _renamer(rename)
     with open_checkpoint(a, trust=trust) as ra, open_checkpoint(b, trust=trust) as rb:
+        view = hf_view(ra, rb)  # a Megatron side against an HF directory: in HF names
+        ra, rb = view.a, view.b
         ma, mb = ra.metadata(), rb.metadata()
         common, only_a, only_b, names = _match(ma.tensors, mb.tensors, rn, rx)
         pairs = [(n, ma.tensors[common[n]], mb.tensors[n]) for n in names]
         dtypes = tuple(MetaChange(n, t.dtype, u.dtype) for n, t, u in pairs if t.dtype != u.dtype)
         shapes = tuple(MetaChange(n, t.shape, u.shape) for n, t, u in pairs if t.shape != u.shape)
-        notes: list[str] = []
+        notes: list[str] = list(view.notes)
         ina, inb = ra.objects_in_common(), rb.objects_in_common()  # compared as common state
         oa = [o.unique_key for o in ma.objects if o.unique_key not in ina]
         ob = [o.unique_key for o in mb.objects if o.unique_key not in inb]
@@ -294,6 +309,8 @@ def diff(a: str | Path, b: str | Path, *, rename: Iterable[tuple[str, str]] = ()
         cdiffs: list[CommonDiff] = []
         if rx is not None:
             notes.append("--filter: common state not compared")
+        elif view.common_note:
+            notes.append(view.common_note)
         elif keys_only or not same_common_file(ma, mb):
             ca = {k: v for k, v in ma.common.items() if k != "keys"} if keys_only else ra.common()
             cb = {k: v for k, v in mb.common.items() if k != "keys"} if keys_only else rb.common()
@@ -319,7 +336,9 @@ def diff(a: str | Path, b: str | Path, *, rename: Iterable[tuple[str, str]] = ()
             notes.append("some common-state values cannot be compared (listed as not_compared)")
         if any(c.kind == "not_compared" for c in objects):
             notes.append("some object payloads cannot be compared (listed as not_compared)")
+    shown = {*only_a, *only_b, *(c.key for c in (*dtypes, *shapes)), *(v.key for v in values)}
     return DiffResult(
         str(a), str(b), ma.format, mb.format, tuple(only_a), tuple(only_b), dtypes, shapes,
         tuple(values), tuple(cdiffs), tuple(obj_a), tuple(obj_b), tuple(objects), tuple(notes),
-        stats, keys_only, float(atol), float(rtol))
+        stats, keys_only, float(atol), float(rtol),
+        {k: view.origins[k] for k in sorted(shown) if k in view.origins})

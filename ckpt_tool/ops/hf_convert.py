@@ -10,7 +10,9 @@
 
 Planning is pure (``planning.hf_plan``); ``_hf_source.HfSource`` computes each target piece
 from its sources when the writer asks, so memory stays near one layer's tensor; the output is
-staged, validated and renamed into place as every convert.
+staged, validated and renamed into place as every convert. Under torchrun (``ckpt --nproc N``)
+each rank writes its share of the output files (whole safetensors shards for ``--to hf``, its
+DCP items or rank files for torch_dist/legacy) and rank 0 the index and ``config.json``.
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ from ckpt_tool.formats.base import Reader, open_checkpoint
 from ckpt_tool.formats.writer import WriteRequest, WriterOptions, writer_for
 from ckpt_tool.model import CheckpointMeta, ChunkRef, TensorMeta
 from ckpt_tool.ops._hf_source import HfSource
-from ckpt_tool.ops._staging import check_output_target, staged_output, verify_output
+from ckpt_tool.ops._staging import check_output_target, staged_output_ranks, verify_output
+from ckpt_tool.parallel import JobProgress
+from ckpt_tool.parallel import ranks as current_ranks
 from ckpt_tool.planning.hf_plan import Recipe, plan_export, plan_import
 from ckpt_tool.planning.hf_rules import (args_from_hf_config, guess_arch, hf_config_from_args,
                                          moe_layers_check, rule_for_config, rule_named)
@@ -130,6 +134,7 @@ def convert_hf(src: str | Path, dst: str | Path, options: Any, *, trust: bool = 
     """Convert between a Megatron checkpoint and an HF directory (see the module doc);
     returns the fields of ``ops.convert.ConvertResult``."""
     start = time.perf_counter()
+    r = current_ranks()
     out = check_output_target(dst, sources=(src,), overwrite=overwrite)
     with open_checkpoint(src, trust=trust) as reader:
         meta = reader.metadata()
@@ -144,19 +149,24 @@ def convert_hf(src: str | Path, dst: str | Path, options: Any, *, trust: bool = 
         source = HfSource(reader, {r.key: r for r in recipes})
         if progress is not None:
             progress.start(target.total_bytes, len(target.tensors))
+        job = JobProgress(progress, r)
         request = WriteRequest(meta=target, source=source, common=common,
-                               progress=lambda n: progress and progress.update(
-                                   n, source.tensors_done),
+                               progress=lambda n: job.update(n, source.tensors_done),
+                               ranks=r if r.world > 1 else None,
                                source_description=f"ckpt convert from {meta.format} "
                                                   f"checkpoint {meta.root}")
         wopts = WriterOptions(max_shard_size=max_shard_size or WriterOptions.max_shard_size,
                               max_memory=options.max_memory, tp=tp or 1, pp=pp or 1,
                               extra=extra)
         notes: list[str] = []
-        with staged_output(out, overwrite=overwrite, notes=notes) as staging:
-            notes += writer_for(options.to)(staging, wopts).write(request)
+        writer = writer_for(options.to)
+        with staged_output_ranks(out, r, overwrite=overwrite, notes=notes) as staging:
+            if r.is_main or writer.supports_ranks:
+                notes += writer(staging, wopts).write(request)
+            r.barrier()
+            job.catch_up(source.tensors_done)
             if verify:
-                verify_output(staging, trust=trust, what="converted")
+                verify_output(staging, trust=trust, what="converted", ranks=r)
     return dict(
         source=str(meta.root), source_format=meta.format, target=str(out), format=options.to,
         tensors=len(target.tensors), objects=0, nbytes=target.total_bytes,

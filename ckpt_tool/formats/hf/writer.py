@@ -4,7 +4,9 @@ The weights go through the registered safetensors writer (``model.safetensors``,
 ``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json`` above
 ``max_shard_size``); then ``config.json`` (``WriterOptions.extra["hf_config"]``) and, when
 given, ``generation_config.json`` (``extra["generation_config"]``). Only model weights: the
-request's common state and objects are not written (a note says so).
+request's common state and objects are not written (a note says so). Under torchrun each rank
+writes its share of the shards (the safetensors writer splits them) and rank 0 the index and
+the JSON files.
 """
 
 from __future__ import annotations
@@ -21,14 +23,16 @@ class HfWriter(Writer):
     """See the module docstring."""
 
     format_name = "hf"
+    supports_ranks = True
 
     def write(self, request: WriteRequest) -> list[str]:
         """The safetensors shards, then ``config.json`` (+ ``generation_config.json``)."""
         notes = dropped_objects_note(request, "an HF model directory holds weights only")
-        weights = replace(request, common={}, ranks=None,
-                          meta=replace(request.meta, objects=()))
+        weights = replace(request, common={}, meta=replace(request.meta, objects=()))
         writer_for("safetensors")(self.directory, replace(self.options, file_name=None)
                                   ).write(weights)
+        if request.ranks is not None and not request.ranks.is_main:
+            return notes
         config = self.options.extra.get("hf_config") or {}
         (self.directory / "config.json").write_text(
             json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")

@@ -1,0 +1,161 @@
+"""``ckpt diff`` / ``ckpt validate`` on Hugging Face model directories.
+
+``diff`` between a Megatron checkpoint and an HF directory maps names and shapes through the
+export rules: a faithful export (and the source of an import) diffs clean both ways, what HF
+cannot hold is a note ("not comparable"), a changed tensor is reported under its HF name with
+the Megatron tensor it comes from. The Megatron checkpoint is one the real Megatron-Core 0.16.1
+wrote (bf16, TP2 PP2, with optimizer state)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from typer.testing import CliRunner
+
+from ckpt_tool.cli.app import app
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _hf_dirs import llama_config, llama_dir  # noqa: E402
+
+runner = CliRunner()
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
+MCORE = FIXTURES / "mcore016_gpt_tp2pp2_bf16_optim" / "iter_0000010"
+LLAMA = llama_config()
+
+
+def ckpt(*argv, code: int = 0):
+    result = runner.invoke(app, [str(a) for a in argv])
+    assert result.exit_code == code, result.output
+    assert "Traceback" not in result.output
+    return result
+
+
+def diff_json(a, b, code: int) -> dict:
+    return json.loads(ckpt("diff", a, b, "--json", "--no-progress", code=code).stdout)
+
+
+def rewrite(path: Path, key: str, change) -> None:
+    """Rewrite safetensors file ``path`` with ``change`` applied to tensor ``key``."""
+    with safe_open(str(path), "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+        meta = f.metadata()
+    change(tensors[key])
+    save_file(tensors, str(path), metadata=meta)
+
+
+@pytest.fixture(scope="module")
+def export(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("export") / "hf"
+    ckpt("convert", MCORE, out, "--to", "hf", "--hf-arch", "gpt2", "--no-progress")
+    return out
+
+
+def test_megatron_checkpoint_and_its_hf_export_diff_clean_both_ways(export):
+    for a, b, me in ((MCORE, export, "A"), (export, MCORE, "B")):
+        doc = diff_json(a, b, 0)
+        assert doc["identical"] and not doc["only_in_a"] and not doc["only_in_b"]
+        assert doc["stats"]["tensors_compared"] == doc["stats"]["tensors_common"] == 52
+        notes = "\n".join(doc["notes"])
+        assert f"optimizer state not comparable: {'AB'[me == 'A']} (hf) holds model weights " \
+               f"only; {me}'s: 48 tensors" in notes
+        assert "common state not comparable" in notes and "args" in notes
+        assert "stored objects not compared" in notes and not doc["common"]
+
+
+def test_a_changed_tensor_is_reported_under_both_names(export, tmp_path):
+    changed = tmp_path / "hf"
+    shutil.copytree(export, changed)
+    key = "transformer.h.1.attn.c_attn.weight"
+    rewrite(changed / "model.safetensors", key, lambda t: t[3].add_(1.0))
+    doc = diff_json(MCORE, changed, 1)
+    assert [v["key"] for v in doc["values"]] == [key]
+    assert doc["values"][0]["differing"] == 128 and doc["values"][0]["first_index"] == [3, 0]
+    assert doc["mapped_from"] == {
+        key: "decoder.layers.self_attention.linear_qkv.weight[1] (q/k/v regrouped, transposed)"}
+    text = ckpt("diff", MCORE, changed, "--no-progress", code=1).output
+    assert f"first: {key}[3, 0]" in text and "(A: decoder.layers.self_attention.linear_qkv" \
+        ".weight[1]" in text
+    # a tensor the export lacks is only in A, under its HF name
+    with safe_open(str(changed / "model.safetensors"), "pt") as f:
+        kept = {k: f.get_tensor(k) for k in f.keys() if k != "transformer.ln_f.bias"}
+    save_file(kept, str(changed / "model.safetensors"), metadata={"format": "pt"})
+    doc = diff_json(MCORE, changed, 1)
+    assert doc["only_in_a"] == ["transformer.ln_f.bias"]
+    assert doc["mapped_from"]["transformer.ln_f.bias"] == "decoder.final_layernorm.bias"
+
+
+def _llama_dir(root: Path) -> Path:
+    return llama_dir(root)
+
+
+def test_hf_model_and_its_torch_dist_import(tmp_path):
+    hf = _llama_dir(tmp_path / "hf")
+    mc = tmp_path / "mc"
+    ckpt("convert", hf, mc, "--to", "torch_dist", "--pp", "2", "--no-progress")
+    doc = diff_json(hf, mc, 0)
+    assert doc["stats"]["tensors_common"] == 21 and doc["identical"]
+    assert ("padded vocab rows not comparable: B's embedding.word_embeddings.weight has 128 "
+            "rows, A (hf) holds vocab_size 10; rows 10-127 not compared") in doc["notes"]
+    assert any(n.startswith("common state not comparable: A (hf) holds config.json, B "
+                            "(torch_dist) holds args") for n in doc["notes"])
+    # the up half of layer 1's linear_fc1 changed in the HF model
+    key = "model.layers.1.mlp.up_proj.weight"
+    shard = json.loads((hf / "model.safetensors.index.json").read_text())["weight_map"][key]
+    rewrite(hf / shard, key, lambda t: t[0].mul_(2))
+    doc = diff_json(mc, hf, 1)
+    assert [v["key"] for v in doc["values"]] == [key]
+    assert doc["mapped_from"] == {key: "decoder.layers.mlp.linear_fc1.weight[1] (up half)"}
+
+
+def test_names_the_rules_cannot_map_are_compared_as_stored(export, tmp_path):
+    wrong = tmp_path / "hf"
+    shutil.copytree(export, wrong)
+    (wrong / "config.json").write_text(json.dumps(LLAMA))  # a GPT model called Llama
+    doc = diff_json(MCORE, wrong, 1)
+    assert any(n.startswith("names not mapped through the Hugging Face rules (") for n in
+               doc["notes"]), doc["notes"]
+    assert "transformer.h.0.attn.c_attn.weight" in doc["only_in_b"]
+    assert "decoder.layers.self_attention.linear_qkv.weight" in doc["only_in_a"]
+
+
+@pytest.mark.parametrize("kind", ["sharded", "bin"])
+def test_validate_hf_directories(tmp_path, kind):
+    d = _llama_dir(tmp_path / "hf")
+    if kind == "bin":  # the same model as pytorch_model-*.bin + index
+        index = json.loads((d / "model.safetensors.index.json").read_text())["weight_map"]
+        for name in sorted(set(index.values())):
+            with safe_open(str(d / name), "pt") as f:
+                torch.save({k: f.get_tensor(k) for k in f.keys()},
+                           d / name.replace("model-", "pytorch_model-").replace(
+                               ".safetensors", ".bin"))
+            (d / name).unlink()
+        (d / "model.safetensors.index.json").unlink()
+        (d / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": {
+            k: v.replace("model-", "pytorch_model-").replace(".safetensors", ".bin")
+            for k, v in index.items()}}))
+    first = sorted(p for p in d.iterdir() if p.name.endswith((".bin", ".safetensors")))[0]
+    for deep in ([], ["--deep"]):
+        doc = json.loads(ckpt("validate", d, "--json", *deep).stdout)
+        assert doc["ok"] and doc["format"] == "hf" and doc["stats"]["tensors"] == 21
+        assert doc["stats"]["files"] == 2
+    assert json.loads(ckpt("validate", d, "--deep", "--json").stdout)["stats"][
+        "tensors_read"] == 21
+    # a NaN is found by --deep (a warning)
+    if kind == "sharded":
+        rewrite(first, "lm_head.weight", lambda t: t[0].fill_(float("nan")))
+        doc = json.loads(ckpt("validate", d, "--deep", "--json").stdout)
+        assert doc["nonfinite"] == {"lm_head.weight": {"nan": 8, "inf": 0, "elements": 80}}
+    # a truncated shard, then a missing one: a finding naming it, exit 1
+    first.write_bytes(first.read_bytes()[:-16])
+    doc = json.loads(ckpt("validate", d, "--json", code=1).stdout)
+    assert first.name in json.dumps(doc["findings"])
+    first.unlink()
+    doc = json.loads(ckpt("validate", d, "--json", code=1).stdout)
+    assert f"names {first.name}, which is missing" in doc["findings"][0]["message"]
