@@ -82,3 +82,53 @@ def test_contiguous_strides_count_empty_dims_as_one():
     assert contiguous_stride((5, 0, 2, 3)) == torch.empty(5, 0, 2, 3).stride()
     assert contiguous_stride(()) == ()
     assert tensor_pickle("float32", (2, 2)).startswith(b"\x80\x02ctorch._utils\n")
+
+
+# -- the .distcp files of the streaming writers ------------------------------------------------
+
+def _write_dcp(tmp_path, tensors: dict, source_read):
+    from ckpt_tool.formats.writer import WriteRequest, WriterOptions, writer_for
+    from ckpt_tool.model import ChunkRef, CheckpointMeta, TensorMeta
+
+    metas = {k: TensorMeta(k, str(t.dtype).removeprefix("torch."), tuple(t.shape),
+                           (ChunkRef((0,) * t.dim(), tuple(t.shape)),))
+             for k, t in tensors.items()}
+    out = tmp_path / "out"
+    out.mkdir()
+
+    class Src:
+        def read(self, key, offsets, sizes):
+            return source_read(tensors[key])
+
+    req = WriteRequest(meta=CheckpointMeta(format="t", root="", tensors=metas), source=Src())
+    writer_for("dcp")(out, WriterOptions(extra={"files": 1})).write(req)
+    return out
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+@pytest.mark.parametrize("as_numpy", [False, True])
+def test_every_distcp_item_is_torch_save_of_its_chunk(tmp_path, as_numpy):
+    import numpy as np
+    from ckpt_tool.formats import open_checkpoint
+
+    tensors = {"a": torch.randn(33, 17), "b": torch.arange(12, dtype=torch.int64),
+               "c": torch.randn(5, 6).to(torch.bfloat16), "e": torch.zeros(0, 4),
+               "f8": torch.randn(8).to(torch.float8_e4m3fn)}  # float8: through torch.save
+
+    def read(t):
+        if not as_numpy:
+            return t.clone()
+        u = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[t.element_size()]
+        return t.contiguous().view(torch.uint8).numpy().view(u).reshape(tuple(t.shape)).copy()
+
+    out = _write_dcp(tmp_path, tensors, read)
+    meta = open_checkpoint(out).metadata()
+    for key, t in tensors.items():
+        (chunk,) = meta.tensors[key].chunks
+        with open(out / chunk.file, "rb") as f:
+            f.seek(chunk.byte_offset)
+            item = f.read(chunk.byte_length)
+        assert item == _torch_save(t), key
+    with open_checkpoint(out) as r:
+        for key, t in tensors.items():
+            assert r.read(key).view(torch.uint8).equal(t.view(torch.uint8)), key
