@@ -198,18 +198,21 @@ class StreamingFileSystemWriter(McoreFileSystemWriter):
     Items are spread over ``files`` data files ``__0_{i}.distcp`` (bytes items round-robin,
     tensors largest first onto the least-filled file, as :class:`McoreFileSystemWriter`
     does); ``threads`` files are written at once. ``on_written(item, nbytes)`` is called after
-    each tensor item is on disk.
+    each tensor item is on disk. ``digest``: the files' digests for the integrity manifest
+    are computed while they are written (``ckpt_tool.digests``).
     """
 
     def __init__(self, path: str, *, files: int = 2, threads: int = 1,
                  on_written: Callable[[WriteItem, int], None] = lambda item, nbytes: None,
                  sync_files: bool = True,
-                 file_of: Callable[[WriteItem], str | None] | None = None):
+                 file_of: Callable[[WriteItem], str | None] | None = None,
+                 digest: str | None = None):
         super().__init__(path, thread_count=max(1, files), overwrite=False,
                          sync_files=sync_files)
         self.io_threads = max(1, threads)
         self.on_written = on_written
         self.file_of = file_of
+        self.digest = digest
         self._lock = threading.Lock()
 
     def write_data(self, plan: SavePlan, planner):
@@ -249,7 +252,8 @@ class StreamingFileSystemWriter(McoreFileSystemWriter):
         return write_dcp_file(path, storage_key, items, planner.resolve_data,
                               transforms=self.transforms,
                               serialization_format=self.serialization_format,
-                              on_written=on_written, sync=self.sync_files)
+                              on_written=on_written, sync=self.sync_files,
+                              digest=self.digest)
 
     def _write_data(self, planner, file_queue) -> Future:
         jobs = []
@@ -319,7 +323,9 @@ def run_dcp_save(writer: Writer, request: WriteRequest, items: list, planner_dat
         str(writer.directory), files=file_count(request, writer, len(items)),
         threads=int(writer.options.extra.get("threads", 1)),
         on_written=lambda item, nbytes: request.progress(nbytes),
-        file_of=file_of if chunk_files else None)
+        file_of=file_of if chunk_files else None,
+        # the integrity manifest's algorithm (Megatron-Core's integrity.json: sha256)
+        digest="sha256" if writer.format_name == "torch_dist" else "crc32")
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
