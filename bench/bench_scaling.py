@@ -77,19 +77,22 @@ def disk_floor(work: Path, nbytes: int, streams: int) -> float:
     return nbytes / dt / 1e6
 
 
-def run_once(argv: list[str], out: Path) -> tuple[float, float, float]:
-    """(command's own seconds, wall seconds, peak RSS MB of the largest process)."""
+def run_once(argv: list[str], out: Path, code: str | None) -> tuple[float, float, float]:
+    """(command's own seconds, wall seconds, peak RSS MB of the largest process); ``code``:
+    the checkout to import ``ckpt_tool`` from (PYTHONPATH), None: as installed."""
     shutil.rmtree(out, ignore_errors=True)
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    if code:
+        env["PYTHONPATH"] = code
     t0 = time.perf_counter()
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"})
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     stdout = proc.stdout.read()
     stderr = proc.stderr.read()
     _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - t0
     if os.waitstatus_to_exitcode(status) != 0:
         sys.exit(f"failed: {' '.join(argv)}\n{stderr.decode(errors='replace')[-3000:]}")
-    doc = json.loads(stdout.decode().strip().splitlines()[-1] if stdout.strip() else "{}")
+    doc = json.loads(stdout.decode()) if stdout.strip() else {}
     shutil.rmtree(out, ignore_errors=True)
     return float(doc.get("seconds", wall)), wall, usage.ru_maxrss / 1024
 
@@ -124,6 +127,9 @@ def main() -> None:
                     default=["torch_dist", "safetensors", "dcp", "reshard"])
     ap.add_argument("--modes", nargs="+", default=["workers", "torchrun"])
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--compare-with", metavar="CHECKOUT",
+                    help="also time the ckpt_tool of this checkout (e.g. the main branch), "
+                    "alternating with this one: the before/after of a change")
     a = ap.parse_args()
     print(f"machine: {os.cpu_count()} CPUs; {uptime()}")
     src = a.dir or HERE / "out" / f"synthetic_{a.size_mb}mb_tp{a.build_ranks}"
@@ -133,7 +139,7 @@ def main() -> None:
     items = json.loads(subprocess.run([shutil.which("ckpt") or "ckpt", "inspect", "--json",
                                        str(src)], capture_output=True, text=True,
                                       check=True).stdout)
-    chunks = sum(len(t.get("chunks", [])) for t in items["tensors"].values())
+    chunks = sum(int(t.get("chunks", 0)) for t in items["tensors"].values())
     print(f"source: {src} ({nbytes / 2**20:.0f} MiB, {len(files)} files, "
           f"{len(items['tensors'])} tensors, {chunks} chunks)")
     shutil.rmtree(a.work, ignore_errors=True)
@@ -147,28 +153,42 @@ def main() -> None:
         floors[n] = statistics.median(disk_floor(a.work, nbytes, n) for _ in range(a.repeat))
         print(f"  N={n}: {floors[n]:8.0f} MB/s  ({nbytes / floors[n] / 1e6:.2f} s)")
 
-    configs = [(t, m, n) for t in a.targets for m in a.modes for n in a.counts]
+    here = str(HERE.parent)
+    codes = [("this", here)] + ([("other", a.compare_with)] if a.compare_with else [])
+    configs = [(t, m, n, c) for t in a.targets for m in a.modes for n in a.counts
+               for c, _ in codes]
     times: dict[tuple, list[tuple[float, float, float]]] = {c: [] for c in configs}
     for rep in range(a.repeat):  # round robin: every configuration sees the same load
         for c in configs:
-            t, m, n = c
+            t, m, n, code = c
             argv = command(t, src, a.work / "out", n, m == "torchrun", 2 * a.build_ranks)
-            times[c].append(run_once(argv, a.work / "out"))
+            times[c].append(run_once(argv, a.work / "out", dict(codes)[code]))
         print(f"  round {rep + 1}/{a.repeat} done; {uptime()}", flush=True)
 
-    print(f"\n{'target':12s} {'mode':9s} {'N':>2s} {'own s':>7s} {'wall s':>7s} "
+    print(f"\n{'code':5s} {'target':12s} {'mode':9s} {'N':>2s} {'own s':>7s} {'wall s':>7s} "
           f"{'speed-up':>8s} {'MB/s':>7s} {'floor MB/s':>10s} {'peak RSS MB':>11s}")
-    for t in a.targets:
+    med = {}
+    for code, _ in codes:
+        for t in a.targets:
+            for m in a.modes:
+                base = None
+                for n in a.counts:
+                    runs = times[(t, m, n, code)]
+                    own = statistics.median(r[0] for r in runs)
+                    wall = statistics.median(r[1] for r in runs)
+                    rss = max(r[2] for r in runs)
+                    med[(t, m, n, code)] = own
+                    base = base or own
+                    print(f"{code:5s} {t:12s} {m:9s} {n:2d} {own:7.2f} {wall:7.2f} "
+                          f"{base / own:7.2f}x {nbytes / own / 1e6:7.0f} {floors[n]:10.0f} "
+                          f"{rss:11.0f}")
+    for code, _ in codes:
         for m in a.modes:
-            base = None
             for n in a.counts:
-                runs = times[(t, m, n)]
-                own = statistics.median(r[0] for r in runs)
-                wall = statistics.median(r[1] for r in runs)
-                rss = max(r[2] for r in runs)
-                base = base or own
-                print(f"{t:12s} {m:9s} {n:2d} {own:7.2f} {wall:7.2f} {base / own:7.2f}x "
-                      f"{nbytes / own / 1e6:7.0f} {floors[n]:10.0f} {rss:11.0f}")
+                k = ("torch_dist", m, n, code), ("safetensors", m, n, code)
+                if k[0] in med and k[1] in med:
+                    print(f"{code}: --to torch_dist / --to safetensors ({m}, N={n}): "
+                          f"{med[k[0]] / med[k[1]]:.2f}x")
     print(f"\n{uptime()}")
     shutil.rmtree(a.work, ignore_errors=True)
 
