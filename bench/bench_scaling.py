@@ -77,8 +77,9 @@ def disk_floor(work: Path, nbytes: int, streams: int) -> float:
     return nbytes / dt / 1e6
 
 
-def run_once(argv: list[str], out: Path, code: str | None) -> tuple[float, float, float]:
-    """(command's own seconds, wall seconds, peak RSS MB of the largest process); ``code``:
+def run_once(argv: list[str], out: Path, code: str | None) -> tuple[float, float, float, float]:
+    """(command's own seconds, wall seconds, peak RSS MB of the largest process, CPU
+    seconds of the whole process tree: less sensitive to a loaded machine); ``code``:
     the checkout to import ``ckpt_tool`` from (PYTHONPATH), None: as installed."""
     shutil.rmtree(out, ignore_errors=True)
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
@@ -94,7 +95,8 @@ def run_once(argv: list[str], out: Path, code: str | None) -> tuple[float, float
         sys.exit(f"failed: {' '.join(argv)}\n{stderr.decode(errors='replace')[-3000:]}")
     doc = json.loads(stdout.decode()) if stdout.strip() else {}
     shutil.rmtree(out, ignore_errors=True)
-    return float(doc.get("seconds", wall)), wall, usage.ru_maxrss / 1024
+    return (float(doc.get("seconds", wall)), wall, usage.ru_maxrss / 1024,
+            usage.ru_utime + usage.ru_stime)
 
 
 def command(target: str, src: Path, out: Path, n: int, ranks: bool, tp: int) -> list[str]:
@@ -147,6 +149,11 @@ def main() -> None:
     for _ in range(1):  # page cache warm
         subprocess.run(["cat", *map(str, files)], stdout=subprocess.DEVNULL, check=True)
 
+    imp = [run_once([sys.executable, "-c", "import torch.distributed.checkpoint"],
+                    a.work / "none", None) for _ in range(a.repeat)]
+    print(f"import torch + torch.distributed.checkpoint: {statistics.median(r[1] for r in imp):.2f}"
+          f" s wall, {statistics.median(r[3] for r in imp):.2f} s CPU (safetensors targets "
+          "never import torch; torch_dist/dcp/reshard do)")
     print("\ndisk floor (os.write 16 MiB blocks + fsync, same bytes, N files on N threads):")
     floors = {}
     for n in a.counts:
@@ -166,7 +173,8 @@ def main() -> None:
         print(f"  round {rep + 1}/{a.repeat} done; {uptime()}", flush=True)
 
     print(f"\n{'code':5s} {'target':12s} {'mode':9s} {'N':>2s} {'own s':>7s} {'wall s':>7s} "
-          f"{'speed-up':>8s} {'MB/s':>7s} {'floor MB/s':>10s} {'peak RSS MB':>11s}")
+          f"{'speed-up':>8s} {'MB/s':>7s} {'floor MB/s':>10s} {'peak RSS MB':>11s} "
+          f"{'CPU s':>6s}")
     med = {}
     for code, _ in codes:
         for t in a.targets:
@@ -177,11 +185,12 @@ def main() -> None:
                     own = statistics.median(r[0] for r in runs)
                     wall = statistics.median(r[1] for r in runs)
                     rss = max(r[2] for r in runs)
+                    cpu = statistics.median(r[3] for r in runs)
                     med[(t, m, n, code)] = own
                     base = base or own
                     print(f"{code:5s} {t:12s} {m:9s} {n:2d} {own:7.2f} {wall:7.2f} "
                           f"{base / own:7.2f}x {nbytes / own / 1e6:7.0f} {floors[n]:10.0f} "
-                          f"{rss:11.0f}")
+                          f"{rss:11.0f} {cpu:6.2f}")
     for code, _ in codes:
         for m in a.modes:
             for n in a.counts:
