@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from ckpt_tool._crc import crc32
+from ckpt_tool.digests import noted
 from ckpt_tool.model import Finding
 
 __all__ = ["INTEGRITY_JSON", "SIDECAR", "FILE_SUFFIX", "ALGORITHMS", "digest_file",
@@ -100,8 +101,11 @@ def build_manifest(root: str | Path, *, algorithm: str | None = None,
     root = Path(root)
     algorithm = algorithm or ("sha256" if manifest_name(root) == INTEGRITY_JSON else "crc32")
     names = sorted(set(_files(root) if names is None else names) | set(known or ()))
-    todo = [n for n in names if n not in (known or {})]
     found = dict(known or {})
+    for n in names:  # digests computed while the files were written
+        if n not in found and (hit := noted(root / n, algorithm)) is not None:
+            found[n] = hit
+    todo = [n for n in names if n not in found]
     found.update(zip(todo, _digest_all(root, todo, algorithm)))
     return {"algorithm": algorithm,
             "files": {n: found[n][1] for n in names},

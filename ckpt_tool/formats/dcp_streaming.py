@@ -4,8 +4,9 @@ holds one item at a time.
 
 ``torch.distributed.checkpoint.save`` runs the protocol (local plan, global plan with DCP's
 validation, ``.metadata`` written last through ``.metadata.tmp`` + rename); these classes only
-say what the items are and where their bytes come from. Each item is serialized by DCP's own
-``_write_item`` (a ``torch.save`` archive per item, the standard ``.distcp`` layout).
+say what the items are and where their bytes come from. Each item is written by
+:mod:`ckpt_tool.formats.dcp_file_write` (the ``torch.save`` archive per item of the standard
+``.distcp`` layout, byte for byte, written from the chunk's raw buffer).
 
 Why not DCP's stock ``_write_files_from_queue``: it keeps every tensor it wrote to a file in a
 dict until the file is closed (for its safetensors mode), so a file's whole content would be
@@ -25,7 +26,6 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch.futures import Future
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.filesystem import _write_item
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
@@ -43,8 +43,6 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint import FileSystemWriter
 
 from ckpt_tool.errors import CheckpointingException, CorruptCheckpointError, UsageError
-from ckpt_tool._program import interrupts_deferred
-from ckpt_tool.formats.write_guard import GuardedStream
 from ckpt_tool.formats.writer import WriteRequest, Writer
 from ckpt_tool.model import TensorMeta
 
@@ -134,7 +132,8 @@ class StreamingSavePlanner(DefaultSavePlanner):
 
     Args:
         items: the write items (see :func:`chunk_write_items`, :func:`bytes_write_item`).
-        tensor: ``tensor(fqn, offsets, sizes)`` -> the chunk (contiguous CPU tensor).
+        tensor: ``tensor(fqn, offsets, sizes)`` -> the chunk (contiguous CPU tensor, or a
+            numpy array of its raw elements from a torch-free source).
         payload: ``payload(fqn)`` -> the serialized bytes item (``io.BytesIO``).
         planner_data: stored as ``Metadata.planner_data`` (None: as Megatron-Core writes).
         keep_local_plans: store ``Metadata.all_local_plans`` (Megatron-Core >= 0.11 does).
@@ -172,6 +171,14 @@ class StreamingSavePlanner(DefaultSavePlanner):
         sizes = tuple(chunk.sizes)
         data = self._tensor(fqn, tuple(chunk.offsets), sizes)
         want = write_item.tensor_data.properties.dtype
+        if not isinstance(data, torch.Tensor) and hasattr(data, "itemsize"):
+            # the raw elements from a torch-free source (a numpy array of unsigned ints)
+            if tuple(data.shape) != sizes or data.itemsize != want.itemsize:
+                raise CorruptCheckpointError(
+                    f"tensor {fqn}: the source gave {data.itemsize}-byte elements "
+                    f"{list(data.shape)} for the chunk at {list(chunk.offsets)}, expected "
+                    f"{want} {list(sizes)}")
+            return data if data.flags.c_contiguous else data.copy()
         if not isinstance(data, torch.Tensor) or tuple(data.shape) != sizes \
                 or data.dtype != want:
             got = (f"{data.dtype} {list(data.shape)}" if isinstance(data, torch.Tensor)
@@ -191,18 +198,21 @@ class StreamingFileSystemWriter(McoreFileSystemWriter):
     Items are spread over ``files`` data files ``__0_{i}.distcp`` (bytes items round-robin,
     tensors largest first onto the least-filled file, as :class:`McoreFileSystemWriter`
     does); ``threads`` files are written at once. ``on_written(item, nbytes)`` is called after
-    each tensor item is on disk.
+    each tensor item is on disk. ``digest``: the files' digests for the integrity manifest
+    are computed while they are written (``ckpt_tool.digests``).
     """
 
     def __init__(self, path: str, *, files: int = 2, threads: int = 1,
                  on_written: Callable[[WriteItem, int], None] = lambda item, nbytes: None,
                  sync_files: bool = True,
-                 file_of: Callable[[WriteItem], str | None] | None = None):
+                 file_of: Callable[[WriteItem], str | None] | None = None,
+                 digest: str | None = None):
         super().__init__(path, thread_count=max(1, files), overwrite=False,
                          sync_files=sync_files)
         self.io_threads = max(1, threads)
         self.on_written = on_written
         self.file_of = file_of
+        self.digest = digest
         self._lock = threading.Lock()
 
     def write_data(self, plan: SavePlan, planner):
@@ -233,29 +243,17 @@ class StreamingFileSystemWriter(McoreFileSystemWriter):
 
     def _write_one_file(self, planner, path: str, storage_key: str,
                         items: Sequence[WriteItem]) -> list:
-        results = []
-        ordered = ([i for i in items if i.type == WriteItemType.BYTE_IO]
-                   + [i for i in items if i.type != WriteItemType.BYTE_IO])
-        with self.fs.create_stream(path, "wb") as real:
-            stream = GuardedStream(real, path)  # a full disk: the OSError, not an abort
-            for item in ordered:
-                data = planner.resolve_data(item)
-                try:
-                    with interrupts_deferred():  # torch.save calls stream.write from C code
-                        results.append(_write_item(self.transforms, stream, data, item,
-                                                   storage_key, self.serialization_format))
-                finally:
-                    stream.check()
-                nbytes = data.nbytes if isinstance(data, torch.Tensor) else 0
-                del data  # the chunk is on disk: let it go before resolving the next one
-                if item.type != WriteItemType.BYTE_IO:
-                    with self._lock:
-                        self.on_written(item, nbytes)
-            if self.sync_files:
-                import os
+        from ckpt_tool.formats.dcp_file_write import write_dcp_file
 
-                os.fsync(stream.fileno())
-        return results
+        def on_written(item: WriteItem, nbytes: int) -> None:
+            with self._lock:
+                self.on_written(item, nbytes)
+
+        return write_dcp_file(path, storage_key, items, planner.resolve_data,
+                              transforms=self.transforms,
+                              serialization_format=self.serialization_format,
+                              on_written=on_written, sync=self.sync_files,
+                              digest=self.digest)
 
     def _write_data(self, planner, file_queue) -> Future:
         jobs = []
@@ -286,7 +284,8 @@ def file_count(request: WriteRequest, writer: Writer, items: int) -> int:
     files = writer.options.extra.get("files")
     if files is None:
         total = request.meta.total_bytes
-        files = max(2, math.ceil(total / max(1, writer.options.max_shard_size)))
+        files = max(2, math.ceil(total / max(1, writer.options.max_shard_size)),
+                    int(writer.options.extra.get("threads", 1)))  # a file per thread at least
     return max(1, min(int(files), max(1, items)))
 
 
@@ -324,7 +323,9 @@ def run_dcp_save(writer: Writer, request: WriteRequest, items: list, planner_dat
         str(writer.directory), files=file_count(request, writer, len(items)),
         threads=int(writer.options.extra.get("threads", 1)),
         on_written=lambda item, nbytes: request.progress(nbytes),
-        file_of=file_of if chunk_files else None)
+        file_of=file_of if chunk_files else None,
+        # the integrity manifest's algorithm (Megatron-Core's integrity.json: sha256)
+        digest="sha256" if writer.format_name == "torch_dist" else "crc32")
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")

@@ -12,7 +12,7 @@ from ckpt_tool.formats.writer import WriteRequest
 from ckpt_tool.model import TensorMeta, dtype_itemsize
 
 __all__ = ["DEFAULT_MAX_MEMORY", "slab_pieces", "pull_piece", "tensor_bytes", "my_share",
-           "run_share"]
+           "run_share", "run_tasks"]
 
 DEFAULT_MAX_MEMORY = 256 * 2**20
 
@@ -100,3 +100,45 @@ def run_share(ranks: Any, work: Callable[[], None]) -> None:
     if not all_ok:
         raise UsageError("another rank failed while writing the output",
                          hint="see that rank's error above")
+
+
+def run_tasks(tasks: list, do: Callable[[Any], None], threads: int) -> None:
+    """``do(task)`` for every task, on ``threads`` threads (the first error is raised once
+    every thread has stopped; tasks not yet started are skipped)."""
+    if threads <= 1 or len(tasks) <= 1:
+        for task in tasks:
+            do(task)
+        return
+    import queue
+    import threading
+
+    todo: queue.SimpleQueue = queue.SimpleQueue()
+    for task in tasks:
+        todo.put(task)
+    errors: list[BaseException] = []
+
+    def worker() -> None:
+        while not errors:
+            try:
+                task = todo.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                do(task)
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
+                errors.append(exc)
+
+    pool = [threading.Thread(target=worker, name=f"ckpt-write-{i}", daemon=True)
+            for i in range(min(threads, len(tasks)))]
+    for t in pool:
+        t.start()
+    try:
+        for t in pool:
+            t.join()
+    except BaseException as exc:  # Ctrl-C: stop the threads before the files go away
+        errors.append(exc)
+        for t in pool:
+            t.join()
+        raise
+    if errors:
+        raise errors[0]

@@ -52,6 +52,7 @@ class RawSource:
         self.largest_piece = 0
         self.tensors_done = 0
         self._per_key: dict[str, int] = {}
+        self._chunks: dict[str, dict[tuple, ChunkRef]] = {}
         self._lock = threading.Lock()
 
     def read(self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Any:
@@ -61,7 +62,8 @@ class RawSource:
         dt = np.dtype(_UINT[dtype_itemsize(meta.dtype)])
         out = np.empty(sizes, dtype=dt)
         covered = 0
-        for chunk in meta.chunks:
+        exact = self._exact(meta).get((tuple(offsets), tuple(sizes)))
+        for chunk in (exact,) if exact is not None else meta.chunks:
             inter = [(max(o, c), min(o + n, c + m)) for o, n, c, m in
                      zip(offsets, sizes, chunk.offsets, chunk.sizes)]
             if any(lo >= hi for lo, hi in inter):
@@ -86,6 +88,17 @@ class RawSource:
             if key in self.sizes and got >= self.sizes[key] > got - n:
                 self.tensors_done += 1
         return out
+
+    def _exact(self, meta: TensorMeta) -> dict[tuple, ChunkRef]:
+        """``{(offsets, sizes): chunk}`` of the tensor's stored chunks (the usual request is
+        one of them: found without scanning every chunk of the tensor)."""
+        found = self._chunks.get(meta.key)
+        if found is None:
+            found = {}
+            for c in meta.chunks:
+                found.setdefault((tuple(c.offsets), tuple(c.sizes)), c)
+            self._chunks[meta.key] = found
+        return found
 
     def _through_torch(self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...],
                        dt: Any) -> Any:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from ckpt_tool.errors import OutputError, UsageError, plural
+from ckpt_tool.digests import take as take_digests
 from ckpt_tool.leftovers import OLD_MARK, STAGING_MARK, reclaim, target_lock
 from ckpt_tool.manifest import current_umask, fsync_dir
 
@@ -147,6 +148,7 @@ def _staged(out: Path, overwrite: bool, file_name: str | None) -> Iterator[Path]
         os.chmod(staging, 0o777 & ~current_umask())  # mkdtemp made it 0700: the output follows umask
         produced = staging / file_name if file_name else staging
         side = _add_manifest(staging, file_name, out)
+        take_digests(staging)  # used by the manifest: forget them
         fsync_tree(staging)
         if side is not None:  # the file's manifest goes first: the file never lacks it
             os.replace(side, out.parent / side.name)
@@ -164,6 +166,7 @@ def _staged(out: Path, overwrite: bool, file_name: str | None) -> Iterator[Path]
             shutil.rmtree(staging, ignore_errors=True)
         fsync_dir(out.parent)
     except BaseException:
+        take_digests(staging)
         shutil.rmtree(staging, ignore_errors=True)
         raise
 
@@ -211,7 +214,13 @@ def staged_output_ranks(dst: str | Path, ranks: Any, *, overwrite: bool = False,
         ok = True
     finally:
         all_ok = ranks.all_ok(ok)
+        # the digests every rank computed while writing, for rank 0's integrity manifest
+        from ckpt_tool.digests import give
+
+        noted = ranks.gather(take_digests(staging) if ok else {})
         if ctx is not None:
+            for part in noted or []:
+                give(part or {})
             if all_ok:
                 ctx.__exit__(None, None, None)
             else:

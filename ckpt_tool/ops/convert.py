@@ -29,6 +29,8 @@ from ckpt_tool.parallel import ranks as current_ranks
 __all__ = ["ConvertResult", "convert", "SINGLE_FILE_TARGETS", "Progress"]
 
 # Targets written as one file when DST looks like a file name.
+# Targets whose writers take raw element bytes (numpy) from a torch-free source.
+_RAW_TARGETS = ("safetensors", "torch_dist", "dcp")
 SINGLE_FILE_TARGETS = {"torch": (".pt", ".pth", ".bin", ".ckpt"), "safetensors": (".safetensors",)}
 
 
@@ -105,8 +107,8 @@ def convert(src: str | Path, dst: str | Path, options: ConvertOptions, *, trust:
                                  "asks for shards", hint="give a directory as DST for shards")
             max_shard_size = max(plan.target.total_bytes, 1)
         sizes = {k: t.nbytes for k, t in plan.target.tensors.items()}
-        raw = options.to == "safetensors" and raw_source_applies(reader, plan.key_map,
-                                                                  plan.dtypes)
+        raw = options.to in _RAW_TARGETS and raw_source_applies(reader, plan.key_map,
+                                                                 plan.dtypes)
         source: Any = (RawSource(reader, plan.key_map, sizes) if raw else
                        ReaderSource(reader, plan.key_map, plan.dtypes, sizes=sizes))
         notes = list(plan.notes)

@@ -325,6 +325,28 @@ def test_slab_streaming_bounds_every_piece(tmp_path):
                 assert f.read_bytes() == (tmp_path / f"{fmt}-ref" / f.name).read_bytes()
 
 
+def test_safetensors_threads_write_the_same_bytes(tmp_path):
+    # slabs of several shards written by 4 threads at their offsets (pwrite)
+    gen = torch.Generator().manual_seed(5)
+    tensors = {f"layer{i}.w": torch.randn(17 + i, 13, generator=gen) for i in range(9)}
+    tensors["big"] = torch.randn(64, 64, generator=gen).bfloat16()
+    tensors["optimizer.m"] = torch.randn(33, generator=gen)
+    outs = {}
+    for threads in (1, 4):
+        out = tmp_path / f"t{threads}"
+        src = MemSource(tensors)
+        done = []
+        _write("safetensors", out, WriteRequest(meta=_meta(tensors), source=src,
+                                                progress=done.append),
+               max_memory=512, max_shard_size=3000, extra={"threads": threads})
+        assert src.largest <= 512 and sum(done) == sum(t.nbytes for t in tensors.values())
+        outs[threads] = {f.name: f.read_bytes() for f in out.iterdir()}
+    assert len(outs[1]) > 3 and outs[1] == outs[4]
+    back = open_checkpoint(tmp_path / "t4")
+    for k, v in tensors.items():
+        _same(back.read(k), v)
+
+
 def _zarr_chunks(shape, chunk):
     grid = [range(0, s, c) for s, c in zip(shape, chunk)]
     import itertools

@@ -14,7 +14,7 @@ source's bytes items or a legacy file's ``rng_state/mp_rank_00_000``) go into ``
 under their key instead (a note says so).
 
 Options (``WriterOptions.extra``): ``files`` (number of data files; default
-``max(2, total bytes / max_shard_size)``), ``threads`` (files written at once; default 1;
+``max(2, total bytes / max_shard_size, threads)``), ``threads`` (files written at once; default 1;
 more than 1 calls ``source.read``/``objects`` from several threads, which they must allow).
 ``max_memory`` is met by the target chunk grid (the planner cuts chunks to it).
 """

@@ -25,7 +25,10 @@ common values (``iteration``, ``checkpoint_version``, ...) as strings. Everythin
 from __future__ import annotations
 
 import json
+import math
+import os
 import struct
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +38,7 @@ from ckpt_tool.formats.write_pieces import (
     my_share,
     pull_piece,
     run_share,
+    run_tasks,
     slab_pieces,
     tensor_bytes,
 )
@@ -137,10 +141,32 @@ class SafetensorsWriter(Writer):
         ranks = request.ranks
         mine = my_share(ranks, [sum(t.nbytes for t in shard) for _, shard in files])
 
+        threads = max(1, int(self.options.extra.get("threads", 1)))
+
         def work() -> None:
-            for i in mine:
-                name, shard = files[i]
-                self._write_file(self.directory / name, shard, metadata, request, budget)
+            tasks = []
+            fds = []
+            try:
+                for i in mine:  # headers first: every tensor's place is then known
+                    name, shard = files[i]
+                    fd, placed = self._start_file(self.directory / name, shard, metadata)
+                    fds.append(fd)
+                    tasks += [(fd, at, t, piece) for at, t in placed
+                              for at, piece in _slabs(at, t, budget)]
+                if threads > 1:  # biggest first: the threads end together
+                    tasks.sort(key=lambda task: -math.prod(task[3][1])
+                               * dtype_itemsize(task[2].dtype))
+                lock = threading.Lock()
+
+                def progress(nbytes: int) -> None:
+                    with lock:
+                        request.progress(nbytes)
+
+                run_tasks(tasks, lambda task: self._write_slab(*task, request, progress),
+                          threads)
+            finally:
+                for fd in fds:
+                    os.close(fd)
             if ranks is not None and not ranks.is_main:
                 return
             for group_stem, named in indexes:
@@ -173,8 +199,10 @@ class SafetensorsWriter(Writer):
         return notes, metadata
 
     @staticmethod
-    def _write_file(path: Path, shard: list[TensorMeta], metadata: dict[str, str],
-                    request: WriteRequest, budget: int) -> None:
+    def _start_file(path: Path, shard: list[TensorMeta], metadata: dict[str, str]
+                    ) -> tuple[int, list[tuple[int, TensorMeta]]]:
+        """Create ``path`` with its header; return its descriptor and where each tensor's
+        data goes (file offsets)."""
         ordered = sorted(shard, key=lambda t: -dtype_itemsize(t.dtype))  # stable
         header: dict[str, Any] = {"__metadata__": metadata}
         pos = 0
@@ -184,15 +212,42 @@ class SafetensorsWriter(Writer):
             pos += t.nbytes
         raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
         raw += b" " * (-len(raw) % 8)
-        with open(path, "wb") as f:
-            f.write(struct.pack("<Q", len(raw)))
-            f.write(raw)
-            for t in ordered:
-                if t.numel == 0:
-                    continue
-                for offsets, sizes in slab_pieces(t.shape, dtype_itemsize(t.dtype), budget):
-                    piece = pull_piece(request, t, offsets, sizes)
-                    data = tensor_bytes(piece)
-                    f.write(data)
-                    del piece
-                    request.progress(len(data))
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+        try:
+            _pwrite_all(fd, struct.pack("<Q", len(raw)) + raw, 0)
+        except BaseException:
+            os.close(fd)
+            raise
+        placed, at = [], 8 + len(raw)
+        for t in ordered:
+            placed.append((at, t))
+            at += t.nbytes
+        return fd, placed
+
+    @staticmethod
+    def _write_slab(fd: int, at: int, t: TensorMeta, piece: tuple, request: WriteRequest,
+                    progress: Any) -> None:
+        data = pull_piece(request, t, *piece)
+        view = tensor_bytes(data)
+        _pwrite_all(fd, view, at)
+        del data
+        progress(view.nbytes)
+
+
+def _slabs(at: int, t: TensorMeta, budget: int) -> list[tuple[int, tuple]]:
+    """``(file offset, (offsets, sizes))`` of the slabs a tensor stored at ``at`` is written
+    in (C order: each slab continues where the last ended)."""
+    if t.numel == 0:
+        return []
+    out = []
+    for offsets, sizes in slab_pieces(t.shape, dtype_itemsize(t.dtype), budget):
+        out.append((at, (offsets, sizes)))
+        at += math.prod(sizes) * dtype_itemsize(t.dtype)
+    return out
+
+
+def _pwrite_all(fd: int, data: Any, at: int) -> None:
+    view = memoryview(data).cast("B")
+    while view.nbytes:
+        n = os.pwrite(fd, view, at)
+        view, at = view[n:], at + n

@@ -1,0 +1,141 @@
+"""File digests computed while the file is written, for the integrity manifest
+(``ckpt_tool.manifest``): the manifest then costs no second pass over the output.
+
+:class:`FollowingDigest` runs a thread that reads a file behind its writer (``os.pread`` of
+what the writer says is on disk: the page cache, 8 MiB at a time) and hashes it, so hashing
+overlaps writing instead of following it; what it hashes is what the file holds. The writer
+:func:`note` s the result; ``build_manifest`` uses a noted digest when the file still has
+the size and modification time it had when noted (:func:`noted`), else reads the file.
+Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from typing import Any
+
+from ckpt_tool._crc import crc32
+
+__all__ = ["FollowingDigest", "note", "noted", "take", "give"]
+
+_BLOCK = 8 << 20
+_LOCK = threading.Lock()
+# absolute path -> (algorithm, size, mtime_ns, hex digest)
+_NOTED: dict[str, tuple[str, int, int, str]] = {}
+
+
+class FollowingDigest:
+    """The digest (``"sha256"`` or ``"crc32"``) of the file ``path`` being written; call
+    :meth:`advance` with how many bytes are on disk, :meth:`finish` once all are."""
+
+    def __init__(self, path: str | os.PathLike, algorithm: str):
+        self.path = os.path.abspath(os.fspath(path))
+        self.algorithm = algorithm
+        self._hash = hashlib.sha256() if algorithm == "sha256" else None
+        self._crc = 0
+        self._done = 0
+        self._written = 0
+        self._closed = False
+        self._error: BaseException | None = None
+        self._cond = threading.Condition()
+        self._fd = os.open(self.path, os.O_RDONLY)
+        self._thread = threading.Thread(target=self._run, name="ckpt-digest", daemon=True)
+        self._thread.start()
+
+    def advance(self, written: int) -> None:
+        """``written`` bytes of the file (from its start) are on disk."""
+        with self._cond:
+            self._written = max(self._written, written)
+            self._cond.notify()
+
+    def _run(self) -> None:
+        buf = bytearray(_BLOCK)
+        view = memoryview(buf)
+        try:
+            while True:
+                with self._cond:
+                    while self._written <= self._done and not self._closed:
+                        self._cond.wait()
+                    target, closed = self._written, self._closed
+                if self._done >= target and closed:
+                    return
+                n = os.preadv(self._fd, [view[:min(_BLOCK, target - self._done)]], self._done)
+                if n <= 0:
+                    raise OSError(f"{self.path} is shorter than {target} bytes")
+                if self._hash is not None:
+                    self._hash.update(view[:n])
+                else:
+                    self._crc = crc32(view[:n], self._crc)
+                self._done += n
+        except BaseException as exc:  # noqa: BLE001 - reported by finish()
+            self._error = exc
+
+    def finish(self, size: int) -> tuple[int, str]:
+        """Hash up to ``size`` (the file's final length), note the digest (:func:`note`) and
+        return ``(size, hex digest)``."""
+        self.advance(size)
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join()
+        os.close(self._fd)
+        if self._error is not None:
+            raise self._error
+        digest = self._hash.hexdigest() if self._hash is not None else \
+            f"{self._crc & 0xFFFFFFFF:08x}"
+        note(self.path, self.algorithm, size, digest)
+        return size, digest
+
+    def abandon(self) -> None:
+        """Stop without a digest (the write failed)."""
+        with self._cond:
+            self._closed = True
+            self._written = self._done
+            self._cond.notify()
+        self._thread.join()
+        os.close(self._fd)
+
+
+def note(path: str | os.PathLike, algorithm: str, size: int, digest: str) -> None:
+    """Remember the digest of the file ``path`` as it is now (its size and mtime)."""
+    path = os.path.abspath(os.fspath(path))
+    st = os.stat(path)
+    if st.st_size == size:
+        with _LOCK:
+            _NOTED[path] = (algorithm, size, st.st_mtime_ns, digest)
+
+
+def noted(path: str | os.PathLike, algorithm: str) -> tuple[int, str] | None:
+    """``(size, digest)`` noted for ``path`` if the file is unchanged since, else None."""
+    path = os.path.abspath(os.fspath(path))
+    with _LOCK:
+        entry = _NOTED.get(path)
+    if entry is None or entry[0] != algorithm:
+        return None
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    if (st.st_size, st.st_mtime_ns) != entry[1:3]:
+        return None
+    return entry[1], entry[3]
+
+
+def take(root: str | os.PathLike) -> dict[str, Any]:
+    """Remove and return the entries for files under the directory ``root`` (to hand them to
+    the process that writes the manifest: :func:`give`)."""
+    root = os.path.abspath(os.fspath(root)) + os.sep
+    with _LOCK:
+        mine = {p: e for p, e in _NOTED.items() if p.startswith(root)}
+        for p in mine:
+            del _NOTED[p]
+    return mine
+
+
+def give(entries: dict[str, Any]) -> None:
+    """Add entries another process :func:`take` s (every rank's, on the one writing the
+    manifest)."""
+    with _LOCK:
+        _NOTED.update(entries)

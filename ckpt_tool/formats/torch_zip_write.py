@@ -1,0 +1,207 @@
+"""Writing one tensor as a ``torch.save`` archive ourselves, byte for byte what torch writes.
+
+A DCP ``.distcp`` item is ``torch.save(tensor)`` into the open file. Going through torch costs
+a call into its C++ zip writer per item, which hands the bytes back to a Python stream in
+pieces, computes the CRC with miniz and needs a torch tensor (so a byte-moving conversion would
+have to import torch and copy each chunk into one). Here the same archive is produced from
+the tensor's raw bytes (a ``memoryview``: a numpy array or a torch tensor's storage): a few
+small header writes, one write of the data, the CRC by ISA-L. ``tests/formats`` compares our
+archives with ``torch.save``'s byte for byte, over dtypes and shapes.
+
+The layout torch 2.x writes for a tensor saved into a stream (records in this order, each
+record's data aligned to 64 bytes of the archive by an extra field ``FB`` + length + ``Z``
+padding; sizes and CRC in a data descriptor after the data, zero in the local header; method
+*stored*, time and date zero; a ZIP64 end record always)::
+
+    archive/data.pkl                  pickle (protocol 2) of _rebuild_tensor_v2(storage, ...)
+    archive/.format_version           "1"
+    archive/.storage_alignment        "64"
+    archive/byteorder                 "little"
+    archive/data/0                    the storage's bytes
+    archive/version                   "3\\n"
+    archive/.data/serialization_id    20 digits from the record names, then 20 from the CRCs
+
+Archives of 4 GiB or more need ZIP64 fields in the headers; they, and dtypes whose pickle is
+special (float8, uint16/32/64), are left to ``torch.save`` (:func:`supported` says which).
+Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from typing import Any, Callable, Sequence
+
+from ckpt_tool._crc import crc32
+
+__all__ = ["STORAGE_TYPES", "supported", "tensor_pickle", "TensorArchive"]
+
+#: dtype name -> the storage class ``torch.save`` names in ``data.pkl``
+STORAGE_TYPES: dict[str, str] = {
+    "float32": "FloatStorage", "float64": "DoubleStorage", "float16": "HalfStorage",
+    "bfloat16": "BFloat16Storage", "int64": "LongStorage", "int32": "IntStorage",
+    "int16": "ShortStorage", "int8": "CharStorage", "uint8": "ByteStorage",
+    "bool": "BoolStorage", "complex64": "ComplexFloatStorage",
+    "complex128": "ComplexDoubleStorage",
+}
+
+_PREFIX = "archive/"
+_ALIGN = 64
+_LOCAL = struct.Struct("<4s5H3L2H")
+_DESCRIPTOR = struct.Struct("<4s3L")
+_CDIR = struct.Struct("<4s6H3L5H2L")
+_EOCD64 = struct.Struct("<4sQ2H2L4Q")
+_LOC64 = struct.Struct("<4sLQL")
+_EOCD = struct.Struct("<4s4H2LH")
+_FLAGS = 0x0808  # sizes in a data descriptor; UTF-8 names
+_LIMIT = 0xFFFFFFFF - (1 << 16)  # below this every offset and size fits 32 bits
+_SMALL = ((".format_version", b"1"), (".storage_alignment", b"64"), ("byteorder", b"little"))
+_VERSION = b"3\n"
+# torch derives the first half of serialization_id from the names of the records it wrote
+# (the same names for every tensor archive), the second half from their CRCs (below)
+_NAMES_ID = "15728199511854643026"
+_MASK = (1 << 64) - 1
+
+
+def supported(dtype: str, nbytes: int) -> bool:
+    """True when :class:`TensorArchive` writes what ``torch.save`` would for such a tensor."""
+    return dtype in STORAGE_TYPES and nbytes < _LIMIT
+
+
+def _int(x: int) -> bytes:
+    if 0 <= x < 256:
+        return b"K" + bytes((x,))
+    if 0 <= x < 65536:
+        return b"M" + struct.pack("<H", x)
+    if -(1 << 31) <= x < (1 << 31):
+        return b"J" + struct.pack("<i", x)
+    raw = x.to_bytes((x.bit_length() + 8) // 8, "little", signed=True)
+    return b"\x8a" + bytes((len(raw),)) + raw
+
+
+def _text(s: str) -> bytes:
+    raw = s.encode("utf-8")
+    return b"X" + struct.pack("<I", len(raw)) + raw
+
+
+def _tuple(values: Sequence[int], memo: int) -> tuple[bytes, int]:
+    """A tuple of ints as pickle protocol 2 writes it, and the next memo index."""
+    if not values:
+        return b")", memo
+    body = b"".join(_int(v) for v in values)
+    if len(values) <= 3:
+        return body + b"\x85\x86\x87"[len(values) - 1:len(values)] + b"q" + bytes((memo,)), \
+            memo + 1
+    return b"(" + body + b"tq" + bytes((memo,)), memo + 1
+
+
+def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+    """torch's strides of a contiguous tensor (a size 0 counts as 1)."""
+    out, step = [], 1
+    for size in reversed(shape):
+        out.append(step)
+        step *= max(int(size), 1)
+    return tuple(reversed(out))
+
+
+def tensor_pickle(dtype: str, shape: Sequence[int]) -> bytes:
+    """``data.pkl`` of ``torch.save`` of a contiguous, fresh tensor (storage ``0`` on the
+    CPU, offset 0, no grad, no hooks)."""
+    shape = tuple(int(s) for s in shape)
+    head = (b"\x80\x02ctorch._utils\n_rebuild_tensor_v2\nq\x00((" + _text("storage") + b"q\x01"
+            + b"ctorch\n" + STORAGE_TYPES[dtype].encode() + b"\nq\x02" + _text("0") + b"q\x03"
+            + _text("cpu") + b"q\x04" + _int(math.prod(shape)) + b"tq\x05QK\x00")
+    size, memo = _tuple(shape, 6)
+    stride, memo = _tuple(contiguous_stride(shape), memo)
+    tail = (b"\x89ccollections\nOrderedDict\nq" + bytes((memo,)) + b")Rq" + bytes((memo + 1,))
+            + b"tq" + bytes((memo + 2,)) + b"Rq" + bytes((memo + 3,)) + b".")
+    return head + size + stride + tail
+
+
+def _flags(size: int) -> int:
+    return _FLAGS if size else _FLAGS & ~0x0008  # an empty record: no data descriptor
+
+
+def _combine(seed: int, value: int) -> int:
+    return (seed ^ ((value + 0x9E3779B9 + (seed << 6) + (seed >> 2)) & _MASK)) & _MASK
+
+
+class TensorArchive:
+    """The ``torch.save`` archive of one tensor (archive offsets start at 0).
+
+    ``head()`` is every byte before the tensor's data (it does not depend on the data);
+    ``tail(crc)`` every byte after it, given the data's CRC-32. ``write`` does all three.
+    """
+
+    def __init__(self, dtype: str, shape: Sequence[int], nbytes: int):
+        if not supported(dtype, nbytes):
+            raise ValueError(f"no raw torch.save archive for {dtype} of {nbytes} bytes")
+        self.nbytes = nbytes
+        self._records: list[tuple[bytes, int, int, int]] = []  # name, header at, size, crc
+        head = bytearray()
+        for name, data in (("data.pkl", tensor_pickle(dtype, shape)), *_SMALL):
+            self._record(head, 0, name, data)
+        self._head_records = list(self._records)
+        self._data_at = self._local(head, 0, "data/0", nbytes)
+        self._head = bytes(head)
+
+    @staticmethod
+    def _local(out: bytearray, base: int, name: str, size: int) -> int:
+        """Append a local header at archive offset ``base + len(out)``; return that offset."""
+        full = (_PREFIX + name).encode()
+        at = base + len(out)
+        pad = -(at + _LOCAL.size + len(full) + 4) % _ALIGN
+        out += _LOCAL.pack(b"PK\x03\x04", 0, _flags(size), 0, 0, 0, 0, 0, 0, len(full),
+                           pad + 4)
+        out += full + b"FB" + struct.pack("<H", pad) + b"Z" * pad
+        return at
+
+    def _record(self, out: bytearray, base: int, name: str, data: bytes) -> None:
+        at = self._local(out, base, name, len(data))
+        crc = crc32(data) & 0xFFFFFFFF
+        out += data + _DESCRIPTOR.pack(b"PK\x07\x08", crc, len(data), len(data))
+        self._records.append(((_PREFIX + name).encode(), at, len(data), crc))
+
+    def head(self) -> bytes:
+        """The bytes before the data."""
+        return self._head
+
+    def tail(self, crc: int) -> bytes:
+        """The bytes after the data (``crc``: CRC-32 of the data)."""
+        base = len(self._head) + self.nbytes  # the archive offset of what follows
+        self._records = list(self._head_records)
+        self._records.append(((_PREFIX + "data/0").encode(), self._data_at, self.nbytes, crc))
+        out = bytearray(_DESCRIPTOR.pack(b"PK\x07\x08", crc, self.nbytes, self.nbytes)
+                        if self.nbytes else b"")  # an empty record has no descriptor
+        self._record(out, base, "version", _VERSION)
+        combined = 0
+        for _, _, size, c in self._records:
+            if size:  # torch combines the CRCs of non-empty records only
+                combined = _combine(combined, c)
+        self._record(out, base, ".data/serialization_id",
+                     f"{_NAMES_ID}{combined:020d}".encode())
+        cd_start = base + len(out)
+        for full, at, size, c in self._records:
+            out += _CDIR.pack(b"PK\x01\x02", 0, 0, _flags(size), 0, 0, 0, c, size, size, len(full),
+                              0, 0, 0, 0, 0, at) + full
+        end = base + len(out)
+        n = len(self._records)
+        out += _EOCD64.pack(b"PK\x06\x06", 44, 0x031E, 0x002D, 0, 0, n, n, end - cd_start,
+                            cd_start)
+        out += _LOC64.pack(b"PK\x06\x07", 0, end, 1)
+        out += _EOCD.pack(b"PK\x05\x06", 0, 0, n, n, end - cd_start, cd_start, 0)
+        return bytes(out)
+
+    def write(self, write: Callable[[Any], Any], data: Any) -> int:
+        """Write the archive of ``data`` (a buffer of ``nbytes`` bytes) through ``write``;
+        returns the archive's length."""
+        view = memoryview(data).cast("B") if memoryview(data).ndim != 1 or \
+            memoryview(data).format != "B" else memoryview(data)
+        if view.nbytes != self.nbytes:
+            raise ValueError(f"{view.nbytes} bytes of data for an archive of {self.nbytes}")
+        write(self._head)
+        if view.nbytes:
+            write(view)
+        tail = self.tail(crc32(view) & 0xFFFFFFFF)
+        write(tail)
+        return len(self._head) + view.nbytes + len(tail)
