@@ -78,6 +78,43 @@ class _CudaToCpu(torch.overrides.TorchFunctionMode):
 
 _MODE = _CudaToCpu()
 _seed = [0]
+# Process groups made through torch.distributed.new_group since the last
+# destroy_model_parallel (see release_groups).
+_CREATED_GROUPS: list = []
+
+
+def release_groups() -> int:
+    """Destroy the process groups created since the last call; return how many.
+
+    Megatron-Core's ``destroy_model_parallel`` only forgets its groups, and each gloo group
+    keeps its worker threads and sockets: Megatron-LM's tests build a new set of
+    model-parallel groups per test, so a whole file ends with hundreds of live groups and
+    ~800 threads per rank. Destroying a gloo group is local (no collective), and every rank
+    calls this at the same points (``destroy_model_parallel``), after the test's last use.
+    """
+    groups, _CREATED_GROUPS[:] = list(_CREATED_GROUPS), []
+    released = 0
+    pg_map = dist.distributed_c10d._world.pg_map
+    for group in groups:
+        if dist.is_initialized() and group in pg_map:
+            dist.destroy_process_group(group)
+            released += 1
+    return released
+
+
+def patch_destroy_model_parallel() -> None:
+    """``parallel_state.destroy_model_parallel`` also releases the groups (see above)."""
+    import megatron.core.parallel_state as ps
+
+    original = ps.destroy_model_parallel
+
+    def destroy_model_parallel(*args, **kwargs):
+        result = original(*args, **kwargs)
+        release_groups()
+        return result
+
+    destroy_model_parallel.__wrapped__ = original
+    ps.destroy_model_parallel = destroy_model_parallel
 
 
 def patch_cuda() -> None:
@@ -109,7 +146,10 @@ def patch_cuda() -> None:
     def new_group_gloo(*args, **kwargs):
         if kwargs.get("backend") in ("nccl", "NCCL", None) or "backend" in kwargs:
             kwargs["backend"] = "gloo"
-        return new_group(*args, **kwargs)
+        group = new_group(*args, **kwargs)
+        if group is not None and group != dist.GroupMember.NON_GROUP_MEMBER:
+            _CREATED_GROUPS.append(group)
+        return group
 
     dist.init_process_group = init_process_group
     dist.new_group = new_group_gloo
@@ -169,6 +209,7 @@ if not os.environ.get("CKPT_PEER_NO_PSUTIL_PATCH"):
 
         filesystem_async._process_memory = lambda: 0
 _patch_utils()
+patch_destroy_model_parallel()
 # Our switch for ShardedObjects holding io.BytesIO (refused by the allowlist by default):
 # torch's own add_safe_globals, honoured by ckpt_tool's unpickler (README, peer suite).
 if IMPL == "ours":
