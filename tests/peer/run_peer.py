@@ -19,6 +19,7 @@ import argparse
 import collections
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -90,8 +91,19 @@ def run(impl: str, nproc: int, files: list[str], pytest_args: list[str], out: Pa
            "--master-port", str(_free_port()), "--no-python", str(wrapper),
            "-p", "megatron_plugin", "-p", "no:cacheprovider", "-q", "--continue-on-collection-errors", *targets, *pytest_args]
     with open(out / "log.txt", "w") as log:
-        subprocess.run(cmd, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT,
-                       timeout=timeout, check=False)
+        # its own process group: on a timeout every rank goes, not only torchrun
+        proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            log.write(f"\nrun_peer: timed out after {timeout} s, ranks killed\n")
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        finally:
+            if proc.poll() is None:  # interrupted: leave no rank behind
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
     rank_files = [out / "ranks" / f"rank{r}.json" for r in range(nproc)]
     present = [p for p in rank_files if p.exists()]
     results = merge(present) if present else {}
@@ -111,10 +123,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nproc", type=int, default=8)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--expect", type=Path, help="JSON list of test ids that must pass")
+    parser.add_argument("--timeout", type=float, default=None,
+                        help="seconds before every rank is killed (unfinished tests fail)")
     args = parser.parse_args(argv)
     out = args.out or Path(tempfile.mkdtemp(prefix=f"ckpt-peer-{args.impl}-"))
     try:
-        results = run(args.impl, args.nproc, args.files, extra, out)
+        results = run(args.impl, args.nproc, args.files, extra, out, timeout=args.timeout)
     except fetch_megatron.FetchError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
