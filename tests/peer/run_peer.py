@@ -40,6 +40,31 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _children() -> dict[int, list[int]]:
+    tree: dict[int, list[int]] = collections.defaultdict(list)
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        tree[int(fields[1])].append(int(stat.parent.name))
+    return tree
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and every process below it (torchrun puts each rank in a session of
+    its own, and ranks fork writers: a process group is not enough)."""
+    tree, todo, found = _children(), [pid], []
+    while todo:
+        found.append(todo.pop())
+        todo.extend(tree.get(found[-1], []))
+    for victim in found:
+        try:
+            os.kill(victim, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def merge(rank_files: list[Path]) -> dict[str, str]:
     """One outcome per test over all ranks: passed only if every rank passed it."""
     per_test: dict[str, list[str]] = collections.defaultdict(list)
@@ -91,18 +116,14 @@ def run(impl: str, nproc: int, files: list[str], pytest_args: list[str], out: Pa
            "--master-port", str(_free_port()), "--no-python", str(wrapper),
            "-p", "megatron_plugin", "-p", "no:cacheprovider", "-q", "--continue-on-collection-errors", *targets, *pytest_args]
     with open(out / "log.txt", "w") as log:
-        # its own process group: on a timeout every rank goes, not only torchrun
-        proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
             proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            log.write(f"\nrun_peer: timed out after {timeout} s, ranks killed\n")
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            log.write(f"\nrun_peer: timed out after {timeout} s, every rank killed\n")
         finally:
-            if proc.poll() is None:  # interrupted: leave no rank behind
-                os.killpg(proc.pid, signal.SIGKILL)
+            if proc.poll() is None:  # timed out or interrupted: leave no process behind
+                kill_tree(proc.pid)
                 proc.wait()
     rank_files = [out / "ranks" / f"rank{r}.json" for r in range(nproc)]
     present = [p for p in rank_files if p.exists()]

@@ -185,7 +185,11 @@ def save_state_dict_async_finalize(storage_writer: FileSystemWriterAsync,
         details = "; ".join(f"rank {r}: {exc[0]!r}" for r, exc in sorted(node_failures.items()))
         raise CheckpointWriteError(
             f"Checkpoint write failed, .metadata not written ({details})", node_failures)
+    own = ""
+    if isinstance(write_results, tuple) and isinstance(write_results[0], BaseException):
+        cause = write_results[0].__cause__ or write_results[0]  # this rank's own error
+        own = f"this rank: {cause!r}; "
     raise CheckpointWriteError(
         f"Checkpoint write failed on rank(s) {', '.join(map(str, failed_ranks))}, .metadata "
-        f"not written (the details are in the exception on rank "
+        f"not written ({own}all details are in the exception on rank "
         f"{dist_wrapper.coordinator_rank})")
