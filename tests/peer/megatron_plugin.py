@@ -29,6 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from cuda_on_cpu import patch_cuda_calls
 
 IMPL = os.environ.get("CKPT_PEER_IMPL", "ours")
 # The modules of megatron.core.dist_checkpointing (0.16.1), all mirrored by ours.
@@ -77,7 +78,6 @@ class _CudaToCpu(torch.overrides.TorchFunctionMode):
 
 
 _MODE = _CudaToCpu()
-_seed = [0]
 # Process groups made through torch.distributed.new_group since the last
 # destroy_model_parallel (see release_groups).
 _CREATED_GROUPS: list = []
@@ -119,22 +119,7 @@ def patch_destroy_model_parallel() -> None:
 
 def patch_cuda() -> None:
     """Stand-ins for the CUDA calls of the tests and of Megatron-Core on a CPU-only host."""
-    cuda = torch.cuda
-    cuda.set_device = lambda *a, **k: None
-    cuda.current_device = lambda: "cpu"
-    cuda.device_count = lambda: 1
-    cuda.synchronize = lambda *a, **k: None
-    cuda.empty_cache = lambda: None
-    cuda.memory_allocated = lambda *a, **k: 0
-    cuda.max_memory_allocated = lambda *a, **k: 0
-    cuda.reset_peak_memory_stats = lambda *a, **k: None
-    cuda.manual_seed = cuda.manual_seed_all = lambda seed: _seed.__setitem__(0, int(seed))
-    state = lambda *a, **k: torch.Generator().manual_seed(_seed[0]).get_state()  # noqa: E731
-    cuda.get_rng_state = cuda.random.get_rng_state = state
-    cuda.set_rng_state = cuda.random.set_rng_state = lambda *a, **k: None
-    cuda.get_rng_state_all = lambda: [state()]
-    cuda.set_rng_state_all = lambda *a, **k: None
-    torch.Tensor.cuda = lambda self, *a, **k: self
+    patch_cuda_calls()
     _MODE.__enter__()
 
     init = dist.init_process_group
