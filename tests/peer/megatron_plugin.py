@@ -228,18 +228,38 @@ def _final_barrier():
 _OUTCOMES: dict[str, str] = {}
 
 
+def _write_outcomes() -> None:
+    """This rank's outcomes so far, to ``$CKPT_PEER_OUT/rank<N>.json`` (rewritten after each
+    test, so a run killed on a timeout still tells what passed, and which test hung)."""
+    out = os.environ.get("CKPT_PEER_OUT")
+    if out:
+        rank = os.environ.get("RANK", "0")
+        Path(out).mkdir(parents=True, exist_ok=True)
+        tmp = Path(out, f"rank{rank}.json.tmp")
+        tmp.write_text(json.dumps(_OUTCOMES, indent=1, sort_keys=True))
+        os.replace(tmp, Path(out, f"rank{rank}.json"))
+
+
+def pytest_runtest_logstart(nodeid, location):
+    """A test that never reports (it hung and the run was killed) counts as failed."""
+    _OUTCOMES.setdefault(nodeid, "failed")
+    _write_outcomes()
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    _write_outcomes()
+
+
 def pytest_runtest_logreport(report):
-    """Record one outcome per test id: failed in any phase wins, then skipped, then passed."""
-    if report.when == "call" or report.outcome != "passed":
-        prev = _OUTCOMES.get(report.nodeid)
-        if prev == "failed":
-            return
-        outcome = report.outcome
-        if hasattr(report, "wasxfail"):
-            outcome = "xfailed" if report.skipped else "xpassed"
-        if prev == "skipped" and outcome == "passed":
-            return
-        _OUTCOMES[report.nodeid] = outcome
+    """One outcome per test id: failed in any phase wins, then skipped, then passed."""
+    outcome = report.outcome
+    if hasattr(report, "wasxfail"):
+        outcome = "xfailed" if report.skipped else "xpassed"
+    # setup replaces the provisional "failed" of logstart; later phases can only make it worse
+    prev = None if report.when == "setup" else _OUTCOMES.get(report.nodeid)
+    if prev == "failed" or (prev is not None and outcome == "passed"):
+        return
+    _OUTCOMES[report.nodeid] = outcome
 
 
 def pytest_collectreport(report):
@@ -249,8 +269,4 @@ def pytest_collectreport(report):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    out = os.environ.get("CKPT_PEER_OUT")
-    if out:
-        rank = os.environ.get("RANK", "0")
-        Path(out).mkdir(parents=True, exist_ok=True)
-        Path(out, f"rank{rank}.json").write_text(json.dumps(_OUTCOMES, indent=1, sort_keys=True))
+    _write_outcomes()
