@@ -67,6 +67,14 @@ except ImportError:
 _ORIG_DEVICE = "orig_device"
 
 
+class HeldDataMissingError(CheckpointingException, AssertionError):
+    """The request names a tensor or object this state dict does not hold.
+
+    An ``AssertionError`` too: where Megatron-Core asserts, and what its tests of the
+    pass-through strict modes expect.
+    """
+
+
 def _hollow_error(expected: bool) -> CheckpointingException:
     state = "hollow (tensors popped)" if not expected else "not hollow"
     return CheckpointingException(f"MCoreTensorAwareStateDict is {state}")
@@ -284,7 +292,10 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
             else:
                 return x
             if ids not in table:
-                raise CheckpointingException(f"No {what} data held for {x}")
+                raise HeldDataMissingError(
+                    f"No {what} data held for {x.key!r} (an unexpected key of the request?): "
+                    "request only what the state dict was made from, or load with "
+                    "strict=StrictHandling.RAISE_UNEXPECTED to list such keys")
             return table[ids]
 
         dict_list_map_inplace(held_value, sharded_part)
@@ -329,8 +340,9 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
         local_metadata = global_metadata = None
         if validate_access_integrity or StrictHandling.requires_global_app_metadata(strict):
             local_metadata, global_metadata = determine_global_metadata(sharded_part)
-        # (Megatron-Core 0.16.1 drops this result and then fails on unexpected keys.)
-        sharded_part, missing_keys, unexpected_keys = validate_integrity_and_strict_load(
+        # As Megatron-Core 0.16.1 (and its tests: the "pass-through" strict modes), the
+        # request is served unfiltered: an unexpected key then fails in the insertion below.
+        _, missing_keys, unexpected_keys = validate_integrity_and_strict_load(
             sharded_part, strict, validate_access_integrity, local_metadata, global_metadata,
             ckpt_sharded_metadata)
 

@@ -111,14 +111,25 @@ def test_copy_tensors_to_cpu_leaves_originals_alone(nvrx):
     assert list(tasd.tensors)[0] is after[0]
 
 
-def test_unexpected_keys_are_dropped_and_reported(nvrx):
+def test_unexpected_keys_are_reported_then_fail_as_in_megatron_core(nvrx):
+    """The pass-through strict modes serve the request unfiltered, as Megatron-Core 0.16.1
+    (its test_strict.py ``test_passthrough_errors``): an unexpected key raises an
+    AssertionError (also our CheckpointingException); RAISE_UNEXPECTED names it first."""
     tasd, _ = TASD.from_state_dict(_state(), algo="atomic")
     request = _state(empty=True)
     request["extra"] = ShardedTensor.from_rank_offsets("extra", torch.zeros(2))
+    for strict in (StrictHandling.RETURN_UNEXPECTED, StrictHandling.ASSUME_OK_UNEXPECTED):
+        with pytest.raises(AssertionError, match="'extra'") as err:
+            tasd.to_state_dict(request, strict=strict, return_mismatch_keys=True)
+        assert isinstance(err.value, CheckpointingException)
+    with pytest.raises(CheckpointingException, match="extra") as err:
+        tasd.to_state_dict(request, strict=StrictHandling.RAISE_UNEXPECTED)
+    assert not isinstance(err.value, AssertionError)
+    del request["nested"]["b"]  # a missing key alone is fine: reported, the rest served
+    del request["extra"]
     out, missing, unexpected = tasd.to_state_dict(
-        request, strict=StrictHandling.RETURN_UNEXPECTED, return_mismatch_keys=True)
-    assert unexpected == {"extra"} and missing == set()
-    assert "extra" not in out and torch.equal(out["w"], W)
+        request, strict=StrictHandling.RETURN_ALL, return_mismatch_keys=True)
+    assert missing == {"b"} and unexpected == set() and torch.equal(out["w"], W)
 
 
 def test_single_process_fully_parallel_is_atomic(nvrx):

@@ -29,6 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from cuda_on_cpu import patch_cuda_calls
 
 IMPL = os.environ.get("CKPT_PEER_IMPL", "ours")
 # The modules of megatron.core.dist_checkpointing (0.16.1), all mirrored by ours.
@@ -77,27 +78,48 @@ class _CudaToCpu(torch.overrides.TorchFunctionMode):
 
 
 _MODE = _CudaToCpu()
-_seed = [0]
+# Process groups made through torch.distributed.new_group since the last
+# destroy_model_parallel (see release_groups).
+_CREATED_GROUPS: list = []
+
+
+def release_groups() -> int:
+    """Destroy the process groups created since the last call; return how many.
+
+    Megatron-Core's ``destroy_model_parallel`` only forgets its groups, and each gloo group
+    keeps its worker threads and sockets: Megatron-LM's tests build a new set of
+    model-parallel groups per test, so a whole file ends with hundreds of live groups and
+    ~800 threads per rank. Destroying a gloo group is local (no collective), and every rank
+    calls this at the same points (``destroy_model_parallel``), after the test's last use.
+    """
+    groups, _CREATED_GROUPS[:] = list(_CREATED_GROUPS), []
+    released = 0
+    pg_map = dist.distributed_c10d._world.pg_map
+    for group in groups:
+        if dist.is_initialized() and group in pg_map:
+            dist.destroy_process_group(group)
+            released += 1
+    return released
+
+
+def patch_destroy_model_parallel() -> None:
+    """``parallel_state.destroy_model_parallel`` also releases the groups (see above)."""
+    import megatron.core.parallel_state as ps
+
+    original = ps.destroy_model_parallel
+
+    def destroy_model_parallel(*args, **kwargs):
+        result = original(*args, **kwargs)
+        release_groups()
+        return result
+
+    destroy_model_parallel.__wrapped__ = original
+    ps.destroy_model_parallel = destroy_model_parallel
 
 
 def patch_cuda() -> None:
     """Stand-ins for the CUDA calls of the tests and of Megatron-Core on a CPU-only host."""
-    cuda = torch.cuda
-    cuda.set_device = lambda *a, **k: None
-    cuda.current_device = lambda: "cpu"
-    cuda.device_count = lambda: 1
-    cuda.synchronize = lambda *a, **k: None
-    cuda.empty_cache = lambda: None
-    cuda.memory_allocated = lambda *a, **k: 0
-    cuda.max_memory_allocated = lambda *a, **k: 0
-    cuda.reset_peak_memory_stats = lambda *a, **k: None
-    cuda.manual_seed = cuda.manual_seed_all = lambda seed: _seed.__setitem__(0, int(seed))
-    state = lambda *a, **k: torch.Generator().manual_seed(_seed[0]).get_state()  # noqa: E731
-    cuda.get_rng_state = cuda.random.get_rng_state = state
-    cuda.set_rng_state = cuda.random.set_rng_state = lambda *a, **k: None
-    cuda.get_rng_state_all = lambda: [state()]
-    cuda.set_rng_state_all = lambda *a, **k: None
-    torch.Tensor.cuda = lambda self, *a, **k: self
+    patch_cuda_calls()
     _MODE.__enter__()
 
     init = dist.init_process_group
@@ -109,7 +131,10 @@ def patch_cuda() -> None:
     def new_group_gloo(*args, **kwargs):
         if kwargs.get("backend") in ("nccl", "NCCL", None) or "backend" in kwargs:
             kwargs["backend"] = "gloo"
-        return new_group(*args, **kwargs)
+        group = new_group(*args, **kwargs)
+        if group is not None and group != dist.GroupMember.NON_GROUP_MEMBER:
+            _CREATED_GROUPS.append(group)
+        return group
 
     dist.init_process_group = init_process_group
     dist.new_group = new_group_gloo
@@ -169,6 +194,7 @@ if not os.environ.get("CKPT_PEER_NO_PSUTIL_PATCH"):
 
         filesystem_async._process_memory = lambda: 0
 _patch_utils()
+patch_destroy_model_parallel()
 # Our switch for ShardedObjects holding io.BytesIO (refused by the allowlist by default):
 # torch's own add_safe_globals, honoured by ckpt_tool's unpickler (README, peer suite).
 if IMPL == "ours":
@@ -202,18 +228,38 @@ def _final_barrier():
 _OUTCOMES: dict[str, str] = {}
 
 
+def _write_outcomes() -> None:
+    """This rank's outcomes so far, to ``$CKPT_PEER_OUT/rank<N>.json`` (rewritten after each
+    test, so a run killed on a timeout still tells what passed, and which test hung)."""
+    out = os.environ.get("CKPT_PEER_OUT")
+    if out:
+        rank = os.environ.get("RANK", "0")
+        Path(out).mkdir(parents=True, exist_ok=True)
+        tmp = Path(out, f"rank{rank}.json.tmp")
+        tmp.write_text(json.dumps(_OUTCOMES, indent=1, sort_keys=True))
+        os.replace(tmp, Path(out, f"rank{rank}.json"))
+
+
+def pytest_runtest_logstart(nodeid, location):
+    """A test that never reports (it hung and the run was killed) counts as failed."""
+    _OUTCOMES.setdefault(nodeid, "failed")
+    _write_outcomes()
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    _write_outcomes()
+
+
 def pytest_runtest_logreport(report):
-    """Record one outcome per test id: failed in any phase wins, then skipped, then passed."""
-    if report.when == "call" or report.outcome != "passed":
-        prev = _OUTCOMES.get(report.nodeid)
-        if prev == "failed":
-            return
-        outcome = report.outcome
-        if hasattr(report, "wasxfail"):
-            outcome = "xfailed" if report.skipped else "xpassed"
-        if prev == "skipped" and outcome == "passed":
-            return
-        _OUTCOMES[report.nodeid] = outcome
+    """One outcome per test id: failed in any phase wins, then skipped, then passed."""
+    outcome = report.outcome
+    if hasattr(report, "wasxfail"):
+        outcome = "xfailed" if report.skipped else "xpassed"
+    # setup replaces the provisional "failed" of logstart; later phases can only make it worse
+    prev = None if report.when == "setup" else _OUTCOMES.get(report.nodeid)
+    if prev == "failed" or (prev is not None and outcome == "passed"):
+        return
+    _OUTCOMES[report.nodeid] = outcome
 
 
 def pytest_collectreport(report):
@@ -223,8 +269,4 @@ def pytest_collectreport(report):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    out = os.environ.get("CKPT_PEER_OUT")
-    if out:
-        rank = os.environ.get("RANK", "0")
-        Path(out).mkdir(parents=True, exist_ok=True)
-        Path(out, f"rank{rank}.json").write_text(json.dumps(_OUTCOMES, indent=1, sort_keys=True))
+    _write_outcomes()

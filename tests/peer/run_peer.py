@@ -19,6 +19,7 @@ import argparse
 import collections
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -37,6 +38,31 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def _children() -> dict[int, list[int]]:
+    tree: dict[int, list[int]] = collections.defaultdict(list)
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        tree[int(fields[1])].append(int(stat.parent.name))
+    return tree
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and every process below it (torchrun puts each rank in a session of
+    its own, and ranks fork writers: a process group is not enough)."""
+    tree, todo, found = _children(), [pid], []
+    while todo:
+        found.append(todo.pop())
+        todo.extend(tree.get(found[-1], []))
+    for victim in found:
+        try:
+            os.kill(victim, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def merge(rank_files: list[Path]) -> dict[str, str]:
@@ -90,8 +116,15 @@ def run(impl: str, nproc: int, files: list[str], pytest_args: list[str], out: Pa
            "--master-port", str(_free_port()), "--no-python", str(wrapper),
            "-p", "megatron_plugin", "-p", "no:cacheprovider", "-q", "--continue-on-collection-errors", *targets, *pytest_args]
     with open(out / "log.txt", "w") as log:
-        subprocess.run(cmd, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT,
-                       timeout=timeout, check=False)
+        proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            log.write(f"\nrun_peer: timed out after {timeout} s, every rank killed\n")
+        finally:
+            if proc.poll() is None:  # timed out or interrupted: leave no process behind
+                kill_tree(proc.pid)
+                proc.wait()
     rank_files = [out / "ranks" / f"rank{r}.json" for r in range(nproc)]
     present = [p for p in rank_files if p.exists()]
     results = merge(present) if present else {}
@@ -111,10 +144,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nproc", type=int, default=8)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--expect", type=Path, help="JSON list of test ids that must pass")
+    parser.add_argument("--timeout", type=float, default=None,
+                        help="seconds before every rank is killed (unfinished tests fail)")
     args = parser.parse_args(argv)
     out = args.out or Path(tempfile.mkdtemp(prefix=f"ckpt-peer-{args.impl}-"))
     try:
-        results = run(args.impl, args.nproc, args.files, extra, out)
+        results = run(args.impl, args.nproc, args.files, extra, out, timeout=args.timeout)
     except fetch_megatron.FetchError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

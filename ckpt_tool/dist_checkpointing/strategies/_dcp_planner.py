@@ -19,6 +19,8 @@ import math
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
@@ -36,6 +38,7 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.distributed.checkpoint.utils import _wrap_exception
 
 from ckpt_tool.formats.dcp_streaming import McoreFileSystemWriter
 
@@ -156,6 +159,15 @@ class TensorRequest:
         self.buffer = None
 
 
+class CheckpointReadError(CheckpointingException, CheckpointException):
+    """The load request does not fit the checkpoint (a key or region it lacks, another global
+    shape): ours and torch's ``CheckpointException``, as Megatron-Core's DCP load raises."""
+
+    def __init__(self, message: str, failures: Optional[dict] = None):
+        CheckpointingException.__init__(self, message)
+        self._failures = dict(failures or {})
+
+
 class RequestLoadPlanner(DefaultLoadPlanner):
     """Reads the requested tensor regions and objects from a ``torch_dist`` checkpoint.
 
@@ -235,7 +247,11 @@ class RequestLoadPlanner(DefaultLoadPlanner):
         """Plan once against ``metadata`` so request errors surface as CheckpointingException
         (inside ``dcp.load`` they would come wrapped in DCP's CheckpointException)."""
         self.set_up_planner({}, metadata, True)
-        self.create_local_plan()
+        try:
+            self.create_local_plan()
+        except CheckpointingException as e:
+            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+            raise CheckpointReadError(str(e), {rank: _wrap_exception(e)}) from e
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         self.loaded_objects[read_item.dest_index.fqn] = self.load_object(value)

@@ -358,7 +358,9 @@ class FileSystemWriterAsync(FileSystemWriter):
         except Exception as e:
             return _wrap_exception(RuntimeError(f"Unreadable write results: {e!r}"))
         if isinstance(results, BaseException):
-            return _wrap_exception(RuntimeError(f"Worker failure: {results}"))
+            failure = RuntimeError(f"Worker failure: {results}")
+            failure.__cause__ = results
+            return _wrap_exception(failure)
         if isinstance(results, tuple):
             results, digests = results
             _DIGESTS[os.path.abspath(self.checkpoint_dir)] = dict(digests)

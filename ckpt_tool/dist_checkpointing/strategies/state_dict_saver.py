@@ -16,7 +16,9 @@ caller supplies the cached global metadata on the coordinator). A changed rank m
 plan afresh, so a stale cache can never drop or misplace items.
 
 Finalization gathers every rank's write results; the coordinator writes ``.metadata`` only if
-all ranks succeeded, then broadcasts the outcome: a failure anywhere raises on every rank.
+all ranks succeeded, then broadcasts the outcome: a failure anywhere raises
+:class:`CheckpointWriteError` on every rank (the details on the coordinator, the failed ranks
+everywhere).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.utils import _DistWrapper, _get_failure_dict
@@ -36,9 +39,22 @@ from .async_utils import collective_device
 from .filesystem_async import FileSystemWriterAsync
 
 __all__ = ["save_state_dict_async_plan", "verify_global_md_reuse",
-           "save_state_dict_async_finalize"]
+           "save_state_dict_async_finalize", "CheckpointWriteError"]
 
 logger = logging.getLogger(__name__)
+
+
+class CheckpointWriteError(CheckpointingException, CheckpointException):
+    """A save's write failed on some rank; ``.metadata`` was not written.
+
+    Ours (:class:`CheckpointingException`) and torch's ``CheckpointException``, which
+    Megatron-Core raises here and its tests expect; ``failures`` is torch's ``{rank: wrapped
+    exception}``, filled on the coordinator only (as in Megatron-Core).
+    """
+
+    def __init__(self, message: str, failures: Optional[dict] = None):
+        CheckpointingException.__init__(self, message)
+        self._failures = dict(failures or {})
 
 
 def _use_dist() -> bool:
@@ -146,10 +162,11 @@ def save_state_dict_async_finalize(storage_writer: FileSystemWriterAsync,
                                    global_metadata: Optional[Metadata],
                                    dist_wrapper: _DistWrapper) -> None:
     """Gather the write results, write ``.metadata`` on the coordinator if every rank
-    succeeded, and raise CheckpointingException on every rank otherwise (call on every rank)."""
+    succeeded, and raise :class:`CheckpointWriteError` on every rank otherwise (call on every
+    rank)."""
     write_results = storage_writer.retrieve_write_results()
     all_results = dist_wrapper.gather_object(write_results)
-    summary = None
+    summary, node_failures = None, {}
     if dist_wrapper.is_coordinator:
         node_failures = _get_failure_dict(all_results)
         if not node_failures:
@@ -160,8 +177,19 @@ def save_state_dict_async_finalize(storage_writer: FileSystemWriterAsync,
             except Exception as e:  # every rank must learn about it, not only this one
                 node_failures[dist_wrapper.get_rank()] = (e, [])
         if node_failures:
-            summary = "; ".join(f"rank {r}: {exc[0]!r}" for r, exc in sorted(node_failures.items()))
-    summary = dist_wrapper.broadcast_object(summary)
-    if summary is not None:
-        raise CheckpointingException(
-            f"Checkpoint write failed, .metadata not written ({summary})")
+            summary = sorted(node_failures)
+    failed_ranks = dist_wrapper.broadcast_object(summary)
+    if failed_ranks is None:
+        return
+    if dist_wrapper.is_coordinator:
+        details = "; ".join(f"rank {r}: {exc[0]!r}" for r, exc in sorted(node_failures.items()))
+        raise CheckpointWriteError(
+            f"Checkpoint write failed, .metadata not written ({details})", node_failures)
+    own = ""
+    if isinstance(write_results, tuple) and isinstance(write_results[0], BaseException):
+        cause = write_results[0].__cause__ or write_results[0]  # this rank's own error
+        own = f"this rank: {cause!r}; "
+    raise CheckpointWriteError(
+        f"Checkpoint write failed on rank(s) {', '.join(map(str, failed_ranks))}, .metadata "
+        f"not written ({own}all details are in the exception on rank "
+        f"{dist_wrapper.coordinator_rank})")

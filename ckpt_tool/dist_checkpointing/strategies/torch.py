@@ -48,7 +48,6 @@ from ..mapping import (
     is_main_replica,
 )
 from ._dcp_planner import (
-    McoreFileSystemWriter,
     RequestLoadPlanner,
     TableSavePlanner,
     TensorRequest,
@@ -180,19 +179,16 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
 
     def save(self, sharded_state_dict: ShardedStateDict,
              checkpoint_dir: Union[str, Path]) -> None:
-        """Synchronous save: DCP writes straight from the live tensors (no staging copy);
-        with a ``separation_hint``, the async request run in this process (its writer splits
-        the files)."""
-        if self.separation_hint is not None:
-            return super().save(sharded_state_dict, checkpoint_dir)
-        table = self._write_table(sharded_state_dict)
-        writer = McoreFileSystemWriter(str(checkpoint_dir), thread_count=self.thread_count,
-                                       overwrite=True)
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="Detected an existing checkpoint")
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.save({}, storage_writer=writer, planner=TableSavePlanner(table),
-                     no_dist=not _dist_ready())
+        """Synchronous save: :meth:`async_save`'s request run in this process, as
+        Megatron-Core does (same writer, same files, write failures raised as
+        ``CheckpointWriteError``), except that host tensors are written from where they are
+        (no staging copy: nothing changes them before this returns)."""
+        stage, self.stage_host_tensors = self.stage_host_tensors, False
+        try:
+            request = self.async_save(sharded_state_dict, checkpoint_dir)
+        finally:
+            self.stage_host_tensors = stage
+        request.execute_sync()
 
     def async_save(self, sharded_state_dict: ShardedStateDict,
                    checkpoint_dir: Union[str, Path]) -> AsyncRequest:

@@ -1,0 +1,28 @@
+"""Peer harness: CPU stand-ins for the ``torch.cuda`` calls of Megatron-LM's tests and of
+Megatron-Core, shared by the pytest plugin (every rank) and ``sitecustomize`` (the processes
+Megatron-Core spawns)."""
+
+import torch
+
+_seed = [0]
+
+
+def patch_cuda_calls() -> None:
+    """Device selection, synchronisation and memory statistics become no-ops, the CUDA RNG a
+    CPU generator's state, ``Tensor.cuda()`` the tensor itself."""
+    cuda = torch.cuda
+    cuda.set_device = lambda *a, **k: None
+    cuda.current_device = lambda: "cpu"
+    cuda.device_count = lambda: 1
+    cuda.synchronize = lambda *a, **k: None
+    cuda.empty_cache = lambda: None
+    cuda.memory_allocated = lambda *a, **k: 0
+    cuda.max_memory_allocated = lambda *a, **k: 0
+    cuda.reset_peak_memory_stats = lambda *a, **k: None
+    cuda.manual_seed = cuda.manual_seed_all = lambda seed: _seed.__setitem__(0, int(seed))
+    state = lambda *a, **k: torch.Generator().manual_seed(_seed[0]).get_state()  # noqa: E731
+    cuda.get_rng_state = cuda.random.get_rng_state = state
+    cuda.set_rng_state = cuda.random.set_rng_state = lambda *a, **k: None
+    cuda.get_rng_state_all = lambda: [state()]
+    cuda.set_rng_state_all = lambda *a, **k: None
+    torch.Tensor.cuda = lambda self, *a, **k: self
