@@ -167,7 +167,7 @@ def open_array(array_dir: PathLike, mode: str = "r+",
     path = Path(array_dir)
     if not (path / ZARRAY).is_file():
         raise CheckpointingException(_not_found_message(path))
-    header = V2Array.header(path)
+    header = V2Array.header(path, synchronizer)
     try:
         dtype = BFLOAT16 if header["dtype"] == "bfloat16" else np.dtype(header["dtype"])
         return V2Array(path, header["shape"], header["chunks"], dtype, locks=synchronizer)

@@ -13,8 +13,9 @@ zarr-python is installed, or none. What zarr-python 2 wrote for Megatron-Core's 
   padded to the full shape (zeros where nothing was written: ``fill_value`` null). Files are
   written beside their target and renamed into place.
 * a write that covers only part of a chunk reads the chunk file (zeros if absent), updates it
-  and writes it back; with :class:`ChunkLocks` (``<key>.sync/<chunk>`` lock files, as zarr's
-  ProcessSynchronizer left them) several processes can write parts of one chunk.
+  and writes it back; with :class:`ChunkLocks` (lock files ``<key>.sync/<chunk>``, and
+  ``<key>.sync/.zarray`` taken around header accesses, as zarr's ProcessSynchronizer left them)
+  several processes can write parts of one chunk.
 """
 
 from __future__ import annotations
@@ -83,6 +84,11 @@ class ChunkLocks:
                 fcntl.lockf(f, fcntl.LOCK_UN)
 
 
+def _locked(locks: Optional[ChunkLocks], key: str) -> Any:
+    """The lock of ``key`` (zarr-python 2 locked ``.zarray`` too, around each header access)."""
+    return locks(key) if locks is not None else contextlib.nullcontext()
+
+
 class V2Array:
     """An uncompressed zarr v2 array directory opened for writing; see the module docstring.
 
@@ -112,16 +118,19 @@ class V2Array:
         arr.path.mkdir(parents=True, exist_ok=True)
         if (arr.path / ZARRAY).exists() or (arr.path / ".zgroup").exists():
             raise CheckpointingException(f"Array {arr.path} already exists")
-        _write_atomic(arr.path / ZARRAY, encode_header(arr.shape, arr.chunks, dtype_name))
+        with _locked(locks, ZARRAY):
+            _write_atomic(arr.path / ZARRAY, encode_header(arr.shape, arr.chunks, dtype_name))
         return arr
 
     @staticmethod
-    def header(path: os.PathLike | str) -> Dict[str, Any]:
-        """The parsed ``.zarray`` of ``path``; CheckpointingException if this module cannot
-        write the array (compressed, filtered, F order or another separator)."""
+    def header(path: os.PathLike | str, locks: Optional[ChunkLocks] = None) -> Dict[str, Any]:
+        """The parsed ``.zarray`` of ``path`` (read under the ``.zarray`` lock of ``locks``);
+        CheckpointingException if this module cannot write the array (compressed, filtered,
+        F order or another separator)."""
         zpath = Path(path) / ZARRAY
         try:
-            meta = json.loads(zpath.read_text(encoding="utf-8"))
+            with _locked(locks, ZARRAY):
+                meta = json.loads(zpath.read_text(encoding="utf-8"))
         except (OSError, ValueError) as e:
             raise CheckpointingException(f"Cannot read zarr array header {zpath}: {e}") from e
         if meta.get("compressor") is not None or meta.get("filters") or \
@@ -195,7 +204,7 @@ class V2Array:
     def _update_chunk(self, idx: Tuple[int, ...], where: Any, values: np.ndarray,
                       whole: bool) -> None:
         key = ".".join(map(str, idx)) if idx else "0"
-        with self.locks(key) if self.locks is not None else contextlib.nullcontext():
+        with _locked(self.locks, key):
             if whole:
                 chunk = np.ascontiguousarray(values, dtype=self.dtype)
             else:
