@@ -7,8 +7,10 @@ ShardedObjects are not handled here: the common strategy saves them as
 ``<checkpoint>/<key>/shard_<offsets>_<shape>.pt`` (``can_handle_sharded_objects`` is False, as
 in Megatron-Core).
 
-Saving writes through zarr-python 2; loading reads exactly the requested slice of each global
-array through tensorstore, so a checkpoint can be loaded at another sharding than it was saved.
+Saving writes the v2 format itself (:mod:`ckpt_tool.formats.mcore_dist.zarr_v2`: the bytes
+zarr-python 2 wrote for Megatron-Core, with zarr-python 3 installed or none); loading reads
+exactly the requested slice of each global array through tensorstore, so a checkpoint can be
+loaded at another sharding than it was saved.
 """
 
 from __future__ import annotations

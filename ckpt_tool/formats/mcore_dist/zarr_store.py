@@ -3,8 +3,9 @@
 One directory per ShardedTensor key, ``<ckpt>/<key>/.zarray`` plus one uncompressed chunk file
 per chunk (``0.0``, ``1.0``, ...). This module knows the bytes: dtype names (including the
 ``"bfloat16"`` name Megatron-Core patched into ``.zarray``), bit-exact torch <-> numpy
-conversion, array creation with zarr-python 2 and reads with tensorstore. It knows nothing of
-ShardedTensors; :mod:`ckpt_tool.dist_checkpointing.strategies.zarr` builds on it.
+conversion, array creation and writes (:mod:`.zarr_v2`, no zarr-python) and reads with
+tensorstore. It knows nothing of ShardedTensors;
+:mod:`ckpt_tool.dist_checkpointing.strategies.zarr` builds on it.
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ import numpy as np
 import torch
 
 from ckpt_tool.errors import CheckpointingException
+from ckpt_tool.formats.mcore_dist.zarr_v2 import ZARRAY, ChunkLocks, V2Array
 
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
-ZARRAY = ".zarray"
 SYNC_SUFFIX = ".sync"
 
 #: numpy dtype -> torch dtype for every dtype the zarr backend can store.
@@ -129,28 +130,10 @@ def iter_array_dirs(checkpoint_dir: PathLike) -> Iterator[Tuple[str, Path]]:
                 stack.append(sub)
 
 
-def _zarr():
-    try:
-        import zarr
-    except ImportError as e:  # pragma: no cover - zarr is a dependency
-        raise CheckpointingException("the zarr backend needs `zarr<3` (pip install 'zarr<3')") from e
-    if int(zarr.__version__.split(".")[0]) >= 3:
-        raise CheckpointingException(
-            f"the zarr backend writes zarr format v2 through zarr-python 2; found zarr {zarr.__version__}"
-        )
-    return zarr
-
-
-def process_synchronizer(sync_dir: PathLike):
-    """A zarr ProcessSynchronizer (file locks in ``sync_dir``), as used for flattened tensors."""
-    zarr = _zarr()
-    try:
-        import fasteners  # noqa: F401  (zarr's ProcessSynchronizer needs it)
-    except ImportError as e:
-        raise CheckpointingException(
-            "saving flattened tensors with the zarr backend needs `fasteners`"
-        ) from e
-    return zarr.ProcessSynchronizer(os.fspath(sync_dir))
+def process_synchronizer(sync_dir: PathLike) -> ChunkLocks:
+    """Per-chunk inter-process locks in ``sync_dir`` (flattened tensors), as Megatron-Core took
+    them through zarr-python 2's ProcessSynchronizer."""
+    return ChunkLocks(sync_dir)
 
 
 def create_array(
@@ -158,60 +141,47 @@ def create_array(
     shape: Sequence[int],
     dtype: torch.dtype,
     chunks: Sequence[int],
-    synchronizer: Optional[Any] = None,
-):
-    """Create an empty zarr v2 array as Megatron-Core did and return it opened ``r+``.
+    synchronizer: Optional[ChunkLocks] = None,
+) -> V2Array:
+    """Create an empty zarr v2 array as Megatron-Core did and return it open for writing.
 
-    Uncompressed, no filters, ``fill_value`` null, C order, chunk files written even when all
-    zeros. A bfloat16 array is created with zarr's 2-byte void type and its header is then
-    rewritten to say ``"dtype": "bfloat16"`` (what tensorstore/ml_dtypes understand).
+    Uncompressed, no filters, ``fill_value`` null, C order; bf16 arrays say ``"dtype":
+    "bfloat16"`` (the header Megatron-Core patched in). Written by :mod:`.zarr_v2`, the same bytes
+    as zarr-python 2 wrote, with any zarr-python installed or none.
     """
-    zarr = _zarr()
     np_dtype = numpy_dtype_for(dtype)
-    store_dtype = np.dtype("V2") if np_dtype == BFLOAT16 else np_dtype
-    try:
-        arr = zarr.create(
-            tuple(int(s) for s in shape),
-            dtype=store_dtype,
-            store=os.fspath(array_dir),
-            chunks=tuple(max(int(c), 1) for c in chunks),
-            compressor=None,
-            fill_value=None,
-            write_empty_chunks=True,
-            synchronizer=synchronizer,
-        )
-    except zarr.errors.ContainsArrayError as e:
-        raise CheckpointingException(f"Array {array_dir} already exists") from e
     if np_dtype == BFLOAT16:
-        header = arr.store[ZARRAY]
-        patched = header.replace(b'"<V2"', b'"bfloat16"').replace(b'"|V2"', b'"bfloat16"')
-        if patched == header:
-            raise CheckpointingException(f"Unexpected zarr header for a bf16 array: {header!r}")
-        arr.store[ZARRAY] = patched
-    return arr
+        stored, name = np_dtype, "bfloat16"
+    else:  # little-endian on disk, as zarr-python wrote it on every machine MCore ran on
+        stored = np_dtype.newbyteorder("<")
+        name = stored.str
+    return V2Array.create(array_dir, shape, tuple(max(int(c), 1) for c in chunks), stored,
+                          name, locks=synchronizer)
 
 
-def open_array(array_dir: PathLike, mode: str = "r+", synchronizer: Optional[Any] = None):
-    """Open an existing zarr array with zarr-python 2 (bf16 headers need ml_dtypes, imported here)."""
-    zarr = _zarr()
+def open_array(array_dir: PathLike, mode: str = "r+",
+               synchronizer: Optional[ChunkLocks] = None) -> V2Array:
+    """Open an existing uncompressed zarr v2 array for writing (``mode`` ``"r+"``)."""
+    if mode != "r+":
+        raise CheckpointingException(f"zarr arrays are opened here for writing (r+), not {mode!r}")
     path = Path(array_dir)
+    if not (path / ZARRAY).is_file():
+        raise CheckpointingException(_not_found_message(path))
+    header = V2Array.header(path, synchronizer)
     try:
-        return zarr.open_array(os.fspath(path), mode=mode, synchronizer=synchronizer)
-    except (zarr.errors.ArrayNotFoundError, FileNotFoundError, KeyError) as e:
-        raise CheckpointingException(_not_found_message(path)) from e
+        dtype = BFLOAT16 if header["dtype"] == "bfloat16" else np.dtype(header["dtype"])
+        return V2Array(path, header["shape"], header["chunks"], dtype, locks=synchronizer)
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointingException(f"Invalid zarr array header in {path}: {e}") from e
 
 
-def write_region(arr, selection, values: np.ndarray) -> None:
-    """``arr[selection] = values`` with bf16 values matched to how zarr sees the array."""
-    if values.dtype == BFLOAT16 and arr.dtype != BFLOAT16:
-        values = values.view(arr.dtype)  # array opened as raw "V2"
+def write_region(arr: V2Array, selection, values: np.ndarray) -> None:
+    """``arr[selection] = values`` (a tuple of slices and integers, as ``global_slice()``)."""
     arr[selection] = values
 
 
-def write_coordinates(arr, coordinates, values: np.ndarray) -> None:
+def write_coordinates(arr: V2Array, coordinates, values: np.ndarray) -> None:
     """Write ``values`` at the given per-axis coordinate arrays (flattened tensors)."""
-    if values.dtype == BFLOAT16 and arr.dtype != BFLOAT16:
-        values = values.view(arr.dtype)
     arr.set_coordinate_selection(tuple(coordinates), values)
 
 
