@@ -30,6 +30,7 @@ from ckpt_tool.cli.app import app
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _hf_dirs import llama_dir  # noqa: E402
+from _terminal import drain_terminal  # noqa: E402
 
 runner = CliRunner()
 REPO = Path(__file__).resolve().parents[2]
@@ -50,24 +51,15 @@ def _run(*args, terminal: bool) -> tuple[int, str, int]:
     proc = subprocess.Popen([sys.executable, "-m", "ckpt_tool", *map(str, args)], cwd=REPO,
                             env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=slave if terminal else subprocess.PIPE)
-    got = []
     if terminal:
         os.close(slave)
-        while True:
-            try:
-                data = os.read(master, 1 << 16)
-            except OSError:  # EIO: the child closed the terminal
-                break
-            if not data:
-                break
-            got.append(data)
-        os.close(master)
+        got = drain_terminal(master)
     else:
-        got.append(proc.stderr.read())
+        got = proc.stderr.read()
         proc.stderr.close()
     _, status, usage = os.wait4(proc.pid, 0)
     proc.returncode = os.waitstatus_to_exitcode(status)
-    return proc.returncode, b"".join(got).decode(errors="replace"), usage.ru_maxrss
+    return proc.returncode, got.decode(errors="replace"), usage.ru_maxrss
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,9 @@ from typer.testing import CliRunner
 
 from ckpt_tool.cli.app import app
 
+sys.path.insert(0, str(Path(__file__).parent))
+from _terminal import drain_terminal  # noqa: E402
+
 runner = CliRunner()
 REPO = Path(__file__).resolve().parents[2]
 FIX = REPO / "fixtures"
@@ -35,19 +38,10 @@ def _on_a_terminal(*args: str) -> tuple[int, str, str]:
     proc = subprocess.Popen([sys.executable, "-m", "ckpt_tool", *args], cwd=REPO, env=env,
                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=slave)
     os.close(slave)
-    got = []
-    while True:
-        try:
-            data = os.read(master, 1 << 16)
-        except OSError:  # EIO: the child closed the terminal
-            break
-        if not data:
-            break
-        got.append(data)
-    os.close(master)
+    term = drain_terminal(master)
     out = proc.stdout.read().decode()
     proc.wait(timeout=120)
-    return proc.returncode, out, b"".join(got).decode(errors="replace")
+    return proc.returncode, out, term.decode(errors="replace")
 
 
 def test_validate_deep_draws_a_bar_of_files_scanned():

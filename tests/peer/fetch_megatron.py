@@ -132,6 +132,23 @@ def ensure(root: Path | None = None, timeout: float = 60.0) -> Path:
     return root
 
 
+def ensure_or_skip(timeout: float = 30.0) -> Path:
+    """For tests: the cached Megatron-LM files, or ``pytest.skip`` saying what is missing
+    (megatron-core, ``six``/``pydantic`` that ``megatron.training`` imports, or the files)."""
+    import importlib.util
+
+    import pytest
+
+    for module in ("megatron.core", "six", "pydantic"):
+        if importlib.util.find_spec(module) is None:
+            pytest.skip(f"{module} is not installed (pip install -e '.[test]' and "
+                        "megatron-core==0.16.1 --no-deps)")
+    try:
+        return ensure(timeout=timeout)
+    except FetchError as exc:
+        pytest.skip(f"Megatron-LM {TAG} unavailable: {exc}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="only say whether it is cached")

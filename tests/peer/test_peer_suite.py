@@ -9,7 +9,6 @@ the packages that ``megatron.training`` imports are missing (``pip install -e '.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import sys
@@ -31,17 +30,6 @@ SUBSET_NPROC = 2
 KNOWN_FAILING_WITH_REAL = json.loads((HERE / "known_failing_with_real.json").read_text())
 
 
-def _prerequisites() -> Path:
-    for module in ("megatron.core", "six", "pydantic"):
-        if importlib.util.find_spec(module) is None:
-            pytest.skip(f"{module} is not installed (pip install -e '.[test]' and "
-                        "megatron-core==0.16.1 --no-deps)")
-    try:
-        return fetch_megatron.ensure(timeout=30)
-    except fetch_megatron.FetchError as exc:
-        pytest.skip(f"Megatron-LM {fetch_megatron.TAG} tests unavailable: {exc}")
-
-
 def _check(results: dict, files: list) -> None:
     assert results, "the peer run reported no test at all (see its log.txt)"
     bad = {t: o for t, o in results.items()
@@ -56,7 +44,7 @@ def test_known_failing_list_is_explained() -> None:
 
 
 def test_peer_subset_passes_with_ours(tmp_path: Path) -> None:
-    _prerequisites()
+    fetch_megatron.ensure_or_skip()
     results = run_peer.run("ours", SUBSET_NPROC, SUBSET, [], tmp_path, timeout=1200)
     _check(results, SUBSET)
 
@@ -64,7 +52,7 @@ def test_peer_subset_passes_with_ours(tmp_path: Path) -> None:
 @pytest.mark.skipif(os.environ.get("CKPT_PEER_FULL") != "1",
                     reason="the full peer suite takes hours on 2 cores: CKPT_PEER_FULL=1")
 def test_peer_full_suite_passes_with_ours(tmp_path: Path) -> None:
-    _prerequisites()
+    fetch_megatron.ensure_or_skip()
     results = run_peer.run("ours", 8, [], [], tmp_path)
     _check(results, [])
 
@@ -85,7 +73,7 @@ def test_megatron_training_checkpointing_imports_on_ours(tmp_path: Path) -> None
     ``filesystem_async._results_queue``, a private MCore name)."""
     import subprocess
 
-    root = _prerequisites()
+    root = fetch_megatron.ensure_or_skip()
     env = dict(os.environ, CKPT_PEER_IMPL="ours", CKPT_PEER_ROOT=str(root),
                CUDA_VISIBLE_DEVICES="",
                PYTHONPATH=os.pathsep.join([str(HERE), str(run_peer.REPO), str(root)]))

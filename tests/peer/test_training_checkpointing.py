@@ -16,7 +16,6 @@ Skipped, saying why, when Megatron-LM's files are neither cached nor fetchable
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import signal
 import subprocess
@@ -33,17 +32,6 @@ import fetch_megatron  # noqa: E402
 pytestmark = [pytest.mark.interop, pytest.mark.multiproc]
 WORKER = HERE / "_training_ckpt_worker.py"
 NPROC = 2
-
-
-def _megatron_lm() -> Path:
-    for module in ("megatron.core", "six", "pydantic"):
-        if importlib.util.find_spec(module) is None:
-            pytest.skip(f"{module} is not installed (pip install -e '.[test]' and "
-                        "megatron-core==0.16.1 --no-deps)")
-    try:
-        return fetch_megatron.ensure(timeout=30)
-    except fetch_megatron.FetchError as exc:
-        pytest.skip(f"Megatron-LM {fetch_megatron.TAG} unavailable: {exc}")
 
 
 def _run(root: Path, impl: str, *args: str, timeout: float = 900) -> str:
@@ -70,7 +58,7 @@ def _oks(out: str, what: str) -> int:
 
 
 def test_megatron_lm_training_checkpoints_on_ours_and_cross_loads(tmp_path: Path) -> None:
-    root = _megatron_lm()
+    root = fetch_megatron.ensure_or_skip()
     real_dir, ours_dir, async_dir = (str(tmp_path / d) for d in ("real", "ours", "ours_async"))
     out = _run(root, "real", "--save", real_dir)
     assert _oks(out, "dist_checkpointing is megatron.core.dist_checkpointing") == NPROC
