@@ -11,7 +11,8 @@ import sys
 import threading
 from typing import Iterator
 
-__all__ = ["is_program", "exit_on_interrupt", "interrupts_deferred", "interrupt_deferred"]
+__all__ = ["is_program", "exit_on_interrupt", "interrupts_deferred", "interrupt_deferred",
+           "committing", "output_committed", "reset_interrupts"]
 
 
 def is_program() -> bool:
@@ -47,6 +48,7 @@ def exit_on_interrupt() -> None:
 class _Deferral:
     depth = 0  # open interrupts_deferred blocks (main thread)
     pending = False  # Ctrl-C came inside one
+    committed = False  # an output is in place: the command's work is done
 
 
 @contextlib.contextmanager
@@ -70,9 +72,44 @@ def interrupts_deferred() -> Iterator[None]:
             raise KeyboardInterrupt
 
 
+@contextlib.contextmanager
+def committing() -> Iterator[None]:
+    """The renames that put a finished output in place. Ctrl-C inside waits for their end;
+    once they succeed the output is complete, and a later Ctrl-C is ignored for the rest of
+    the command (what is left is reporting it): an interrupt never leaves a complete output
+    behind a failure exit. If the block fails, a deferred interrupt is reported by the
+    command's handler (the failure propagates)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    _Deferral.depth += 1
+    try:
+        yield
+    except BaseException:
+        _Deferral.depth -= 1
+        _Deferral.pending = _Deferral.pending and _Deferral.depth > 0
+        raise
+    _Deferral.depth -= 1
+    _Deferral.committed = True
+    if _Deferral.depth == 0:
+        _Deferral.pending = False
+
+
+def reset_interrupts() -> None:
+    """A command starts: nothing deferred, nothing committed yet."""
+    _Deferral.pending = False
+    _Deferral.committed = False
+
+
+def output_committed() -> bool:
+    """A ``committing`` block of this command succeeded: its output is in place."""
+    return _Deferral.committed
+
+
 def interrupt_deferred() -> bool:
-    """Called by a Ctrl-C handler: inside ``interrupts_deferred`` the interrupt is recorded
-    for the block's end (True); outside it, the handler raises (False)."""
+    """Called by a Ctrl-C handler: inside ``interrupts_deferred`` or ``committing`` the
+    interrupt is recorded for the block's end (True); outside them, the handler raises
+    (False)."""
     if _Deferral.depth:
         _Deferral.pending = True
         return True

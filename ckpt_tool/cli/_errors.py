@@ -66,14 +66,17 @@ def _watch_interrupts() -> None:
     inline_container.cc"), which must still read "interrupted" (exit 130)."""
     import signal
 
-    from ckpt_tool._program import interrupt_deferred
+    from ckpt_tool._program import interrupt_deferred, output_committed, reset_interrupts
     from ckpt_tool._program import is_program as _is_program
 
     state.interrupted = False
+    reset_interrupts()
     if not _is_program():
         return
 
     def on_sigint(signum: int, frame: object) -> None:
+        if output_committed():  # the work is done: what is left is reporting it
+            return
         state.interrupted = True
         if not interrupt_deferred():  # else raised where C code is no longer calling us
             raise KeyboardInterrupt

@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
+from ckpt_tool._program import committing
 from ckpt_tool.errors import OutputError, UsageError, plural
 from ckpt_tool.digests import take as take_digests
 from ckpt_tool.leftovers import OLD_MARK, STAGING_MARK, reclaim, target_lock
@@ -150,18 +151,8 @@ def _staged(out: Path, overwrite: bool, file_name: str | None) -> Iterator[Path]
         side = _add_manifest(staging, file_name, out)
         take_digests(staging)  # used by the manifest: forget them
         fsync_tree(staging)
-        if side is not None:  # the file's manifest goes first: the file never lacks it
-            os.replace(side, out.parent / side.name)
-        if os.path.lexists(out):
-            if not overwrite:
-                raise UsageError("the output appeared while writing", path=out,
-                                 hint="pass --overwrite to replace it")
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}{OLD_MARK}", dir=out.parent))
-            os.rename(out, old / "old")
-            os.rename(produced, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(produced, out)
+        with committing():  # Ctrl-C waits for the renames, and is ignored once they are done
+            _put_in_place(out, produced, side, overwrite)
         if file_name:
             shutil.rmtree(staging, ignore_errors=True)
         fsync_dir(out.parent)
@@ -169,6 +160,21 @@ def _staged(out: Path, overwrite: bool, file_name: str | None) -> Iterator[Path]
         take_digests(staging)
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def _put_in_place(out: Path, produced: Path, side: Path | None, overwrite: bool) -> None:
+    if side is not None:  # the file's manifest goes first: the file never lacks it
+        os.replace(side, out.parent / side.name)
+    if os.path.lexists(out):
+        if not overwrite:
+            raise UsageError("the output appeared while writing", path=out,
+                             hint="pass --overwrite to replace it")
+        old = Path(tempfile.mkdtemp(prefix=f".{out.name}{OLD_MARK}", dir=out.parent))
+        os.rename(out, old / "old")
+        os.rename(produced, out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(produced, out)
 
 
 def _add_manifest(staging: Path, file_name: str | None, out: Path) -> Path | None:

@@ -52,3 +52,44 @@ def _wait_for_numpy(proc: subprocess.Popen) -> None:
         except OSError:
             return
         time.sleep(0.005)
+
+
+_SIGNAL_AT = r"""
+import os, runpy, signal, sys
+import ckpt_tool.ops._staging as staging
+
+where = sys.argv.pop(1)
+original = {"fsync": staging.fsync_tree, "commit": staging._put_in_place}[where]
+
+def with_ctrl_c(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGINT)  # the handler runs before the next bytecode
+    result = original(*args, **kwargs)
+    if where == "commit":
+        os.kill(os.getpid(), signal.SIGINT)  # once more, after the output is in place
+    return result
+
+setattr(staging, {"fsync": "fsync_tree", "commit": "_put_in_place"}[where], with_ctrl_c)
+sys.argv[0] = "ckpt"
+runpy.run_module("ckpt_tool", run_name="__main__", alter_sys=True)
+"""
+
+
+@pytest.mark.parametrize("where", ["fsync", "commit"])
+def test_ctrl_c_around_the_rename_never_leaves_a_complete_output_behind_a_failure(tmp_path, where):
+    """Before the rename an interrupt removes everything (exit 130); from the rename on, the
+    output is complete and the command reports success (exit 0), never 130 with the output
+    in place."""
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-c", _SIGNAL_AT, where, "convert", str(FIX), str(out),
+                           "--to", "safetensors"], capture_output=True, text=True, timeout=300)
+    leftovers = [n for n in os.listdir(tmp_path) if n.startswith(".out.")]
+    if where == "fsync":
+        assert proc.returncode == 130, proc.stderr[-3000:]
+        assert "interrupted" in proc.stderr and "Traceback" not in proc.stderr
+        assert not out.exists() and leftovers == []
+    else:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert out.exists() and leftovers == []
+        check = subprocess.run([sys.executable, "-m", "ckpt_tool", "validate", str(out)],
+                               capture_output=True, text=True, timeout=300)
+        assert check.returncode == 0, check.stderr
