@@ -196,6 +196,11 @@ def plan_export(meta: CheckpointMeta, args: dict[str, Any], rule: ArchRule, *, v
                 add(prefix + hf.format(e=e), src, "glu_split", (shape[0] // 2, *shape[1:]),
                     (("half", half),))
         elif m.transform in ("qkv_cat", "qkv_cat_t"):
+            if groups != heads:  # c_attn is [q; k; v] over all heads: k/v as many as q
+                raise UnsupportedError(
+                    f"{rule.architecture} has no grouped-query attention; this checkpoint has "
+                    f"{groups} query groups for {heads} heads", path=meta.root,
+                    hint="pass --hf-arch llama, mistral or qwen2")
             t = int(m.transform == "qkv_cat_t")
             add(prefix + m.hf[0], src, "qkv_to_cat", tuple(reversed(shape)) if t else shape,
                 (("transpose", t),) + geo.params)

@@ -1,5 +1,5 @@
-"""Test helper: a random Llama model directory as transformers saves it (config.json,
-sharded safetensors + index), any size, written one shard at a time."""
+"""Test helper: random Llama and GPT-2 model directories as transformers saves them
+(config.json, sharded safetensors + index), any size, written one shard at a time."""
 
 from __future__ import annotations
 
@@ -36,6 +36,37 @@ def llama_dir(root: Path, shards: int = 2, seed: int = 0, **sizes) -> Path:
                        p + "mlp.up_proj.weight": (i, h), p + "mlp.down_proj.weight": (h, i),
                        p + "input_layernorm.weight": (h,),
                        p + "post_attention_layernorm.weight": (h,)})
+    return _save(root, cfg, shapes, shards, seed)
+
+
+def gpt2_config(hidden: int = 16, layers: int = 2, heads: int = 4, vocab: int = 50,
+                positions: int = 32, dtype: str = "float32") -> dict:
+    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": hidden,
+            "n_layer": layers, "n_head": heads, "n_positions": positions, "vocab_size": vocab,
+            "layer_norm_epsilon": 1e-5, "activation_function": "gelu_new",
+            "torch_dtype": dtype}
+
+
+def gpt2_dir(root: Path, shards: int = 1, seed: int = 0, **sizes) -> Path:
+    """``root`` with a GPT-2 ``config.json`` (``gpt2_config(**sizes)``: one key/value head
+    per query head, tied embeddings) and its weights (Conv1D ``[in, out]``)."""
+    cfg = gpt2_config(**sizes)
+    h = cfg["n_embd"]
+    shapes = {"transformer.wte.weight": (cfg["vocab_size"], h),
+              "transformer.wpe.weight": (cfg["n_positions"], h),
+              "transformer.ln_f.weight": (h,), "transformer.ln_f.bias": (h,)}
+    for n in range(cfg["n_layer"]):
+        p = f"transformer.h.{n}."
+        shapes.update({p + "ln_1.weight": (h,), p + "ln_1.bias": (h,), p + "ln_2.weight": (h,),
+                       p + "ln_2.bias": (h,), p + "attn.c_attn.weight": (h, 3 * h),
+                       p + "attn.c_attn.bias": (3 * h,), p + "attn.c_proj.weight": (h, h),
+                       p + "attn.c_proj.bias": (h,), p + "mlp.c_fc.weight": (h, 4 * h),
+                       p + "mlp.c_fc.bias": (4 * h,), p + "mlp.c_proj.weight": (4 * h, h),
+                       p + "mlp.c_proj.bias": (h,)})
+    return _save(root, cfg, shapes, shards, seed)
+
+
+def _save(root: Path, cfg: dict, shapes: dict, shards: int, seed: int) -> Path:
     root.mkdir(parents=True)
     (root / "config.json").write_text(json.dumps(cfg))
     g = torch.Generator().manual_seed(seed)

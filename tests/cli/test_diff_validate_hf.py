@@ -3,8 +3,11 @@
 ``diff`` between a Megatron checkpoint and an HF directory maps names and shapes through the
 export rules: a faithful export (and the source of an import) diffs clean both ways, what HF
 cannot hold is a note ("not comparable"), a changed tensor is reported under its HF name with
-the Megatron tensor it comes from. The Megatron checkpoint is one the real Megatron-Core 0.16.1
-wrote (bf16, TP2 PP2, with optimizer state)."""
+the Megatron tensor it comes from. The GPT-2 pair is a bf16 TP2 PP2 torch_dist import of a
+GPT-2 directory (one key/value head per query head) and its export; the checkpoints the real
+Megatron-Core 0.16.1 wrote all have grouped-query attention, which GPT-2 cannot hold: their
+``--to hf --hf-arch gpt2`` is refused, and ``diff`` compares them with a GPT-2 directory by the
+names as stored."""
 
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ from typer.testing import CliRunner
 from ckpt_tool.cli.app import app
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _hf_dirs import llama_config, llama_dir  # noqa: E402
+from _hf_dirs import gpt2_dir, llama_config, llama_dir  # noqa: E402
 
 runner = CliRunner()
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
@@ -51,44 +54,64 @@ def rewrite(path: Path, key: str, change) -> None:
 
 
 @pytest.fixture(scope="module")
-def export(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("export") / "hf"
-    ckpt("convert", MCORE, out, "--to", "hf", "--hf-arch", "gpt2", "--no-progress")
-    return out
+def pair(tmp_path_factory) -> tuple[Path, Path]:
+    """A torch_dist GPT-2 checkpoint (bf16, TP2 PP2, hidden 32, 4 layers) and its HF export."""
+    root = tmp_path_factory.mktemp("gpt2")
+    src = gpt2_dir(root / "src", hidden=32, layers=4, vocab=100, dtype="bfloat16")
+    ckpt("convert", src, root / "mc", "--to", "torch_dist", "--tp", "2", "--pp", "2",
+         "--no-progress")
+    ckpt("convert", root / "mc", root / "hf", "--to", "hf", "--hf-arch", "gpt2",
+         "--no-progress")
+    return root / "mc", root / "hf"
 
 
-def test_megatron_checkpoint_and_its_hf_export_diff_clean_both_ways(export):
-    for a, b, me in ((MCORE, export, "A"), (export, MCORE, "B")):
+def test_megatron_checkpoint_and_its_hf_export_diff_clean_both_ways(pair):
+    mc, export = pair
+    for a, b, me in ((mc, export, "A"), (export, mc, "B")):
         doc = diff_json(a, b, 0)
         assert doc["identical"] and not doc["only_in_a"] and not doc["only_in_b"]
         assert doc["stats"]["tensors_compared"] == doc["stats"]["tensors_common"] == 52
         notes = "\n".join(doc["notes"])
-        assert f"optimizer state not comparable: {'AB'[me == 'A']} (hf) holds model weights " \
-               f"only; {me}'s: 48 tensors" in notes
+        assert f"padded vocab rows not comparable: {me}'s embedding.word_embeddings.weight " \
+               f"has 256 rows, {'AB'[me == 'A']} (hf) holds vocab_size 100" in notes
         assert "common state not comparable" in notes and "args" in notes
-        assert "stored objects not compared" in notes and not doc["common"]
+        assert not doc["common"]
 
 
-def test_a_changed_tensor_is_reported_under_both_names(export, tmp_path):
+def test_a_changed_tensor_is_reported_under_both_names(pair, tmp_path):
+    mc, export = pair
     changed = tmp_path / "hf"
     shutil.copytree(export, changed)
     key = "transformer.h.1.attn.c_attn.weight"
     rewrite(changed / "model.safetensors", key, lambda t: t[3].add_(1.0))
-    doc = diff_json(MCORE, changed, 1)
+    doc = diff_json(mc, changed, 1)
     assert [v["key"] for v in doc["values"]] == [key]
-    assert doc["values"][0]["differing"] == 128 and doc["values"][0]["first_index"] == [3, 0]
+    assert doc["values"][0]["differing"] == 96 and doc["values"][0]["first_index"] == [3, 0]
     assert doc["mapped_from"] == {
         key: "decoder.layers.self_attention.linear_qkv.weight[1] (q/k/v regrouped, transposed)"}
-    text = ckpt("diff", MCORE, changed, "--no-progress", code=1).output
+    text = ckpt("diff", mc, changed, "--no-progress", code=1).output
     assert f"first: {key}[3, 0]" in text and "(A: decoder.layers.self_attention.linear_qkv" \
         ".weight[1]" in text
     # a tensor the export lacks is only in A, under its HF name
     with safe_open(str(changed / "model.safetensors"), "pt") as f:
         kept = {k: f.get_tensor(k) for k in f.keys() if k != "transformer.ln_f.bias"}
     save_file(kept, str(changed / "model.safetensors"), metadata={"format": "pt"})
-    doc = diff_json(MCORE, changed, 1)
+    doc = diff_json(mc, changed, 1)
     assert doc["only_in_a"] == ["transformer.ln_f.bias"]
     assert doc["mapped_from"]["transformer.ln_f.bias"] == "decoder.final_layernorm.bias"
+
+
+def test_gpt2_export_of_grouped_query_attention_is_refused(tmp_path):
+    """Megatron-Core's checkpoints here have 2 query groups for 4 heads: GPT-2's c_attn holds
+    as many k/v heads as q heads, so transformers could not load the export."""
+    out = tmp_path / "hf"
+    result = ckpt("convert", MCORE, out, "--to", "hf", "--hf-arch", "gpt2", "--no-progress",
+                  code=2)
+    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, result.stderr
+    assert "GPT2LMHeadModel has no grouped-query attention; this checkpoint has 2 query " \
+           "groups for 4 heads (pass --hf-arch llama, mistral or qwen2)" in lines[0]
+    assert list(tmp_path.iterdir()) == []  # nothing written, no staging left
 
 
 def _llama_dir(root: Path) -> Path:
@@ -114,15 +137,21 @@ def test_hf_model_and_its_torch_dist_import(tmp_path):
     assert doc["mapped_from"] == {key: "decoder.layers.mlp.linear_fc1.weight[1] (up half)"}
 
 
-def test_names_the_rules_cannot_map_are_compared_as_stored(export, tmp_path):
+def test_names_the_rules_cannot_map_are_compared_as_stored(pair, tmp_path):
+    mc, export = pair
     wrong = tmp_path / "hf"
     shutil.copytree(export, wrong)
-    (wrong / "config.json").write_text(json.dumps(LLAMA))  # a GPT model called Llama
-    doc = diff_json(MCORE, wrong, 1)
+    (wrong / "config.json").write_text(json.dumps(LLAMA))  # a GPT-2 model called Llama
+    doc = diff_json(mc, wrong, 1)
     assert any(n.startswith("names not mapped through the Hugging Face rules (") for n in
                doc["notes"]), doc["notes"]
     assert "transformer.h.0.attn.c_attn.weight" in doc["only_in_b"]
     assert "decoder.layers.self_attention.linear_qkv.weight" in doc["only_in_a"]
+    # Megatron-Core's grouped-query checkpoint against a GPT-2 directory: no GPT-2 view of it
+    doc = diff_json(MCORE, export, 1)
+    assert any("names not mapped through the Hugging Face rules" in n and "GPT2LMHeadModel "
+               "has no grouped-query attention" in n for n in doc["notes"]), doc["notes"]
+    assert "transformer.h.0.attn.c_attn.weight" in doc["only_in_b"]
 
 
 @pytest.mark.parametrize("kind", ["sharded", "bin"])
