@@ -29,6 +29,7 @@ from ckpt_tool.ops._hf_source import HfSource
 from ckpt_tool.ops._staging import check_output_target, staged_output_ranks, verify_output
 from ckpt_tool.parallel import JobProgress
 from ckpt_tool.parallel import ranks as current_ranks
+from ckpt_tool.planning.hf_extras import gpt2_token_ids
 from ckpt_tool.planning.hf_plan import Recipe, plan_export, plan_import
 from ckpt_tool.planning.hf_rules import (args_from_hf_config, guess_arch, hf_config_from_args,
                                          moe_layers_check, rule_for_config, rule_named)
@@ -76,10 +77,17 @@ def _export(reader: Reader, meta: CheckpointMeta, options: Any
                 or args.get("padded_vocab_size"))
     recipes = plan_export(meta, args, rule, vocab=vocab)
     dtype = next((r.dtype for r in recipes if r.key == rule.embed), recipes[0].dtype)
+    notes = []
+    if rule.name == "gpt2" and not {"bos_token_id", "eos_token_id"} & base.keys():
+        ids, note = gpt2_token_ids(args, vocab)  # else GPT2Config's default, 50256, applies
+        base = {**base, **ids}
+        notes += [note] if note else []
     config = hf_config_from_args(args, rule, vocab=vocab, dtype=dtype, base=base)
-    gen = {k: base[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in base}
+    gen = {k: base[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+           if base.get(k) is not None}
     extra = {"hf_config": config, "generation_config": gen and {**gen,
-                                                                "_from_model_config": True}}
+                                                                "_from_model_config": True},
+             "notes": notes}
     return recipes, {}, extra
 
 
@@ -158,7 +166,7 @@ def convert_hf(src: str | Path, dst: str | Path, options: Any, *, trust: bool = 
         wopts = WriterOptions(max_shard_size=max_shard_size or WriterOptions.max_shard_size,
                               max_memory=options.max_memory, tp=tp or 1, pp=pp or 1,
                               extra=extra)
-        notes: list[str] = []
+        notes: list[str] = list(extra.pop("notes", ()))
         writer = writer_for(options.to)
         with staged_output_ranks(out, r, overwrite=overwrite, notes=notes) as staging:
             if r.is_main or writer.supports_ranks:

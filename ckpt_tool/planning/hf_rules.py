@@ -23,6 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckpt_tool.planning.hf_extras import WINDOW_ARCHS, sliding_window_of, window_from_hf
+
 __all__ = ["ArchRule", "LayerMap", "ARCHS", "rule_for_config", "rule_named", "guess_arch",
            "args_from_hf_config", "hf_config_from_args", "padded_vocab", "TE_NORMS"]
 
@@ -202,10 +204,13 @@ def guess_arch(args: dict[str, Any]) -> str:
     if args.get("position_embedding_type") == "learned_absolute" \
             and args.get("normalization", "LayerNorm") == "LayerNorm" and not args.get("swiglu"):
         return "gpt2"
+    window = args.get("window_size") is not None and int(args["window_size"][0]) >= 0
     if args.get("num_experts"):
         if args.get("moe_shared_expert_intermediate_size"):
             return "qwen2_moe"
-        return "qwen3_moe" if args.get("qk_layernorm") else "mixtral"
+        return "qwen3_moe" if args.get("qk_layernorm") and not window else "mixtral"
+    if window:
+        return "mistral"
     if args.get("qk_layernorm"):
         return "qwen3"
     if args.get("add_qkv_bias") and not args.get("add_bias_linear"):
@@ -276,7 +281,7 @@ def args_from_hf_config(config: dict[str, Any], rule: ArchRule, *, tp: int = 1, 
         "transformer_impl": "local" if local_spec else "transformer_engine",
         "params_dtype": dtype, "bf16": dtype == "bfloat16", "fp16": dtype == "float16",
         "ckpt_format": "torch_dist", "tokenizer_type": "HuggingFaceTokenizer",
-        "hf_architecture": rule.architecture,
+        "hf_architecture": rule.architecture, "window_size": window_from_hf(config, rule.name),
     } | _moe_args(config, rule) | _gpt2_args(config, rule)
 
 
@@ -344,6 +349,9 @@ def hf_config_from_args(args: dict[str, Any], rule: ArchRule, *, vocab: int,
     }
     if not rule.qkv_bias:
         cfg["attention_bias"] = False
+    window = sliding_window_of(args, rule.name)  # raises where the rule has no window
+    if rule.name in WINDOW_ARCHS:  # explicit: MistralConfig's default is 4096
+        cfg["sliding_window"] = window
     if rule.moe:
         experts, topk = int(args["num_experts"]), int(args.get("moe_router_topk") or 2)
         moe_ffn = int(args.get("moe_ffn_hidden_size") or args["ffn_hidden_size"])

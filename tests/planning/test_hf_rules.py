@@ -197,3 +197,88 @@ def test_glu_and_vocab_rows():
     assert padded.shape == (8, 2) and padded.dtype == torch.bfloat16
     assert torch.equal(padded[:5], emb) and not padded[5:].any()
     assert torch.equal(apply_part(Part((), "rows", (), (("rows", 5),)), [padded]), emb)
+
+
+def gpt2_meta(groups: int, heads: int = 4, hd: int = 16, layers: int = 2) -> CheckpointMeta:
+    hidden, qkv = heads * hd, groups * (heads // groups + 2) * hd
+    per = {"self_attention.linear_qkv.weight": (qkv, hidden), "self_attention.linear_qkv.bias":
+           (qkv,), "self_attention.linear_proj.weight": (hidden, hidden),
+           "self_attention.linear_proj.bias": (hidden,),
+           "self_attention.linear_qkv.layer_norm_weight": (hidden,),
+           "self_attention.linear_qkv.layer_norm_bias": (hidden,),
+           "mlp.linear_fc1.layer_norm_weight": (hidden,),
+           "mlp.linear_fc1.layer_norm_bias": (hidden,),
+           "mlp.linear_fc1.weight": (4 * hidden, hidden), "mlp.linear_fc1.bias": (4 * hidden,),
+           "mlp.linear_fc2.weight": (hidden, 4 * hidden), "mlp.linear_fc2.bias": (hidden,)}
+    shapes = {f"decoder.layers.{k}": (layers, *s) for k, s in per.items()}
+    shapes.update({"embedding.word_embeddings.weight": (128, hidden),
+                   "embedding.position_embeddings.weight": (32, hidden),
+                   "decoder.final_layernorm.weight": (hidden,),
+                   "decoder.final_layernorm.bias": (hidden,)})
+    return meta_of(shapes)
+
+
+def gpt2_args(groups: int, heads: int = 4) -> dict:
+    return {"num_layers": 2, "hidden_size": 64, "num_attention_heads": heads, "kv_channels": 16,
+            "num_query_groups": groups, "group_query_attention": groups != heads,
+            "ffn_hidden_size": 256}
+
+
+def test_gpt2_export_refuses_grouped_query_attention():
+    rule = rule_named("gpt2")
+    # one group per head: c_attn is [q; k; v] over the 4 heads, transposed (Conv1D)
+    recipes = {r.key: r for r in plan_export(gpt2_meta(4), gpt2_args(4), rule, vocab=100)}
+    c_attn = recipes["transformer.h.1.attn.c_attn.weight"]
+    assert c_attn.shape == (64, 192) and c_attn.parts[0].op == "qkv_to_cat"
+    # 2 query groups for 4 heads: k/v have half the rows of q, which c_attn has no room for
+    with pytest.raises(UnsupportedError) as info:
+        plan_export(gpt2_meta(2), gpt2_args(2), rule, vocab=100)
+    assert info.value.one_line() == (
+        "/ckpt: GPT2LMHeadModel has no grouped-query attention; this checkpoint has 2 query "
+        "groups for 4 heads (pass --hf-arch llama, mistral or qwen2)")
+    # group_query_attention off: Megatron-LM ignores num_query_groups, one group per head
+    assert plan_export(gpt2_meta(4), {**gpt2_args(4), "num_query_groups": 2}, rule, vocab=100)
+
+
+def test_gpt2_token_ids_from_the_tokenizer_or_unknown():
+    from ckpt_tool.planning.hf_extras import gpt2_token_ids
+
+    gpt2 = {"bos_token_id": 50256, "eos_token_id": 50256}
+    assert gpt2_token_ids({"tokenizer_type": "GPT2BPETokenizer"}, 50257) == (gpt2, None)
+    assert gpt2_token_ids({"tokenizer_type": "HuggingFaceTokenizer",
+                           "tokenizer_model": "/models/gpt2"}, 50257) == (gpt2, None)
+    assert gpt2_token_ids({}, 50257) == (gpt2, None)  # GPT-2's vocabulary size, no tokenizer
+    # NullTokenizer(--vocab-size 99) ends documents with id 99
+    assert gpt2_token_ids({"tokenizer_type": "NullTokenizer", "vocab_size": 99}, 100) == (
+        {"bos_token_id": 99, "eos_token_id": 99}, None)
+    for args, vocab in (({"tokenizer_type": "NullTokenizer", "vocab_size": 128}, 128),
+                        ({"tokenizer_type": "HuggingFaceTokenizer"}, 50257),
+                        ({"tokenizer_type": "GPT2BPETokenizer"}, 1000), ({}, 100)):
+        ids, note = gpt2_token_ids(args, vocab)
+        assert ids == {"bos_token_id": None, "eos_token_id": None}, args
+        assert note.startswith("bos/eos token ids unknown (tokenizer: "), args
+
+
+def test_mistral_sliding_window_to_window_size_and_back():
+    cfg = {**CONFIG, "architectures": ["MistralForCausalLM"], "model_type": "mistral",
+           "sliding_window": 4096}
+    rule = rule_for_config(cfg)
+    args = args_from_hf_config(cfg, rule)
+    # transformers' window of 4096 keys (i-4095..i) is Megatron-Core's (4095, 0)
+    assert args["window_size"] == (4095, 0) and guess_arch(args) == "mistral"
+    assert hf_config_from_args(args, rule, vocab=100, dtype="bfloat16")["sliding_window"] == 4096
+    no_window = args_from_hf_config({**cfg, "sliding_window": None}, rule)
+    assert no_window["window_size"] is None and guess_arch(no_window) == "llama"
+    # MistralConfig's default window is 4096: no window is written as null
+    back = hf_config_from_args(no_window, rule, vocab=100, dtype="bfloat16")
+    assert "sliding_window" in back and back["sliding_window"] is None
+    assert hf_config_from_args({**args, "window_size": (-1, 0)}, rule, vocab=100,
+                               dtype="bfloat16")["sliding_window"] is None
+    assert args_from_hf_config(cfg, rule_named("llama"))["window_size"] is None
+    with pytest.raises(UnsupportedError, match=r"sliding-window attention \(window_size "
+                                               r"\(4095, 0\)\).*llama.*--hf-arch mistral"):
+        hf_config_from_args(args, rule_named("llama"), vocab=100, dtype="bfloat16")
+    with pytest.raises(UnsupportedError, match=r"window_size \(4095, 0\) with "
+                                               r"window_attn_skip_freq 4 has no Hugging Face"):
+        hf_config_from_args({**args, "window_attn_skip_freq": 4}, rule, vocab=100,
+                            dtype="bfloat16")
