@@ -68,7 +68,8 @@ class MappedReader(Reader):
 @dataclass(frozen=True)
 class HfDiffView:
     """The two readers to compare (one of them mapped), where each HF tensor of the mapped
-    side comes from, and the notes on what cannot be compared."""
+    side comes from, the notes on what cannot be compared, and the settings where the
+    Megatron side's args and config.json disagree."""
 
     a: Reader
     b: Reader
@@ -76,6 +77,7 @@ class HfDiffView:
     origins: dict[str, str]
     notes: tuple[str, ...]
     common_note: str | None = None
+    config: tuple[tuple[str, Any, Any], ...] = ()  # (what, A's value, B's value)
 
 
 def hf_view(ra: Reader, rb: Reader) -> HfDiffView:
@@ -98,4 +100,5 @@ def hf_view(ra: Reader, rb: Reader) -> HfDiffView:
     mapped = MappedReader(mega, view.recipes)
     a, b = (mapped, rb) if side == "a" else (ra, mapped)
     note = common_note(side, mega.metadata().format, [str(k) for k in common])
-    return HfDiffView(a, b, side, view.origins, view.notes, note)
+    config = tuple((what, m, h) if side == "a" else (what, h, m) for what, m, h in view.config)
+    return HfDiffView(a, b, side, view.origins, view.notes, note, config)

@@ -24,7 +24,9 @@ A Megatron checkpoint (torch_dist, zarr, legacy) against a Hugging Face model di
 seen in HF names through the export rules (``_hf_view``, planned by ``planning.hf_compare``):
 its export, or the source of an import, is identical; a changed tensor is reported under its
 HF name with the Megatron tensor it comes from (``mapped_from``); what HF cannot hold
-(optimizer state, padded vocab rows, common state) is noted as not comparable.
+(optimizer state, padded vocab rows, common state) is noted as not comparable, but the
+settings ``config.json`` shares with ``args`` (sizes, heads, vocab, norm epsilon, rope theta, tied
+embeddings) are compared, each disagreement a common-state difference.
 
 A dtype change is a difference, except with a tolerance (and values read): then the values
 decide, so a bf16 export is identical to its fp32 source within ``rtol=2**-8``.
@@ -311,6 +313,8 @@ def diff(a: str | Path, b: str | Path, *, rename: Iterable[tuple[str, str]] = ()
             notes.append("--filter: common state not compared")
         elif view.common_note:
             notes.append(view.common_note)
+            # the settings both describe: args against config.json, through the rules
+            cdiffs = [CommonDiff(what, "changed", x, y) for what, x, y in view.config]
         elif keys_only or not same_common_file(ma, mb):
             ca = {k: v for k, v in ma.common.items() if k != "keys"} if keys_only else ra.common()
             cb = {k: v for k, v in mb.common.items() if k != "keys"} if keys_only else rb.common()

@@ -7,7 +7,12 @@ an HF directory sees the Megatron side through the export recipes of ``convert -
 an import) has the same tensors as the HF side, and a tensor that changed is reported under its
 HF name together with the Megatron tensor it comes from (:func:`origin`).
 
-What an HF directory cannot hold is listed as not comparable, never as a difference:
+The common states are not alike (``args`` on one side, ``config.json`` on the other), but the
+settings both describe are compared through the same rules (:func:`config_differences`:
+config.json read as Megatron-LM ``args`` by ``args_from_hf_config``): hidden size, layers,
+heads, query groups, head size, FFN size, vocab size, norm epsilon, rope theta, tied
+embeddings; each that disagrees is a difference. What an HF directory cannot hold is listed as
+not comparable, never as a difference:
 optimizer state, the padded vocab rows of the embedding and output layer, the common state
 (``args``, iteration; the HF side holds ``config.json``), extra state and rotary buffers.
 """
@@ -17,11 +22,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ckpt_tool.errors import CkptError
 from ckpt_tool.model import CheckpointMeta, is_optimizer_key
 from ckpt_tool.planning.hf_plan import Part, Recipe, Src, plan_export
-from ckpt_tool.planning.hf_rules import args_from_hf_config, rule_for_config
+from ckpt_tool.planning.hf_rules import (_GPT2_NAMES, ArchRule, args_from_hf_config,
+                                         rule_for_config)
 
-__all__ = ["MEGATRON_FORMATS", "HfView", "mapped_side", "plan_hf_view", "origin", "common_note"]
+__all__ = ["MEGATRON_FORMATS", "HfView", "mapped_side", "plan_hf_view", "origin", "common_note",
+           "config_differences"]
 
 MEGATRON_FORMATS = ("torch_dist", "zarr", "legacy")
 _QKV = ("query", "key", "value")
@@ -35,6 +43,7 @@ class HfView:
     recipes: tuple[Recipe, ...]
     origins: dict[str, str]
     notes: tuple[str, ...]
+    config: tuple[tuple[str, Any, Any], ...] = ()  # config_differences
 
 
 def mapped_side(format_a: str, format_b: str) -> str | None:
@@ -77,6 +86,7 @@ def plan_hf_view(meta: CheckpointMeta, args: dict[str, Any], hf: CheckpointMeta,
     (``"a"``/``"b"``). Raises what ``plan_export`` raises when the names cannot be mapped."""
     me, other = side.upper(), "B" if side == "a" else "A"
     rule = rule_for_config(config)
+    config_diffs = config_differences(args, config, rule)
     if not args.get("num_layers"):
         args = {**args_from_hf_config(config, rule),
                 **{k: v for k, v in args.items() if v is not None}}
@@ -108,7 +118,60 @@ def plan_hf_view(meta: CheckpointMeta, args: dict[str, Any], hf: CheckpointMeta,
     if buffers:
         notes.append(f"rotary buffers not comparable: {me} ({meta.format}) holds none; "
                      f"{other}'s: {_count(buffers)}")
-    return HfView(tuple(recipes), {r.key: origin(r) for r in recipes}, tuple(notes))
+    return HfView(tuple(recipes), {r.key: origin(r) for r in recipes}, tuple(notes),
+                  tuple(config_diffs))
+
+
+# (Megatron-LM argument, config.json name): the settings both sides describe
+_SETTINGS = (("hidden_size", "hidden_size"), ("num_layers", "num_hidden_layers"),
+             ("num_attention_heads", "num_attention_heads"),
+             ("num_query_groups", "num_key_value_heads"), ("kv_channels", "head_dim"),
+             ("ffn_hidden_size", "intermediate_size"), ("vocab_size", "vocab_size"),
+             ("norm_epsilon", "rms_norm_eps"), ("rotary_base", "rope_theta"),
+             ("untie_embeddings_and_output_weights", "tie_word_embeddings"))
+# GPT-2 has one key/value head per query head of n_embd / n_head: both follow from n_head
+_NOT_IN_GPT2 = ("num_key_value_heads", "head_dim")
+_GPT2_FIELD = {new: old for old, new in _GPT2_NAMES.items()} | {"intermediate_size": "n_inner"}
+
+
+def _settings(args: dict[str, Any], rule: ArchRule) -> dict[str, Any]:
+    heads = args.get("num_attention_heads")
+    out = dict(args)
+    if heads and not args.get("group_query_attention", True):
+        out["num_query_groups"] = heads  # Megatron-LM ignores it without the flag
+    if heads and args.get("hidden_size") and not args.get("kv_channels"):
+        out["kv_channels"] = int(args["hidden_size"]) // int(heads)
+    if rule.moe:  # config.json's FFN size is the experts'
+        out["ffn_hidden_size"] = args.get("moe_ffn_hidden_size") or args.get("ffn_hidden_size")
+    if rule.position != "rope":
+        out.pop("rotary_base", None)
+    return out
+
+
+def config_differences(args: dict[str, Any], config: dict[str, Any], rule: ArchRule
+                       ) -> list[tuple[str, Any, Any]]:
+    """``(what, args value, config.json value)`` for each setting of :data:`_SETTINGS` where
+    Megatron-LM ``args`` and HF ``config`` (read through ``rule``) disagree; settings ``args``
+    lack are not compared, and nothing is without ``args``."""
+    if not args.get("num_layers"):
+        return []
+    try:
+        hf = _settings(args_from_hf_config(config, rule), rule)
+    except (CkptError, KeyError, TypeError, ValueError):
+        return []  # a config.json plan_export cannot read either: the names are not mapped
+    mine = _settings(args, rule)
+    out = []
+    for arg, field in _SETTINGS:
+        a, b = mine.get(arg), hf.get(arg)
+        if a is None or b is None or (rule.name == "gpt2" and field in _NOT_IN_GPT2):
+            continue
+        same = float(a) == float(b) if isinstance(a, (int, float)) and not isinstance(
+            a, bool) else bool(a) == bool(b)
+        if not same:
+            name = _GPT2_FIELD.get(field, field) if rule.name == "gpt2" else field
+            shown = config.get(name, b if arg != "untie_embeddings_and_output_weights" else not b)
+            out.append((f"args.{arg} / config.json {name}", a, shown))
+    return out
 
 
 def common_note(side: str, fmt: str, common_keys: list[str]) -> str:

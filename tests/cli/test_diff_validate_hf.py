@@ -101,6 +101,26 @@ def test_a_changed_tensor_is_reported_under_both_names(pair, tmp_path):
     assert doc["mapped_from"]["transformer.ln_f.bias"] == "decoder.final_layernorm.bias"
 
 
+def test_config_json_is_compared_with_the_args(pair, tmp_path):
+    mc, export = pair
+    edited = tmp_path / "hf"
+    shutil.copytree(export, edited)
+    cfg = json.loads((edited / "config.json").read_text())
+    assert cfg["n_head"] == 4 and cfg["layer_norm_epsilon"] == 1e-5
+    (edited / "config.json").write_text(json.dumps({**cfg, "n_head": 8,
+                                                    "layer_norm_epsilon": 1e-6}))
+    for a, b, swap in ((mc, edited, False), (edited, mc, True)):
+        doc = diff_json(a, b, 1)
+        assert doc["stats"]["tensors_compared"] == 52 and not doc["values"]
+        want = [("args.num_attention_heads / config.json n_head", 4, 8),
+                ("args.norm_epsilon / config.json layer_norm_epsilon", 1e-5, 1e-6)]
+        assert [(c["path"], *((c["b"], c["a"]) if swap else (c["a"], c["b"])))
+                for c in doc["common"]] == want
+        assert {c["kind"] for c in doc["common"]} == {"changed"}
+    text = ckpt("diff", mc, edited, "--no-progress", code=1).output
+    assert "2 common-state differences" in text and "config.json n_head" in text
+
+
 def test_gpt2_export_of_grouped_query_attention_is_refused(tmp_path):
     """Megatron-Core's checkpoints here have 2 query groups for 4 heads: GPT-2's c_attn holds
     as many k/v heads as q heads, so transformers could not load the export."""

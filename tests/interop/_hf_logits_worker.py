@@ -54,6 +54,18 @@ def build(spec: dict, tp: int, pp: int):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    if spec.get("window"):  # megatron-core 0.16.1 builds the sliding-window mask on "cuda":
+        # its own triu/tril run on the CPU (only torch.ones, in that module, drops the device)
+        import types
+
+        from megatron.core.transformer import utils as mcore_utils
+
+        def ones(*a, device=None, **k):
+            return torch.ones(*a, **k)
+
+        cpu_torch = types.ModuleType("torch")
+        cpu_torch.__dict__.update(vars(torch), ones=ones)
+        mcore_utils.torch = cpu_torch
     if spec.get("experts"):  # megatron-core 0.16.1 names te_general_gemm only when TE imports
         import importlib
 
@@ -77,7 +89,8 @@ def build(spec: dict, tp: int, pp: int):
         pipeline_dtype=dtype, bf16=dtype == torch.bfloat16, hidden_dropout=0.0,
         attention_dropout=0.0, masked_softmax_fusion=False, bias_activation_fusion=False,
         bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
-        gradient_accumulation_fusion=False, **moe_config(spec))
+        gradient_accumulation_fusion=False,
+        window_size=tuple(spec["window"]) if spec.get("window") else None, **moe_config(spec))
     layer_spec = get_gpt_layer_local_spec(num_experts=spec.get("experts"),
                                           normalization=norm, qk_layernorm=spec["qk_norm"])
     cuda = torch.Tensor.cuda

@@ -95,6 +95,35 @@ def test_llama_hf_to_torch_dist_tp2_gives_transformers_logits(tmp_path):
     assert_same(tensors(tmp_path / "back2"), tensors(src))
 
 
+def test_mistral_sliding_window_carried_both_ways_gives_transformers_logits(tmp_path):
+    """transformers' sliding_window W (keys i-W+1..i) is Megatron-Core's window_size (W-1, 0)
+    (keys i-(W-1)..i): the same logits over 10 tokens with a window of 3."""
+    torch.manual_seed(4)
+    cfg = transformers.MistralConfig(vocab_size=100, hidden_size=32, intermediate_size=48,
+                                     num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, max_position_embeddings=64,
+                                     sliding_window=3, tie_word_embeddings=False)
+    src = tmp_path / "mistral"
+    transformers.MistralForCausalLM(cfg).save_pretrained(src)
+    want = hf_logits(src)
+    wider = json.loads((src / "config.json").read_text()) | {"sliding_window": 4}
+    (tmp_path / "wider").mkdir()
+    for f in src.iterdir():
+        (tmp_path / "wider" / f.name).write_bytes(f.read_bytes())
+    (tmp_path / "wider" / "config.json").write_text(json.dumps(wider))
+    assert not torch.allclose(hf_logits(tmp_path / "wider"), want)  # the window matters here
+    ckpt("convert", src, tmp_path / "mcore", "--to", "torch_dist")
+    args = open_checkpoint(tmp_path / "mcore").common()["args"]
+    assert args.window_size == (2, 0)
+    got = megatron_logits(tmp_path, spec_of(cfg, padded_vocab=128, qkv_bias=False, mode="load",
+                                            ckpt=str(tmp_path / "mcore"), window=[2, 0]), 1)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    ckpt("convert", tmp_path / "mcore", tmp_path / "back", "--to", "hf")
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["sliding_window"] == 3
+    assert_same(tensors(tmp_path / "back"), tensors(src))
+    torch.testing.assert_close(hf_logits(tmp_path / "back"), want, rtol=0, atol=0)
+
+
 def test_qwen2_qkv_bias_tied_hf_to_torch_dist_tp1(tmp_path):
     torch.manual_seed(1)
     cfg = transformers.Qwen2Config(vocab_size=100, hidden_size=64, intermediate_size=128,

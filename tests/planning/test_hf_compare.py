@@ -80,3 +80,36 @@ def test_a_config_that_contradicts_the_weights_cannot_map():
     with pytest.raises(InputError, match=r"contradicts the weights: no self_attention"
                                          r"\.linear_qkv\.weight for layer 0 \(3 layers\)"):
         plan_hf_view(mcore(), {}, hf(False), {**CONFIG, "num_hidden_layers": 3})
+
+
+def test_config_compared_with_args_through_the_rules():
+    from ckpt_tool.planning.hf_compare import config_differences
+    from ckpt_tool.planning.hf_rules import args_from_hf_config, rule_for_config
+
+    rule = rule_for_config(CONFIG)
+    args = args_from_hf_config(CONFIG, rule)
+    assert config_differences(args, CONFIG, rule) == []
+    assert config_differences({}, CONFIG, rule) == []  # no args: nothing to compare
+    # a stored int rope base and no kv_channels (hidden / heads) are the same settings
+    same = {**args, "rotary_base": 10000, "kv_channels": None}
+    assert config_differences(same, CONFIG, rule) == []
+    edited = {**CONFIG, "num_key_value_heads": 4, "rms_norm_eps": 1e-5, "rope_theta": 5e5,
+              "tie_word_embeddings": False, "vocab_size": 99}
+    assert config_differences(args, edited, rule) == [
+        ("args.num_query_groups / config.json num_key_value_heads", 2, 4),
+        ("args.vocab_size / config.json vocab_size", 100, 99),
+        ("args.norm_epsilon / config.json rms_norm_eps", 1e-6, 1e-5),
+        ("args.rotary_base / config.json rope_theta", 10000.0, 5e5),
+        ("args.untie_embeddings_and_output_weights / config.json tie_word_embeddings", False,
+         False)]
+    # GPT-2's names; no rope; group_query_attention off means one group per head
+    gpt2 = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": 64,
+            "n_layer": 2, "n_head": 4, "n_positions": 64, "vocab_size": 100}
+    g_rule = rule_for_config(gpt2)
+    g_args = {**args_from_hf_config(gpt2, g_rule), "num_query_groups": 1,
+              "group_query_attention": False, "rotary_base": 1.0}
+    assert config_differences(g_args, gpt2, g_rule) == []
+    assert config_differences({**g_args, "hidden_size": 32, "ffn_hidden_size": 128}, gpt2,
+                              g_rule) == [("args.hidden_size / config.json n_embd", 32, 64),
+                                          ("args.ffn_hidden_size / config.json n_inner", 128,
+                                           256)]  # no n_inner: 4 x n_embd
