@@ -60,8 +60,13 @@ def pair(tmp_path_factory) -> tuple[Path, Path]:
     src = gpt2_dir(root / "src", hidden=32, layers=4, vocab=100, dtype="bfloat16")
     ckpt("convert", src, root / "mc", "--to", "torch_dist", "--tp", "2", "--pp", "2",
          "--no-progress")
-    ckpt("convert", root / "mc", root / "hf", "--to", "hf", "--hf-arch", "gpt2",
-         "--no-progress")
+    out = ckpt("convert", root / "mc", root / "hf", "--to", "hf", "--hf-arch", "gpt2",
+               "--no-progress").output
+    # the import's args name the HuggingFaceTokenizer, not GPT-2's: ids unknown, not 50256
+    assert "bos/eos token ids unknown (tokenizer: HuggingFaceTokenizer, vocab_size 100)" in out
+    cfg = json.loads((root / "hf" / "config.json").read_text())
+    assert cfg["bos_token_id"] is None and cfg["eos_token_id"] is None
+    assert not (root / "hf" / "generation_config.json").exists()
     return root / "mc", root / "hf"
 
 
