@@ -21,7 +21,7 @@ both stages (the word embedding on the first, ``output_layer.weight`` on the las
   Qwen2-MoE at TP2 (the default TE names, into the TE-spec model).
 * Megatron-Core saves -> ``convert --to hf`` -> transformers gives the Megatron logits: GPT-2
   at PP2 (tied across stages), Qwen2-MoE at PP2 in the TE spec (its separate
-  ``pre_mlp_layernorm``).
+  ``pre_mlp_layernorm``), Qwen2 (dense, QKV bias, tied) at PP2.
 
 The TE spec: Transformer Engine needs CUDA and is not installed, so the model is built by
 Megatron-Core's real ``get_gpt_layer_with_transformer_engine_spec`` over stand-in local modules
@@ -80,6 +80,7 @@ EXPORTS = [
     ("qwen2_moe_save_pp2_te", 1, 2, "Qwen2MoeForCausalLM",
      dict(experts=4, topk=2, moe_ffn=32, shared_ffn=48, pre_softmax=True, qkv_bias=True,
           spec="te")),
+    ("qwen2_save_pp2", 1, 2, "Qwen2ForCausalLM", dict(qkv_bias=True, tied=True)),
 ]
 
 
