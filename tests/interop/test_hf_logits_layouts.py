@@ -18,7 +18,9 @@ both stages (the word embedding on the first, ``output_layer.weight`` on the las
 * HF -> ``convert --to legacy`` (Megatron-LM rank files) -> each rank loads its file's
   ``model`` with ``load_state_dict(strict=True)`` (no key missing, none unexpected) -> the
   logits: Llama at TP2 x PP2 (``--local-spec`` names), GPT-2 at PP2 (local spec, tied),
-  Qwen2-MoE at TP2 (the default TE names, into the TE-spec model).
+  Qwen2-MoE at PP2 (the default TE names, into the TE-spec model). (Not MoE legacy at TP2:
+  the import writes ``expert_tensor_parallel_size`` 1, so experts stay whole in every TP rank's
+  file, and this worker builds experts at ETP = TP.)
 * Megatron-Core saves -> ``convert --to hf`` -> transformers gives the Megatron logits: GPT-2
   at PP2 (tied across stages), Qwen2-MoE at PP2 in the TE spec (its separate
   ``pre_mlp_layernorm``), Qwen2 (dense, QKV bias, tied) at PP2.
@@ -70,7 +72,7 @@ IMPORTS = [
      ["--to", "legacy", "--tp", "2", "--pp", "2", "--local-spec"], {"mode": "legacy"}),
     ("gpt2_legacy_pp2", "gpt2", ["--to", "legacy", "--pp", "2", "--local-spec"],
      {"mode": "legacy"}),
-    ("qwen2_moe_legacy_tp2_te", "qwen2_moe", ["--to", "legacy", "--tp", "2"],
+    ("qwen2_moe_legacy_pp2_te", "qwen2_moe", ["--to", "legacy", "--pp", "2"],
      {"mode": "legacy", "spec": "te"}),
 ]
 # (job name, tp, pp, HF architecture guessed from the args, model): the real library saves
@@ -129,7 +131,7 @@ def test_te_names_are_the_te_specs(runs):
             "decoder.layers.mlp.linear_fc1.layer_norm_weight",
             "decoder.layers.mlp.linear_fc1.layer_norm_bias"} <= dense.keys()
     assert not [k for k in dense if "input_layernorm" in k or "pre_mlp_layernorm" in k]
-    moe = open_checkpoint(tmp / "qwen2_moe_legacy_tp2_te").metadata().tensors
+    moe = open_checkpoint(tmp / "qwen2_moe_legacy_pp2_te").metadata().tensors
     assert {"decoder.layers.0.self_attention.linear_qkv.layer_norm_weight",
             "decoder.layers.0.pre_mlp_layernorm.weight"} <= moe.keys()
     assert not [k for k in moe if "input_layernorm" in k or "linear_fc1.layer_norm" in k]
