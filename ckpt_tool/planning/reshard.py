@@ -32,16 +32,12 @@ from ckpt_tool.planning.grid import infer_rule_from_grid
 from ckpt_tool.planning.layout import GLU, REPLICATED, VOCAB, Rule, RuleSet, example_rule, model_key
 from ckpt_tool.planning.overlap import ChunkIndex, SourceRead, reads_for
 from ckpt_tool.planning.pieces import LocalTensor, Piece, effective_kind, rank_pieces
+from ckpt_tool.planning.rank_keys import EMBEDDING, OUTPUT, expert_of, local_key_of, stage_of
 from ckpt_tool.planning.sizes import LayerMap, Layout, ModelSizes, rank_dir_name
 
 __all__ = ["ReshardOptions", "PiecePlan", "TensorPlan", "RankPlan", "ReshardPlan",
            "plan_reshard", "target_file"]
 
-_LAYER = re.compile(r"((?:^|\.)layers\.)(\d+)(\.)")
-_STACKED = re.compile(r"(?:^|\.)layers\.(?!\d)")
-_LAST_STAGE = re.compile(r"(^|\.)(output_layer|final_layernorm|final_norm)\.")
-_EXPERT_NUM = (re.compile(r"((?:^|\.)(?:local_experts|experts)\.)(\d+)(\.)"),
-               re.compile(r"(linear_fc\d\.(?:weight|bias))(\d+)()$"))  # TE grouped: weight3
 
 
 @dataclass(frozen=True)
@@ -152,38 +148,6 @@ def target_file(fmt: str, target: Layout, tp: int, pp: int, ep: int) -> tuple[in
     return rank, f"__{rank}_0.distcp"
 
 
-def _stage_of(key: str, lm: LayerMap, pp: int) -> tuple[int, int, int] | None:
-    """``(pp, vp, local layer)`` of a per-layer key, ``(pp, 0, -1)`` for a non-layer key,
-    None for a stacked key (every stage)."""
-    mk = model_key(key)
-    m = _LAYER.search(mk)
-    if m is not None:
-        return lm.locate(int(m.group(2)))
-    if _STACKED.search(mk):
-        return None
-    return (pp - 1 if _LAST_STAGE.search(mk) else 0), 0, -1
-
-
-def _expert_of(key: str) -> int | None:
-    """The global expert number in a per-expert key, else None."""
-    for rx in _EXPERT_NUM:
-        m = rx.search(key)
-        if m is not None:
-            return int(m.group(2))
-    return None
-
-
-def _local_key(key: str, local_layer: int, local_expert: int | None = None) -> str:
-    """``key`` with stage-local layer (and ep-local expert) numbers, as legacy files name it."""
-    if local_layer >= 0:
-        key = _LAYER.sub(lambda m: f"{m.group(1)}{local_layer}{m.group(3)}", key, count=1)
-    if local_expert is not None:
-        for rx in _EXPERT_NUM:
-            if rx.search(key):
-                return rx.sub(lambda m: f"{m.group(1)}{local_expert}{m.group(3)}", key, count=1)
-    return key
-
-
 def _resolve_rules(meta: CheckpointMeta, rules: RuleSet, source: Layout, skip: set[str],
                    problems: list[Problem]) -> dict[str, Rule]:
     """The rule of every key not in ``skip``; an error problem for each key without one."""
@@ -284,6 +248,10 @@ def plan_reshard(meta: CheckpointMeta, target: Layout, rules: RuleSet | None = N
             continue
         new_tensors[key] = _plan_key(key, tmeta, rule_of[key], sizes, target, lm, ranks,
                                      legacy, new_vocab, options)
+        if legacy and target.pp > 1 and key == EMBEDDING and OUTPUT not in meta.tensors:
+            # tied embeddings: Megatron-LM's last stage holds (and loads) its own copy
+            _plan_key(key, tmeta, rule_of[key], sizes, target, lm, ranks, legacy, new_vocab,
+                      options, alias=OUTPUT)
     plan.ranks = [ranks[k] for k in sorted(ranks, key=lambda k: ranks[k].rank)]
     objects = _plan_objects(meta, plan, lm, ranks, legacy)
     plan.target_meta = CheckpointMeta(
@@ -296,7 +264,10 @@ def plan_reshard(meta: CheckpointMeta, target: Layout, rules: RuleSet | None = N
 
 def _plan_key(key: str, tmeta: TensorMeta, rule: Rule, sizes: ModelSizes, target: Layout,
               lm: LayerMap, ranks: dict[tuple[int, int, int], RankPlan], legacy: bool,
-              new_vocab: int | None, options: ReshardOptions) -> TensorMeta:
+              new_vocab: int | None, options: ReshardOptions, alias: str | None = None
+              ) -> TensorMeta:
+    """Every target rank's local tensor of ``key``; ``alias``: planned as the rank files name
+    it under that key instead (placed and named as ``alias``, read from ``key``)."""
     shape = list(tmeta.shape)
     source_rows = None
     if rule.kind == VOCAB and new_vocab is not None:
@@ -304,7 +275,7 @@ def _plan_key(key: str, tmeta: TensorMeta, rule: Rule, sizes: ModelSizes, target
         shape[0] = new_vocab
     index = ChunkIndex(tmeta)
     glu = effective_kind(rule, sizes.gated_linear_unit) == GLU
-    where = _stage_of(key, lm, target.pp)
+    where = stage_of(alias or key, lm, target.pp)
     n_exp = sizes.num_experts or 0
     chunks: list[ChunkRef] = []
     for (t, p, e), rp in ranks.items():
@@ -319,7 +290,7 @@ def _plan_key(key: str, tmeta: TensorMeta, rule: Rule, sizes: ModelSizes, target
             trank = t
             per = n_exp // target.ep if n_exp else 0
             experts = list(range(e * per, (e + 1) * per)) if per else None
-            g = _expert_of(model_key(key))
+            g = expert_of(model_key(key))
             if g is not None and per:
                 if not e * per <= g < (e + 1) * per:
                     continue
@@ -341,8 +312,8 @@ def _plan_key(key: str, tmeta: TensorMeta, rule: Rule, sizes: ModelSizes, target
             chunks.extend(ChunkRef(o, z, file=rp.file) for o, z in _chunk_boxes(lt, glu))
             local_layer = where[2] if where is not None else -1
             vp = where[1] if where is not None and lm.vpp > 1 else None
-            rp.tensors.append(TensorPlan(key, _local_key(key, local_layer, local_expert),
-                                         lt.local_shape, tuple(pieces), vp))
+            local_key = local_key_of(alias or key, local_layer, local_expert)
+            rp.tensors.append(TensorPlan(key, local_key, lt.local_shape, tuple(pieces), vp))
     if legacy:
         chunks = list({(c.offsets, c.sizes): c for c in chunks}.values())
     return TensorMeta(key=key, dtype=tmeta.dtype, shape=tuple(shape), chunks=tuple(chunks),
@@ -393,7 +364,7 @@ def _plan_objects(meta: CheckpointMeta, plan: ReshardPlan, lm: LayerMap,
                 out.append(o)
         elif o.key.endswith("_extra_state") and not legacy:
             layer = o.global_offset[0] if o.global_offset else 0
-            where = _stage_of(o.key, lm, tgt.pp) or lm.locate(min(layer, lm.num_layers - 1))
+            where = stage_of(o.key, lm, tgt.pp) or lm.locate(min(layer, lm.num_layers - 1))
             rp = ranks[(0, where[0], 0)]
             out.append(replace(o, file=rp.file, byte_offset=None, byte_length=None))
         elif o.key in ("opt_param_scheduler",) and legacy:

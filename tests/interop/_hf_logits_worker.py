@@ -14,7 +14,13 @@ of token ids), ``mode`` and ``ckpt``, ``out``:
   (``args``, ``iteration``, ``model``) with ``dist_checkpointing.save`` into ``ckpt``;
 * ``load``: set every parameter to NaN, load ``ckpt`` with ``dist_checkpointing.load`` (each
   stage's model's own sharded state dict, as Megatron-LM does; ``_extra_state`` objects left
-  out) and fail if any parameter was not loaded.
+  out) and fail if any parameter was not loaded;
+* ``legacy``: load this rank's Megatron-LM legacy file from ``ckpt`` with
+  ``load_state_dict(strict=True)``.
+
+``spec`` ``"te"`` builds the layers from Megatron-Core's Transformer-Engine layer spec over
+local stand-in modules (``_te_standin.py``: TE's fused norm names, no TE needed); otherwise the
+local spec.
 
 Then the logits for ``tokens`` (the first ``vocab`` columns): with ``pp`` > 1 each stage's
 GPTModel (``pre_process`` on the first, ``post_process`` on the last) runs its layers and
@@ -91,8 +97,13 @@ def build(spec: dict, tp: int, pp: int):
         bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
         gradient_accumulation_fusion=False,
         window_size=tuple(spec["window"]) if spec.get("window") else None, **moe_config(spec))
-    layer_spec = get_gpt_layer_local_spec(num_experts=spec.get("experts"),
-                                          normalization=norm, qk_layernorm=spec["qk_norm"])
+    if spec.get("spec") == "te":  # the real TE spec's layout over local stand-in modules
+        from _te_standin import te_layer_spec
+
+        layer_spec = te_layer_spec(spec.get("experts"), spec["qk_norm"])
+    else:
+        layer_spec = get_gpt_layer_local_spec(num_experts=spec.get("experts"),
+                                              normalization=norm, qk_layernorm=spec["qk_norm"])
     cuda = torch.Tensor.cuda
     # tied embeddings across pipeline stages: GPTModel all-reduces the output layer's copy of
     # the embedding between the first and last stage after moving it to .cuda()
@@ -152,7 +163,8 @@ def save(model, spec: dict, tp: int, pp: int) -> None:
         qk_layernorm=spec["qk_norm"], untie_embeddings_and_output_weights=not spec["tied"],
         vocab_size=spec["vocab"], padded_vocab_size=spec["padded_vocab"],
         make_vocab_size_divisible_by=64, **{"normalization": "RMSNorm",
-                                            "add_bias_linear": False, **extra})
+                                            "add_bias_linear": False, **extra},
+        transformer_impl="transformer_engine" if spec.get("spec") == "te" else "local")
     state = {"args": args, "checkpoint_version": 3.0, "iteration": 10,
              "model": model.sharded_state_dict()}
     if torch.distributed.get_rank() == 0:
@@ -175,6 +187,28 @@ def load(model, spec: dict) -> None:
     bad = [n for n, p in model.named_parameters() if torch.isnan(p).any()]
     if bad:
         raise RuntimeError(f"{spec.get('name', spec['ckpt'])}: not loaded: {bad}")
+
+
+def load_legacy(model, spec: dict) -> None:
+    """Megatron-LM's legacy load: this rank's ``mp_rank_TT[_PPP]/model_optim_rng.pt`` (under
+    the iteration the tracker file names), its ``model`` state dict loaded with
+    ``load_state_dict(strict=True)``: every key the model has, no key it lacks."""
+    import torch
+
+    from megatron.core import parallel_state as ps
+
+    root = spec["ckpt"]
+    tracker = open(os.path.join(root, "latest_checkpointed_iteration.txt")).read().strip()
+    it_dir = "release" if tracker == "release" else f"iter_{int(tracker):07d}"
+    tp, pp = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+    rank = f"mp_rank_{tp:02d}" + (f"_{pp:03d}" if ps.get_pipeline_model_parallel_world_size()
+                                  > 1 else "")
+    state = torch.load(os.path.join(root, it_dir, rank, "model_optim_rng.pt"),
+                       map_location="cpu", weights_only=False)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(float("nan"))
+    model.load_state_dict(state["model"], strict=True)
 
 
 def forward(model, spec: dict):
@@ -213,6 +247,8 @@ def run_job(spec: dict, tp: int, pp: int) -> None:
     model = build(spec, tp, pp)
     if spec["mode"] == "save":
         save(model, spec, tp, pp)
+    elif spec["mode"] == "legacy":
+        load_legacy(model, spec)
     else:
         load(model, spec)
     logits = forward(model, spec)

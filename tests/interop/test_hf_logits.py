@@ -19,69 +19,15 @@ gloo ranks).
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-from typer.testing import CliRunner
 
-from ckpt_tool.cli.app import app
+from _hf_jobs import (COMMON, SAVE_BASE, ckpt, hf_logits, job_from_args, randomise, run_jobs,
+                      tensors)
 from ckpt_tool.formats.base import open_checkpoint
 
 transformers = pytest.importorskip("transformers")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dist_checkpointing" / "_workers"))
-from launch import torchrun  # noqa: E402
-
-WORKER = Path(__file__).resolve().parent / "_hf_logits_worker.py"
-TOKENS = [[1, 5, 7, 99, 3, 4, 20, 50, 11, 0], [2, 3, 4, 5, 6, 7, 8, 9, 98, 97]]
-runner = CliRunner()
-COMMON = dict(vocab_size=100, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-              max_position_embeddings=64)
-
-
-def ckpt(*argv: object) -> None:
-    result = runner.invoke(app, [*map(str, argv), "--no-progress"])
-    assert result.exit_code == 0, result.output
-
-
-def hf_logits(path: Path) -> torch.Tensor:
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    with torch.no_grad():
-        return model(torch.tensor(TOKENS)).logits
-
-
-def tensors(path: Path) -> dict[str, torch.Tensor]:
-    with open_checkpoint(path) as r:
-        return {k: r.read(k) for k in r.metadata().tensors}
-
-
-def randomise(model) -> None:
-    """Norm weights, biases and routers away from their neutral init: mistakes must show."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1 + 0.2 * torch.randn_like(p))
-            elif name.endswith(".bias") or "gate.weight" in name:
-                p.normal_(0, 0.5)
-
-
-def job_from_args(args, ckpt_dir: Path, **kw) -> dict:
-    """The worker's model spec, from the ``args`` a conversion wrote (not from the HF
-    config: the Megatron-Core model is built as Megatron-LM would build it from them)."""
-    moe = {}
-    if args.num_experts:
-        moe = dict(experts=args.num_experts, topk=args.moe_router_topk,
-                   moe_ffn=args.moe_ffn_hidden_size,
-                   shared_ffn=args.moe_shared_expert_intermediate_size,
-                   pre_softmax=args.moe_router_pre_softmax)
-    return dict(layers=args.num_layers, hidden=args.hidden_size, heads=args.num_attention_heads,
-                groups=args.num_query_groups, head_dim=args.kv_channels,
-                ffn=args.ffn_hidden_size, padded_vocab=args.padded_vocab_size,
-                vocab=args.vocab_size, seq=args.seq_length, eps=args.norm_epsilon,
-                theta=args.rotary_base, tied=not args.untie_embeddings_and_output_weights,
-                qkv_bias=args.add_qkv_bias, qk_norm=args.qk_layernorm, dtype="float32",
-                mode="load", ckpt=str(ckpt_dir), tokens=TOKENS, **moe, **kw)
 
 
 def _hf_models() -> dict[str, object]:
@@ -113,9 +59,6 @@ IMPORTS = [("mistral_tp2", "mistral", ["--tp", "2"]),
            ("qwen3_moe_tp1", "qwen3_moe", ["--local-spec"]),  # MoE: the norm names differ
            ("llama_tp2pp2", "llama", ["--tp", "2", "--pp", "2"])]
 # (job name, tp, pp, model): checkpoints the real Megatron-Core saves
-SAVE_BASE = dict(layers=2, hidden=64, heads=4, groups=2, head_dim=16, ffn=128,
-                 padded_vocab=128, vocab=100, seq=64, eps=1e-6, theta=10000.0, tied=False,
-                 qkv_bias=False, qk_norm=False, dtype="float32", mode="save", tokens=TOKENS)
 EXPORTS = [("mixtral_save_tp2", 2, 1, "MixtralForCausalLM",
             dict(experts=4, topk=2, moe_ffn=32, shared_ffn=None, pre_softmax=False)),
            ("qwen2_moe_save_tp2", 2, 1, "Qwen2MoeForCausalLM",
@@ -152,12 +95,7 @@ def runs(tmp_path_factory):
     for job, tp, pp, _, model in EXPORTS:
         jobs.append(dict(SAVE_BASE, name=job, ckpt=str(tmp / job), out=str(tmp / f"{job}.pt"),
                          tp=tp, pp=pp, **model))
-    # two torchruns: every rank costs CPU on every job; a job that needs fewer ranks than
-    # its run has runs with data-parallel replicas
-    for ranks in (2, 4):
-        group = [j for j in jobs if max(2, j["tp"] * j["pp"]) == ranks]
-        (tmp / f"spec{ranks}.json").write_text(json.dumps({"jobs": group}))
-        torchrun(str(WORKER), ranks, str(tmp / f"spec{ranks}.json"), timeout=900)
+    run_jobs(tmp, jobs)
     return tmp, srcs
 
 

@@ -292,3 +292,45 @@ def test_experts_placed_by_expert_parallel():
     assert sorted(t.pieces[0].piece.global_offsets[:2] for t in st) == [
         (0, 2), (0, 3), (1, 2), (1, 3)]
     assert all(t.local_shape == (1, 1, 8, 16) for t in st)
+
+
+def test_legacy_target_tied_last_stage_holds_output_layer(src):
+    """Tied embeddings at PP > 1: Megatron-LM's last stage has (and strictly loads) its own
+    ``output_layer.weight``, a copy of the embedding's TP shard; the dist checkpoint has only
+    the embedding."""
+    import dataclasses
+
+    r, meta, common = src[FP32]
+    tied = dataclasses.replace(meta, tensors={k: v for k, v in meta.tensors.items()
+                                              if k != "output_layer.weight"})
+    plan = plan_reshard(tied, Layout(tp=2, pp=2), options=ReshardOptions(
+        target_format="legacy"), common=common)
+    assert plan.ok
+    out = {(rp.tp, rp.pp): t for rp in plan.ranks for t in rp.tensors
+           if t.local_key == "output_layer.weight"}
+    emb = {(rp.tp, rp.pp): t for rp in plan.ranks for t in rp.tensors
+           if t.local_key == "embedding.word_embeddings.weight"}
+    assert set(out) == {(0, 1), (1, 1)} and set(emb) == {(0, 0), (1, 0)}
+    for t in (0, 1):
+        assert out[(t, 1)].key == "embedding.word_embeddings.weight"
+        assert out[(t, 1)].local_shape == emb[(t, 0)].local_shape
+        assert [p.piece for p in out[(t, 1)].pieces] == [p.piece for p in emb[(t, 0)].pieces]
+    assert "output_layer.weight" not in plan.target_meta.tensors
+    untied = _plan(src, FP32, Layout(tp=2, pp=2), target_format="legacy")
+    assert sum(t.local_key == "output_layer.weight" and t.key == "output_layer.weight"
+               for rp in untied.ranks for t in rp.tensors) == 2  # its own, not a copy
+    pp1 = plan_reshard(tied, Layout(tp=2, pp=1), options=ReshardOptions(
+        target_format="legacy"), common=common)
+    assert not [t for rp in pp1.ranks for t in rp.tensors if t.local_key == "output_layer.weight"]
+
+
+def test_legacy_target_virtual_pipeline_last_chunk_holds_head(src):
+    """With a virtual pipeline the final norm and output layer are in the last stage's last
+    model chunk (``model1``), the embedding in the first stage's first (``model0``)."""
+    plan = _plan(src, LEGACY, Layout(tp=1, pp=2, vpp=2), target_format="legacy")
+    where = {t.local_key: (rp.pp, t.model_chunk) for rp in plan.ranks for t in rp.tensors
+             if "layers." not in t.local_key}
+    assert where == {"embedding.word_embeddings.weight": (0, 0),
+                     "embedding.position_embeddings.weight": (0, 0),
+                     "decoder.final_layernorm.weight": (1, 1),
+                     "decoder.final_layernorm.bias": (1, 1), "output_layer.weight": (1, 1)}
