@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from ckpt_tool.errors import UsageError
-from ckpt_tool.formats.pickle_refs import Call, Instance, Ref, dumps
+from ckpt_tool.formats.pickle_refs import Call, dumps, instance, ref
 from ckpt_tool.model import TensorMeta, dtype_itemsize
 
 __all__ = ["PlannedItem", "check_grid", "planned_items", "assign_files", "metadata_pickle",
@@ -34,12 +34,14 @@ __all__ = ["PlannedItem", "check_grid", "planned_items", "assign_files", "metada
 DCP_VERSION = "1.0.0"
 _MD = "torch.distributed.checkpoint.metadata"
 _PLANNER = "torch.distributed.checkpoint.planner"
-_REFS: dict[tuple[str, str], Ref] = {}
+_REFS: dict[tuple[str, str], type] = {}
 _SHARD, _BYTE_IO = 2, 3  # WriteItemType values
 
 
-def _ref(module: str, name: str) -> Ref:
-    return _REFS.setdefault((module, name), Ref(module, name))
+def _ref(module: str, name: str) -> type:
+    if (module, name) not in _REFS:
+        _REFS[(module, name)] = ref(module, name)
+    return _REFS[(module, name)]
 
 
 @dataclass(frozen=True)
@@ -136,35 +138,35 @@ class _Builder:
     tensor)."""
 
     def __init__(self) -> None:
-        self._props: dict[str, Instance] = {}
+        self._props: dict[str, Any] = {}
 
     @staticmethod
     def size(values: Sequence[int]) -> Call:
         return Call(_ref("torch", "Size"), (tuple(values),))
 
-    def properties(self, dtype: str) -> Instance:
+    def properties(self, dtype: str) -> Any:
         if dtype not in self._props:  # TensorProperties.__getstate__: a tuple
-            self._props[dtype] = Instance(_ref(_MD, "TensorProperties"), (
+            self._props[dtype] = instance(_ref(_MD, "TensorProperties"), (
                 _ref("torch", dtype),
                 Call(_ref("torch.serialization", "_get_layout"), ("torch.strided",)),
                 False, Call(_ref(_MD, "_MEM_FORMAT_ENCODING"), (0,)), False))
         return self._props[dtype]
 
-    def chunk(self, item: PlannedItem) -> Instance:
-        return Instance(_ref(_MD, "ChunkStorageMetadata"), {
+    def chunk(self, item: PlannedItem) -> Any:
+        return instance(_ref(_MD, "ChunkStorageMetadata"), {
             "offsets": self.size(item.offsets or ()), "sizes": self.size(item.sizes)})
 
-    def index(self, item: PlannedItem, index: int | None) -> Instance:
+    def index(self, item: PlannedItem, index: int | None) -> Any:
         state: dict[str, Any] = {"fqn": item.fqn, "index": index}
         if not item.is_bytes:
             state["offset"] = self.size(item.offsets or ())
-        return Instance(_ref(_MD, "MetadataIndex"), state)
+        return instance(_ref(_MD, "MetadataIndex"), state)
 
-    def write_item(self, item: PlannedItem) -> Instance:
-        tensor_data = None if item.is_bytes else Instance(_ref(_PLANNER, "TensorWriteData"), {
+    def write_item(self, item: PlannedItem) -> Any:
+        tensor_data = None if item.is_bytes else instance(_ref(_PLANNER, "TensorWriteData"), {
             "chunk": self.chunk(item), "properties": self.properties(item.dtype),
             "size": self.size(item.shape)})
-        return Instance(_ref(_PLANNER, "WriteItem"), {
+        return instance(_ref(_PLANNER, "WriteItem"), {
             "index": self.index(item, None),
             "type": Call(_ref(_PLANNER, "WriteItemType"), (_BYTE_IO if item.is_bytes else _SHARD,)),
             "bytes_io_data": None, "tensor_data": tensor_data})
@@ -177,37 +179,38 @@ def metadata_pickle(items: Sequence[PlannedItem],
     """The ``.metadata`` bytes for ``items`` (in plan order), stored as ``written``:
     ``(item, file, offset, length)`` in the order the files were written."""
     b = _Builder()
-    state_md: dict[str, Instance] = {}
+    state_md: dict[str, Any] = {}
+    chunks: dict[str, list] = {}
     chunk_index: dict[tuple[str, tuple[int, ...]], int] = {}
     for item in items:
         if item.is_bytes:
-            state_md[item.fqn] = Instance(_ref(_MD, "BytesStorageMetadata"))
+            state_md[item.fqn] = instance(_ref(_MD, "BytesStorageMetadata"))
             continue
-        md = state_md.get(item.fqn)
-        if md is None:
-            md = state_md[item.fqn] = Instance(_ref(_MD, "TensorStorageMetadata"), {
+        if item.fqn not in chunks:
+            chunks[item.fqn] = []
+            state_md[item.fqn] = instance(_ref(_MD, "TensorStorageMetadata"), {
                 "properties": b.properties(item.dtype), "size": b.size(item.shape),
-                "chunks": []})
-        chunk_index[(item.fqn, item.offsets or ())] = len(md.state["chunks"])
-        md.state["chunks"].append(b.chunk(item))
+                "chunks": chunks[item.fqn]})
+        chunk_index[(item.fqn, item.offsets or ())] = len(chunks[item.fqn])
+        chunks[item.fqn].append(b.chunk(item))
     storage = {}
     for item, file, offset, length in written:
         index = None if item.is_bytes else chunk_index[(item.fqn, item.offsets or ())]
-        storage[b.index(item, index)] = Instance(
+        storage[b.index(item, index)] = instance(
             _ref("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
             {"relative_path": file, "offset": offset, "length": length})
     state: dict[str, Any] = {
         "state_dict_metadata": state_md,
         "planner_data": planner_data,
         "storage_data": storage,
-        "storage_meta": Instance(_ref(_MD, "StorageMeta"), {
+        "storage_meta": instance(_ref(_MD, "StorageMeta"), {
             "checkpoint_id": checkpoint_id, "save_id": save_id, "load_id": None,
             "modules": []}),
         "version": DCP_VERSION,
         "all_local_plans": None,
     }
     if keep_local_plans:
-        state["all_local_plans"] = [Instance(_ref(_PLANNER, "SavePlan"), {
+        state["all_local_plans"] = [instance(_ref(_PLANNER, "SavePlan"), {
             "items": [b.write_item(i) for i in items], "storage_data": None,
             "planner_data": {}, "usable": True})]
-    return dumps(Instance(_ref(_MD, "Metadata"), state))
+    return dumps(instance(_ref(_MD, "Metadata"), state), list(_REFS.values()))

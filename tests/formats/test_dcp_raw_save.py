@@ -22,7 +22,7 @@ import pytest
 
 from ckpt_tool.errors import UsageError
 from ckpt_tool.formats.dcp_raw_metadata import PlannedItem, assign_files, check_grid
-from ckpt_tool.formats.pickle_refs import Call, Instance, Ref, dumps
+from ckpt_tool.formats.pickle_refs import Call, dumps, instance, ref
 from ckpt_tool.model import ChunkRef, TensorMeta
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
@@ -38,14 +38,16 @@ def _fixture(name: str) -> Path:
 
 # -- pickle_refs: references without importing them ------------------------------------------
 def test_references_instances_and_calls_unpickle_into_the_real_objects():
-    ns = Ref("argparse", "Namespace")
-    data = dumps([Instance(ns, {"a": 1}), Instance(ns, {"b": [2]}),
-                  Call(Ref("collections", "OrderedDict"), ([("x", 1)],)),
-                  Call(Ref("builtins", "complex"), (1.0, 2.0)), Ref("builtins", "len")])
+    ns, od = ref("argparse", "Namespace"), ref("collections", "OrderedDict")
+    cx, ln = ref("builtins", "complex"), ref("builtins", "len")
+    data = dumps([instance(ns, {"a": 1}), instance(ns, {"b": [2]}), instance(ns),
+                  Call(od, ([("x", 1)],)), Call(cx, (1.0, 2.0)), ln], [ns, od, cx, ln])
     assert pickle.loads(data) == [argparse.Namespace(a=1), argparse.Namespace(b=[2]),
-                                  collections.OrderedDict(x=1), complex(1, 2), len]
-    assert data.count(b"Namespace") == 1  # a reference used twice is memoized
-    assert pickle.loads(dumps(Instance(ns, {"c": 3}), protocol=2)) == argparse.Namespace(c=3)
+                                  argparse.Namespace(), collections.OrderedDict(x=1),
+                                  complex(1, 2), len]
+    assert data.count(b"Namespace") == 1  # each reference is written once
+    with pytest.raises(ValueError):
+        dumps([], [ns], protocol=2)
 
 
 # -- pure planning -------------------------------------------------------------------------------

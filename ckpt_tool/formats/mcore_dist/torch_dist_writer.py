@@ -1,5 +1,11 @@
 """Streaming writer of Megatron-Core ``torch_dist`` checkpoints.
 
+When one process writes, every chunk suits our ``torch.save`` archive writer and the common
+state and objects can be copied as the source stores them (``WriteRequest.common_file`` /
+``raw_object``: a torch_dist source converted as is), nothing imports torch: the files and
+``.metadata`` come from :mod:`ckpt_tool.formats.dcp_raw_save` (the same bytes, an equal
+``Metadata``). Otherwise:
+
 ``torch.distributed.checkpoint.save`` runs in this one process (no process group) with the
 planner and file writer of :mod:`ckpt_tool.formats.dcp_streaming`: every target chunk becomes
 exactly one DCP item, pulled from ``request.source`` when the file writer reaches it and dropped
