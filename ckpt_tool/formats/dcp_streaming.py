@@ -42,7 +42,9 @@ from torch.distributed.checkpoint.planner import (
 
 from torch.distributed.checkpoint import FileSystemWriter
 
-from ckpt_tool.errors import CheckpointingException, CorruptCheckpointError, UsageError
+from ckpt_tool.errors import CheckpointingException, CorruptCheckpointError
+from ckpt_tool.formats.dcp_raw_metadata import check_grid as _check_grid
+from ckpt_tool.formats.dcp_raw_save import file_count, is_main_rank, stored_shape_note
 from ckpt_tool.formats.writer import WriteRequest, Writer
 from ckpt_tool.model import TensorMeta
 
@@ -88,20 +90,6 @@ class McoreFileSystemWriter(FileSystemWriter):
                 f"only {written} of {len(plan.items)} items written: a writer thread failed")
         return fut
 
-
-def _check_grid(t: TensorMeta) -> None:
-    """Every chunk inside the global shape and the chunk volumes adding up to the tensor's
-    (DCP itself rejects overlaps; this catches holes, which it would only log)."""
-    volume = 0
-    for c in t.chunks:
-        if len(c.offsets) != len(t.shape) or len(c.sizes) != len(t.shape) or any(
-                o < 0 or s < 0 or o + s > n for o, s, n in zip(c.offsets, c.sizes, t.shape)):
-            raise UsageError(f"tensor {t.key}: chunk at {list(c.offsets)} size {list(c.sizes)} "
-                             f"is outside its global shape {list(t.shape)}")
-        volume += math.prod(c.sizes)
-    if volume != math.prod(t.shape):
-        raise UsageError(f"tensor {t.key}: target chunks hold {volume} elements, the tensor "
-                         f"{math.prod(t.shape)} (the chunk grid must tile the tensor)")
 
 
 def chunk_write_items(t: TensorMeta) -> List[WriteItem]:
@@ -280,14 +268,6 @@ def serialized(value: Any) -> io.BytesIO:
     return buf
 
 
-def file_count(request: WriteRequest, writer: Writer, items: int) -> int:
-    files = writer.options.extra.get("files")
-    if files is None:
-        total = request.meta.total_bytes
-        files = max(2, math.ceil(total / max(1, writer.options.max_shard_size)),
-                    int(writer.options.extra.get("threads", 1)))  # a file per thread at least
-    return max(1, min(int(files), max(1, items)))
-
 
 def run_dcp_save(writer: Writer, request: WriteRequest, items: list, planner_data,
                   keep_local_plans: bool,
@@ -344,21 +324,9 @@ def item_nbytes(item: Any) -> int:
     return max(1, math.prod(td.chunk.sizes) * td.properties.dtype.itemsize)
 
 
-def is_main_rank(request: WriteRequest) -> bool:
-    return request.ranks is None or request.ranks.is_main
-
 
 def tensor_items(request: WriteRequest) -> list:
     items = []
     for t in request.meta.tensors.values():
         items += chunk_write_items(t)
     return items
-
-
-def stored_shape_note(request: WriteRequest) -> list[str]:
-    keys = sorted(k for k, t in request.meta.tensors.items() if t.stored_shape is not None)
-    if not keys:
-        return []
-    return [f"wrote {len(keys)} tensor{'s' * (len(keys) != 1)} in their logical shape, not the "
-            f"N-D reformulated "
-            f"flattened layout of the source ({keys[0]}{', ...' if len(keys) > 1 else ''})"]

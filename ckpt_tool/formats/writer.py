@@ -65,6 +65,21 @@ class WriteRequest:
     progress: Callable[[int], None] = lambda nbytes: None
     source_description: str | None = None
     ranks: Any = None  # ckpt_tool.parallel.Ranks under torchrun; None in a single process
+    #: Pass-through of stored bytes, for a writer of the source's own container format (e.g.
+    #: torch_dist -> torch_dist) that can skip (de)serializing, and so importing torch:
+    #: ``common_file``, the source's ``torch.save`` file of exactly the common state (then
+    #: ``common`` may be left empty and ``common_loader`` loads it: see :meth:`full_common`);
+    #: ``raw_object(unique_key)``, a ShardedObject's stored bytes item (``torch.save([payload])``)
+    #: or None.
+    common_file: Path | None = None
+    common_loader: Callable[[], dict[str, Any]] | None = None
+    raw_object: Callable[[str], bytes | None] = lambda unique_key: None
+
+    def full_common(self) -> dict[str, Any]:
+        """``common``, loaded by ``common_loader`` first when one is set."""
+        if self.common_loader is not None:
+            self.common, self.common_loader = self.common_loader(), None
+        return self.common
 
 
 @dataclass(frozen=True)

@@ -119,13 +119,17 @@ def convert(src: str | Path, dst: str | Path, options: ConvertOptions, *, trust:
         def on_bytes(nbytes: int) -> None:
             job_progress.update(nbytes, source.tensors_done)
 
+        # torch_dist -> torch_dist moving raw bytes: common.pt and the objects' bytes items
+        # may be copied as stored (the writer then never imports torch)
+        passthrough = _passthrough(reader, plan) if raw and options.to == "torch_dist" else {}
         # safetensors keeps only scalars of the common state: the summary has them (and
         # loading the full common state would import torch for nothing)
         common = (_scalar_summary(meta.common) if options.to == "safetensors"
-                  else _full_common(reader, plan))
+                  else {} if passthrough else _full_common(reader, plan))
         request = WriteRequest(
             meta=plan.target, source=source, common=common,
             objects=lambda unique_key: reader.read_object(plan.object_map[unique_key]),
+            **passthrough,
             progress=on_bytes, ranks=r if r.world > 1 else None,
             source_description=f"ckpt convert from {meta.format} checkpoint {meta.root}")
         wopts = WriterOptions(
@@ -161,6 +165,17 @@ def _single_file_name(out: Path, to: str) -> str | None:
 
 def _scalar_summary(summary: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in summary.items() if isinstance(v, (int, float, str, bool))}
+
+
+def _passthrough(reader: Any, plan: ConvertPlan) -> dict[str, Any]:
+    """``WriteRequest`` pass-through fields for a source that keeps its common state and
+    objects in torch_dist's own form (``{}`` when it does not)."""
+    common_file = getattr(reader, "common_file", lambda: None)()
+    if common_file is None or plan.dropped_common:
+        return {}
+    stored = reader.stored_object_bytes
+    return {"common_file": common_file, "common_loader": lambda: _full_common(reader, plan),
+            "raw_object": lambda unique_key: stored(plan.object_map[unique_key])}
 
 
 def _full_common(reader: Any, plan: ConvertPlan) -> dict[str, Any]:

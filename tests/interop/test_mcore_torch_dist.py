@@ -114,3 +114,25 @@ def test_dcp_metadata_structure_matches(ours_ckpt_tp2, mcore_ckpt):
         assert sorted(i.index.fqn for i in pa.items) == sorted(i.index.fqn for i in pb.items)
     files = lambda d: sorted(p.name for p in d.glob("*.distcp"))  # noqa: E731
     assert files(ours_ckpt) == files(mcore_ckpt)
+
+
+def test_mcore_loads_our_torch_free_conversion(mcore_ckpt, tmp_path, monkeypatch):
+    """``convert --to torch_dist`` of Megatron-Core's checkpoint takes the torch-free path
+    (data files by our archive writer, ``.metadata`` pickled by reference, ``common.pt`` and
+    the objects copied as stored); Megatron-Core reads and loads it like the source."""
+    from ckpt_tool.formats.mcore_dist import torch_dist_writer
+    from ckpt_tool.ops._convert_plan import ConvertOptions
+    from ckpt_tool.ops.convert import convert
+
+    calls = []
+    real = torch_dist_writer.raw_dcp_save
+    monkeypatch.setattr(torch_dist_writer, "raw_dcp_save",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    out = tmp_path / "converted"
+    convert(mcore_ckpt, out, ConvertOptions(to="torch_dist"))
+    assert calls == [1]
+    theirs = mcore_view(out, tmp_path / "mcore.pt")
+    _check_truth(theirs, pp_size=1)
+    assert same_value(theirs["objects"], mcore_view(mcore_ckpt, tmp_path / "src.pt")["objects"])
+    torchrun("dist_worker.py", 2, "--lib", "mcore", "--op", "load", "--layout", "tp2pp1",
+             "--dir", str(out), timeout=600)

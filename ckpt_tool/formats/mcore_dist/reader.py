@@ -203,6 +203,30 @@ class TorchDistReader(McoreDistReader):
         payload = load_torch_save_light(data, trust=self.trust, where=self.root / str(obj.file))
         return payload[0] if isinstance(payload, list) and len(payload) == 1 else payload
 
+    def read_object_light(self, unique_key: str) -> Any:
+        """:meth:`read_object` with tensors as placeholders: through the same allowlisting
+        unpickler, without importing torch unless the pickle needs it (for validation)."""
+        return self._object_payload_light(self._object_meta(unique_key))
+
+    def stored_object_bytes(self, unique_key: str) -> bytes | None:
+        """The stored bytes item of a ShardedObject when it is ``torch.save([payload])`` that
+        the safe unpickler accepts without torch (what a torch_dist writer would store for
+        :meth:`read_object`'s value), else None."""
+        from ckpt_tool.formats.dcp_items import read_item_bytes
+
+        o = self._object_meta(unique_key)
+        data = read_item_bytes(self.root, o.file, o.byte_offset, o.byte_length)
+        payload = _light_or_none(data, self.trust, self.root / str(o.file))
+        return data if isinstance(payload, list) and len(payload) == 1 else None
+
+    def common_file(self) -> Path | None:
+        """``common.pt`` when it holds a dict the safe unpickler accepts without torch (the
+        file :meth:`common` loads, as a torch_dist writer would store it), else None."""
+        f = self.root / COMMON_FILE
+        if not f.is_file():
+            return None
+        return f if isinstance(_light_or_none(f, self.trust, f), dict) else None
+
     def read(self, key: str, slices: tuple[slice, ...] | None = None) -> Any:
         """The global tensor ``key`` (or ``slices`` of it), assembled from its stored chunks."""
         from ckpt_tool.formats.dcp_items import assemble, load_chunk_view
@@ -263,6 +287,18 @@ class ZarrReader(McoreDistReader):
 
         o = self._object_meta(unique_key)
         return load_torch_file(self.root / str(o.file), trust=self.trust)
+
+
+def _light_or_none(source: Any, trust: bool, where: Path) -> Any:
+    """``load_torch_save_light`` of ``source``, or None when that needs torch or fails."""
+    from ckpt_tool.errors import CkptError
+    from ckpt_tool.formats.common_state import load_torch_save_light
+    from ckpt_tool.formats.torch_stand_ins import NeedsTorch
+
+    try:
+        return load_torch_save_light(source, trust=trust, where=where, torch_fallback=False)
+    except (NeedsTorch, CkptError):
+        return None
 
 
 TORCH_DIST = register(Format(

@@ -1,5 +1,11 @@
 """Streaming writer of Megatron-Core ``torch_dist`` checkpoints.
 
+When one process writes, every chunk suits our ``torch.save`` archive writer and the common
+state and objects can be copied as the source stores them (``WriteRequest.common_file`` /
+``raw_object``: a torch_dist source converted as is), nothing imports torch: the files and
+``.metadata`` come from :mod:`ckpt_tool.formats.dcp_raw_save` (the same bytes, an equal
+``Metadata``). Otherwise:
+
 ``torch.distributed.checkpoint.save`` runs in this one process (no process group) with the
 planner and file writer of :mod:`ckpt_tool.formats.dcp_streaming`: every target chunk becomes
 exactly one DCP item, pulled from ``request.source`` when the file writer reaches it and dropped
@@ -23,13 +29,15 @@ from __future__ import annotations
 
 import re
 
-from ckpt_tool.formats.dcp_streaming import (
-    bytes_write_item,
-    is_main_rank,
-    run_dcp_save,
-    serialized,
+import os
+import shutil
+
+from ckpt_tool.formats.dcp_raw_metadata import planned_items
+from ckpt_tool.formats.dcp_raw_save import (
+    file_count,
+    raw_dcp_save,
+    raw_save_applies,
     stored_shape_note,
-    tensor_items,
 )
 from ckpt_tool.formats.mcore_dist.config import CheckpointingConfig, save_config
 from ckpt_tool.formats.write_guard import torch_save_file
@@ -52,7 +60,18 @@ class TorchDistWriter(Writer):
         """``common.pt``, the DCP items and ``.metadata``, then ``metadata.json``; keeps
         everything (tensors in their dtypes, ShardedObjects, the whole common state)."""
         notes = stored_shape_note(request)
-        common = dict(request.common or {})
+        if self._write_raw(request):
+            return notes
+
+        from ckpt_tool.formats.dcp_raw_save import is_main_rank
+        from ckpt_tool.formats.dcp_streaming import (
+            bytes_write_item,
+            run_dcp_save,
+            serialized,
+            tensor_items,
+        )
+
+        common = dict(request.full_common() or {})
         object_keys, moved = [], []
         for key in dict.fromkeys(o.unique_key for o in request.meta.objects):
             if _SHARDED_OBJECT_KEY.fullmatch(key):
@@ -76,3 +95,39 @@ class TorchDistWriter(Writer):
         if is_main_rank(request):  # the completeness marker, last
             save_config(CheckpointingConfig("torch_dist", 1), str(self.directory))
         return notes
+
+    def _write_raw(self, request: WriteRequest) -> bool:
+        """The whole checkpoint without torch (``dcp_raw_save``) when one process writes it,
+        every chunk suits the raw archive writer, every object's stored bytes item and the
+        common state's file can be copied as they are; False (nothing written) otherwise."""
+        if request.ranks is not None and request.ranks.world > 1:
+            return False
+        if request.common_file is None:
+            return False
+        keys = list(dict.fromkeys(o.unique_key for o in request.meta.objects))
+        if not all(_SHARDED_OBJECT_KEY.fullmatch(k) for k in keys):
+            return False
+        items = planned_items(list(request.meta.tensors.values()), keys)
+        if not raw_save_applies(items):
+            return False
+        payloads = {k: request.raw_object(k) for k in keys}
+        if any(p is None for p in payloads.values()):
+            return False
+        chunk_files = {(k, tuple(c.offsets)): c.file for k, t in request.meta.tensors.items()
+                       for c in t.chunks if c.file}
+        _copy_file(request.common_file, self.directory / COMMON_FILE)
+        raw_dcp_save(
+            self.directory, items, payload=payloads.__getitem__,
+            tensor=lambda i: request.source.read(i.fqn, i.offsets, i.sizes),
+            files=file_count(request, self, len(items)),
+            threads=int(self.options.extra.get("threads", 1)),
+            file_of=(lambda i: chunk_files.get((i.fqn, i.offsets))) if chunk_files else None,
+            on_written=request.progress, planner_data=None, keep_local_plans=True,
+            digest="sha256")  # the integrity manifest's algorithm (Megatron-Core's)
+        save_config(CheckpointingConfig("torch_dist", 1), str(self.directory))
+        return True
+
+
+def _copy_file(src: os.PathLike, dst: os.PathLike) -> None:
+    with open(src, "rb") as fi, open(dst, "xb") as fo:
+        shutil.copyfileobj(fi, fo, 16 << 20)

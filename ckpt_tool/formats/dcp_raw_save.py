@@ -1,0 +1,174 @@
+"""A single-process DCP save without torch: the ``.distcp`` files and ``.metadata`` written by us.
+
+What ``torch.distributed.checkpoint.save`` does for one process with the streaming writers of
+:mod:`ckpt_tool.formats.dcp_streaming`, step by step, but without importing torch or DCP
+(seconds of CPU, most of a small conversion): the plan and the ``Metadata`` come from
+:mod:`ckpt_tool.formats.dcp_raw_metadata`, each tensor item is the ``torch.save`` archive of
+its chunk (:class:`ckpt_tool.formats.torch_zip_write.TensorArchive`), each bytes item its
+payload as given, every file fsynced, its digest computed while it is written
+(``ckpt_tool.digests``), then ``.metadata`` through ``.metadata.tmp`` + rename, as DCP does.
+The files are byte for byte what the DCP path writes; ``.metadata`` unpickles (with torch)
+into an equal ``Metadata`` (its ``save_id`` is a fresh UUID, as DCP's).
+
+:func:`raw_save_applies` says when this path can be taken: every chunk one the raw archive
+writer covers (its dtype has a plain storage class, under 4 GiB).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from ckpt_tool.errors import CorruptCheckpointError
+from ckpt_tool.digests import FollowingDigest
+from ckpt_tool.formats.dcp_raw_metadata import (
+    PlannedItem,
+    assign_files,
+    metadata_pickle,
+)
+from ckpt_tool.formats.torch_zip_write import TensorArchive, supported
+from ckpt_tool.formats.writer import WriteRequest, Writer
+from ckpt_tool.model import dtype_itemsize
+
+__all__ = ["raw_save_applies", "raw_dcp_save", "chunk_buffer", "file_count", "is_main_rank",
+           "stored_shape_note"]
+
+_SLICE = 32 << 20
+METADATA_FILE = ".metadata"
+
+
+def raw_save_applies(items: Sequence[PlannedItem]) -> bool:
+    """True when every tensor item can be written by the raw archive writer."""
+    return all(i.is_bytes or supported(i.dtype, i.nbytes) for i in items)
+
+
+def chunk_buffer(item: PlannedItem, data: Any) -> memoryview:
+    """The raw bytes of ``data`` (a numpy array of the chunk's elements as unsigned ints, or
+    a CPU torch tensor of the item's dtype) after checking its shape and element size."""
+    shape = tuple(int(s) for s in getattr(data, "shape", ()))
+    if hasattr(data, "element_size"):  # a torch tensor (the source imported torch)
+        got = f"{str(data.dtype).removeprefix('torch.')} {list(shape)}"
+        ok = shape == item.sizes and got.split(" ")[0] == item.dtype
+        if ok:
+            data = data.detach().cpu().contiguous()
+            from ckpt_tool.formats.write_pieces import tensor_bytes
+
+            return tensor_bytes(data) if data.numel() else memoryview(b"")
+    elif hasattr(data, "itemsize"):
+        import numpy as np
+
+        got = f"{data.itemsize}-byte elements {list(shape)}"
+        if shape == item.sizes and data.itemsize == dtype_itemsize(item.dtype):
+            return memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
+    else:
+        got = type(data).__name__
+    raise CorruptCheckpointError(
+        f"tensor {item.fqn}: the source gave {got} for the chunk at {list(item.offsets or ())}, "
+        f"expected {item.dtype} {list(item.sizes)}")
+
+
+def _write_file(path: Path, items: Sequence[PlannedItem], tensor: Callable[[PlannedItem], Any],
+                payload: Callable[[str], bytes], on_written: Callable[[int], None], *,
+                sync: bool, digest: str | None) -> list[tuple[int, int]]:
+    """Write ``items`` into the new file ``path``; ``(offset, length)`` of each."""
+    out = []
+    with open(path, "wb") as f:
+        follower = FollowingDigest(path, digest) if digest else None
+
+        def write(buf: Any) -> None:  # big buffers in slices: the digest follows each
+            view = memoryview(buf)
+            if follower is None or view.nbytes <= _SLICE:
+                f.write(view)
+                return
+            for start in range(0, view.nbytes, _SLICE):
+                f.write(view[start:start + _SLICE])
+                follower.advance(os.lseek(f.fileno(), 0, os.SEEK_CUR))
+
+        try:
+            for item in items:
+                offset = f.tell()
+                if item.is_bytes:
+                    length = f.write(payload(item.fqn))
+                else:
+                    data = chunk_buffer(item, tensor(item))
+                    archive = TensorArchive(item.dtype, item.sizes, data.nbytes)
+                    length = archive.write(write, data)
+                    del data  # on disk: let it go before resolving the next item
+                    on_written(item.nbytes)
+                out.append((offset, length))
+                if follower is not None:  # what has reached the OS so far
+                    follower.advance(os.lseek(f.fileno(), 0, os.SEEK_CUR))
+            f.flush()
+            if sync:
+                os.fsync(f.fileno())
+        except BaseException:
+            if follower is not None:
+                follower.abandon()
+            raise
+    if follower is not None:
+        follower.finish(os.path.getsize(path))
+    return out
+
+
+def raw_dcp_save(directory: Path, items: Sequence[PlannedItem], *,
+                 tensor: Callable[[PlannedItem], Any], payload: Callable[[str], bytes],
+                 files: int, threads: int = 1,
+                 file_of: Callable[[PlannedItem], str | None] | None = None,
+                 on_written: Callable[[int], None] = lambda nbytes: None,
+                 planner_data: Any = None, keep_local_plans: bool = True,
+                 digest: str | None = None, sync: bool = True) -> None:
+    """Save ``items`` into ``directory`` as one DCP saving process would (see the module
+    docstring): ``tensor(item)`` gives a chunk's data, ``payload(fqn)`` a bytes item's
+    bytes; ``files`` data files (or the ones ``file_of`` names), ``threads`` at once."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    jobs = assign_files(items, files, file_of=file_of)
+
+    def one(job: tuple[str, list[PlannedItem]]) -> list[tuple[PlannedItem, str, int, int]]:
+        name, file_items = job
+        spans = _write_file(directory / name, file_items, tensor, payload, on_written,
+                            sync=sync, digest=digest)
+        return [(i, name, o, n) for i, (o, n) in zip(file_items, spans)]
+
+    if threads <= 1 or len(jobs) <= 1:
+        parts = [one(job) for job in jobs]
+    else:
+        with ThreadPoolExecutor(threads, thread_name_prefix="ckpt-dcp-write") as ex:
+            parts = list(ex.map(one, jobs))
+    data = metadata_pickle(items, [w for part in parts for w in part],
+                           checkpoint_id=str(directory), save_id=str(uuid.uuid4()),
+                           planner_data=planner_data, keep_local_plans=keep_local_plans)
+    tmp = directory / f"{METADATA_FILE}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        if sync:
+            os.fsync(f.fileno())
+    os.replace(tmp, directory / METADATA_FILE)
+
+
+# -- shared with the DCP path (dcp_streaming) ----------------------------------------
+
+def file_count(request: WriteRequest, writer: Writer, items: int) -> int:
+    files = writer.options.extra.get("files")
+    if files is None:
+        total = request.meta.total_bytes
+        files = max(2, math.ceil(total / max(1, writer.options.max_shard_size)),
+                    int(writer.options.extra.get("threads", 1)))  # a file per thread at least
+    return max(1, min(int(files), max(1, items)))
+
+
+def is_main_rank(request: WriteRequest) -> bool:
+    return request.ranks is None or request.ranks.is_main
+
+
+def stored_shape_note(request: WriteRequest) -> list[str]:
+    keys = sorted(k for k, t in request.meta.tensors.items() if t.stored_shape is not None)
+    if not keys:
+        return []
+    return [f"wrote {len(keys)} tensor{'s' * (len(keys) != 1)} in their logical shape, not the "
+            f"N-D reformulated "
+            f"flattened layout of the source ({keys[0]}{', ...' if len(keys) > 1 else ''})"]
