@@ -19,6 +19,9 @@ Then times, each in a fresh process (imports included, page cache warm), with pe
   what loading and saving the model costs there; Megatron-Bridge needs GPUs and is not
   installed);
 * ``python -c "import torch"``: subtracted from peak RSS to get the memory the job held.
+
+Peak RSS (``wait4``) counts the file-backed pages of mapped files (page cache, clean and
+reclaimable) with the anonymous memory; the peak ``RssAnon`` (sampled) is what the job held.
 """
 
 from __future__ import annotations
@@ -143,10 +146,13 @@ def main() -> None:
     for runs, ours in ((imp, imp[2]), (exp, exp[2])):
         cat, read_all = runs[0], runs[1]
         held = ours.peak_rss_mb - base.peak_rss_mb
+        anon = ours.peak_anon_mb - base.peak_anon_mb
         print(f"{ours.label}: {ours.seconds:.1f} s = {ours.seconds / cat.seconds:.1f}x cat, "
               f"{ours.seconds / read_all.seconds:.2f}x our read of all tensors; peak RSS "
               f"{ours.peak_rss_mb:.0f} MB ({held:.0f} MB above import torch = "
-              f"{held / largest:.1f}x the largest tensor)")
+              f"{held / largest:.1f}x the largest tensor; file-backed pages included); peak "
+              f"anonymous {ours.peak_anon_mb:.0f} MB ({anon:.0f} MB above import torch = "
+              f"{anon / largest:.1f}x)")
     peer = imp[3]
     print(f"{peer.label}: {peer.seconds:.1f} s, peak RSS {peer.peak_rss_mb:.0f} MB "
           f"(ours: import {imp[2].seconds / peer.seconds:.2f}x its time)")

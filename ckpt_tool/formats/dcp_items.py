@@ -51,7 +51,8 @@ def _load_chunk_raw(path: Path, offset: int, length: int, copy: bool = True) -> 
     a read-only view of the file that keeps its mapping alive until it is dropped); None when
     the raw path does not apply (missing/short file, unusual archive: the caller's fallback
     reports or handles it)."""
-    from ckpt_tool.formats.torch_zip import NotSimple, as_tensor, raw_item
+    from ckpt_tool.formats.torch_zip import (NotSimple, as_byte_view, as_tensor,
+                                             frombuffer_u8, raw_item)
 
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -71,9 +72,12 @@ def _load_chunk_raw(path: Path, offset: int, length: int, copy: bool = True) -> 
         os.close(fd)
     if not copy:
         try:
-            return as_tensor(raw_item(memoryview(mapped)[offset - start:]), copy=False)
+            raw = raw_item(memoryview(mapped)[offset - start:])
         except NotSimple:
             return None
+        if frombuffer_u8(raw.data).data_ptr() % raw.itemsize:
+            return ByteView(as_byte_view(raw), torch_dtype(raw.dtype))
+        return as_tensor(raw, copy=False)
     view = memoryview(mapped)
     try:
         with view[offset - start:] as item:
@@ -90,6 +94,33 @@ def _load_chunk_raw(path: Path, offset: int, length: int, copy: bool = True) -> 
             mapped.close()
         except BufferError:  # a view still alive somewhere: the GC unmaps it later
             pass
+
+
+class ByteView:
+    """A stored tensor read in place whose elements are not aligned to their size (a DCP item
+    starts at any byte of its file): ``data`` holds its bytes, shape ``(*shape, itemsize)``.
+    :func:`assemble` copies the region it needs byte-wise, so a slice of a big misaligned chunk
+    costs the slice, not a copy of the whole chunk."""
+
+    def __init__(self, data: Any, dtype: Any):
+        self.data, self.dtype = data, dtype
+        self.shape = tuple(data.shape[:-1])
+
+    def materialize(self) -> Any:
+        """An aligned tensor of its own (a copy)."""
+        import torch
+
+        out = torch.empty(self.shape, dtype=self.dtype)
+        as_bytes(out).copy_(self.data)
+        return out
+
+
+def as_bytes(t: Any) -> Any:
+    """The bytes of the contiguous tensor ``t`` as a uint8 view of shape ``(*t.shape,
+    itemsize)``."""
+    import torch
+
+    return t.reshape(-1).view(torch.uint8).view(*t.shape, t.element_size())
 
 
 def load_chunk(root: Path, chunk: ChunkRef, *, trust: bool = False) -> Any:
@@ -118,8 +149,8 @@ def load_chunk(root: Path, chunk: ChunkRef, *, trust: bool = False) -> Any:
 
 def load_chunk_view(root: Path, chunk: ChunkRef, *, trust: bool = False) -> Any:
     """Like :func:`load_chunk` but, for plain tensor items, a read-only zero-copy view of the
-    file: only for callers that copy what they need at once (``assemble``) and never write
-    into it."""
+    file (a :class:`ByteView` when its elements are misaligned): only for callers that copy
+    what they need at once (``assemble``) and never write into it."""
     if not chunk.transforms and chunk.file is not None and chunk.byte_offset is not None \
             and chunk.byte_length is not None:
         t = _load_chunk_raw(root / chunk.file, chunk.byte_offset, chunk.byte_length, copy=False)
@@ -184,11 +215,19 @@ def assemble(meta: TensorMeta, slices: tuple[slice, ...] | None,
             inter.append((lo, hi))
         else:
             data = load(chunk)
-            if tuple(data.shape) != tuple(chunk.sizes):
-                data = data.reshape(chunk.sizes)
             src = tuple(slice(lo - off, hi - off) for (lo, hi), off in zip(inter, chunk.offsets))
             dst = tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(inter, region))
+            if isinstance(data, ByteView):
+                if data.dtype == out.dtype and data.shape == tuple(chunk.sizes):
+                    as_bytes(out)[dst] = data.data[src]  # only the region, byte-wise
+                    del data  # the file's mapping goes now
+                    covered += math.prod(hi - lo for lo, hi in inter)
+                    continue
+                data = data.materialize()
+            if tuple(data.shape) != tuple(chunk.sizes):
+                data = data.reshape(chunk.sizes)
             out[dst] = data[src].to(out.dtype)
+            del data
             covered += math.prod(hi - lo for lo, hi in inter)
     if covered < out.numel():
         raise CorruptCheckpointError(

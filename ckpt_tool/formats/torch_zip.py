@@ -40,7 +40,7 @@ from ckpt_tool.errors import UnsupportedError
 from ckpt_tool.model import DTYPE_ITEMSIZE
 
 __all__ = ["NotSimple", "TorchRejects", "ZipRecord", "zip_records", "RawItem", "raw_item", "as_tensor",
-           "frombuffer_u8", "BoundedReader", "check_zip_item"]
+           "as_byte_view", "frombuffer_u8", "BoundedReader", "check_zip_item"]
 
 _EOCD = struct.Struct("<4s4H2LH")
 _LOC64 = struct.Struct("<4sLQL")
@@ -320,6 +320,15 @@ def as_tensor(raw: RawItem, *, copy: bool = False) -> Any:
     else:
         base = u8.view(dt)
     return base.as_strided(raw.shape, raw.stride, raw.storage_offset)
+
+
+def as_byte_view(raw: RawItem) -> Any:
+    """``raw``'s bytes in place as a uint8 tensor of shape ``(*shape, itemsize)`` (element
+    ``[i, j, ..]`` is row ``[i, j, ..]``): safe to copy from whatever the data's alignment,
+    since only bytes are accessed; never a copy."""
+    n = raw.itemsize
+    return frombuffer_u8(raw.data).as_strided(
+        (*raw.shape, n), (*(st * n for st in raw.stride), 1), raw.storage_offset * n)
 
 
 class BoundedReader:

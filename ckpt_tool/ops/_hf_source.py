@@ -120,6 +120,16 @@ class HfSource:
             with self._lock:
                 self._cache = None
             return self._count(key, r, value.to(dtype))
+        whole = _whole_part(r, offsets, sizes)
+        if whole is not None:  # exactly one whole part (a layer's chunk): handed out, no copy
+            n, p = whole
+            value = self._part(key, n, p)
+            if tuple(value.shape) != tuple(r.shape[len(p.index):]):
+                raise ValueError(f"{key}: part {n} is {list(value.shape)}, the plan says "
+                                 f"{list(r.shape[len(p.index):])}")
+            with self._lock:
+                self._cache = None  # nothing else of this part will be asked for
+            return self._count(key, r, value.to(dtype).reshape(sizes))
         out = torch.empty(sizes, dtype=dtype)
         for n, p in enumerate(r.parts):
             lead = len(p.index)
@@ -144,6 +154,17 @@ class HfSource:
             if got >= total > got - n_bytes:
                 self.tensors_done += 1
         return out
+
+
+def _whole_part(r: Recipe, offsets: tuple[int, ...], sizes: tuple[int, ...]
+                ) -> tuple[int, Part] | None:
+    """``(n, part)`` when the rectangle is exactly one indexed part of ``r``, whole."""
+    for n, p in enumerate(r.parts):
+        lead = len(p.index)
+        if lead and tuple(offsets[:lead]) == tuple(p.index) and all(s == 1 for s in sizes[:lead]) \
+                and not any(offsets[lead:]) and tuple(sizes[lead:]) == tuple(r.shape[lead:]):
+            return n, p
+    return None
 
 
 def _nbytes(r: Recipe) -> int:

@@ -226,3 +226,30 @@ def test_nonfinite_batch_reports_each_member():
     batch.flush()
     assert got == {**{f"c{i}": (0, 0) for i in range(10)}, "d": (1, 1), "h": (3, 0),
                    "i": (0, 0), "big": (0, 40)}
+
+
+@pytest.mark.parametrize("shift", [0, 1, 2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_misaligned_item_slices_copy_only_the_slice(tmp_path, shift, dtype):
+    """A mapped item at an odd file offset is handed out as its bytes in place (ByteView), not
+    aligned by copying the whole item; ``assemble`` copies just the region asked for, and the
+    values are bitwise those of torch.load."""
+    from ckpt_tool.formats.dcp_items import ByteView, assemble, load_chunk_view
+    from ckpt_tool.model import ChunkRef, TensorMeta
+
+    t = torch.randn(4, 512, 300).to(dtype)  # > 1 MiB: the mapped path
+    blob = _saved(t)
+    (tmp_path / "f.distcp").write_bytes(bytes(4096 + shift) + blob + b"tail")
+    name = str(dtype).removeprefix("torch.")
+    chunk = ChunkRef(offsets=(0, 0, 0), sizes=(4, 512, 300), file="f.distcp",
+                     byte_offset=4096 + shift, byte_length=len(blob))
+    view = load_chunk_view(tmp_path, chunk)
+    assert isinstance(view, ByteView) == bool(shift % t.element_size())
+    if isinstance(view, ByteView):
+        _same(view.materialize(), t)
+    meta = TensorMeta(key="w", dtype=name, shape=(4, 512, 300), chunks=(chunk,))
+    for sl in [None, (slice(2, 3),), (slice(1, 3), slice(100, 200)),
+               (slice(0, 4), slice(0, 512), slice(7, 9))]:
+        want = t if sl is None else t[sl]
+        _same(assemble(meta, sl, lambda c: load_chunk_view(tmp_path, c)),
+              want.clone(memory_format=torch.contiguous_format))

@@ -290,11 +290,12 @@ class SafetensorsReader(Reader):
             row = math.prod(meta.shape[1:]) * itemsize
             first, last = region[0] if meta.shape else (0, 1)
             want = (last - first) * row
+            data = bytearray(want)  # read straight into the tensor's memory (one copy)
             with open(file, "rb") as f:
                 f.seek(chunk.byte_offset + first * row)
-                data = bytearray(f.read(want))
-            if len(data) != want:
-                raise CorruptCheckpointError(f"tensor {key!r}: data truncated ({len(data)} of "
+                got = f.readinto(data)
+            if got != want:
+                raise CorruptCheckpointError(f"tensor {key!r}: data truncated ({got} of "
                                              f"{want} bytes)", path=file)
             return torch.frombuffer(data, dtype=dt).reshape(out_shape)
         proxy = np.dtype(_NP_PROXY[meta.dtype] if meta.dtype in _NP_PROXY
