@@ -140,6 +140,30 @@ def patch_cuda() -> None:
     dist.new_group = new_group_gloo
 
 
+def patch_fused_adam() -> None:
+    """Without Apex/Transformer Engine, Megatron-Core builds torch's AdamW, which refuses the
+    ``lr=None`` of a default ``OptimizerConfig`` (Megatron-LM's optimizer tests leave the learning
+    rate to the scheduler); the GPU's FusedAdam takes it. A stand-in with FusedAdam's signature
+    (``adam_w_mode``) that builds torch's AdamW/Adam with the same arguments, the learning rate
+    ``None`` where it was given as ``None``."""
+    import megatron.core.optimizer as mcore_optimizer
+
+    if not mcore_optimizer.USING_PYTORCH_OPTIMIZER:
+        return
+
+    def fused_adam_on_cpu(params, lr=None, adam_w_mode=True, **kwargs):
+        cls = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
+        optimizer = cls(params, lr=0.0 if lr is None else lr, **kwargs)
+        if lr is None:
+            optimizer.defaults["lr"] = None
+            for group in optimizer.param_groups:
+                group["lr"] = None if group["lr"] == 0.0 else group["lr"]
+        return optimizer
+
+    mcore_optimizer.Adam = fused_adam_on_cpu
+    mcore_optimizer.USING_PYTORCH_OPTIMIZER = False
+
+
 _BIK = "megatron.core.transformer.custom_layers.batch_invariant_kernels"
 
 
@@ -195,6 +219,7 @@ if not os.environ.get("CKPT_PEER_NO_PSUTIL_PATCH"):
         filesystem_async._process_memory = lambda: 0
 _patch_utils()
 patch_destroy_model_parallel()
+patch_fused_adam()
 # Our switch for ShardedObjects holding io.BytesIO (refused by the allowlist by default):
 # torch's own add_safe_globals, honoured by ckpt_tool's unpickler (README, peer suite).
 if IMPL == "ours":
