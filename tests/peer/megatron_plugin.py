@@ -145,11 +145,16 @@ def patch_fused_adam() -> None:
     ``lr=None`` of a default ``OptimizerConfig`` (Megatron-LM's optimizer tests leave the learning
     rate to the scheduler); the GPU's FusedAdam takes it. A stand-in with FusedAdam's signature
     (``adam_w_mode``) that builds torch's AdamW/Adam with the same arguments, the learning rate
-    ``None`` where it was given as ``None``."""
+    ``None`` where it was given as ``None``. The distributed optimizer then treats it as FusedAdam
+    too: the Adam ``step`` is not per-parameter state (Megatron-LM's tests build Adam moments
+    without one). Applied in pytest runs only (``pytest_configure``), not to the training worker
+    of ``test_training_checkpointing.py``, which steps the optimizer."""
     import megatron.core.optimizer as mcore_optimizer
+    import megatron.core.optimizer.distrib_optimizer as distrib_optimizer
 
     if not mcore_optimizer.USING_PYTORCH_OPTIMIZER:
         return
+    distrib_optimizer.HAVE_APEX_OR_TE = distrib_optimizer.USING_APEX_OPTIMIZER = True
 
     def fused_adam_on_cpu(params, lr=None, adam_w_mode=True, **kwargs):
         cls = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
@@ -219,13 +224,16 @@ if not os.environ.get("CKPT_PEER_NO_PSUTIL_PATCH"):
         filesystem_async._process_memory = lambda: 0
 _patch_utils()
 patch_destroy_model_parallel()
-patch_fused_adam()
 # Our switch for ShardedObjects holding io.BytesIO (refused by the allowlist by default):
 # torch's own add_safe_globals, honoured by ckpt_tool's unpickler (README, peer suite).
 if IMPL == "ours":
     import io
 
     torch.serialization.add_safe_globals([io.BytesIO])
+
+
+def pytest_configure(config):
+    patch_fused_adam()
 
 
 @pytest.fixture(scope="session")
