@@ -2,14 +2,39 @@
 Megatron-Core, shared by the pytest plugin (every rank) and ``sitecustomize`` (the processes
 Megatron-Core spawns)."""
 
+import contextlib
+
 import torch
 
 _seed = [0]
+_ORIG_TYPE = torch.Tensor.type
+
+
+class _Stream:
+    """A CUDA stream on CPU: work is synchronous, so waiting is a no-op."""
+
+    def wait_stream(self, other):
+        pass
+
+    def synchronize(self):
+        pass
+
+
+def _cuda_type_name(self, dtype=None, non_blocking=False, **kwargs):
+    """``Tensor.type()`` (no argument) names the ``torch.cuda.*`` type, as on a GPU: Megatron-Core's
+    mixed-precision and distributed optimizers accept only parameters whose type() is one of
+    ``torch.cuda.{Half,BFloat16,Float}Tensor``. Conversions (``type(dtype)``) are unchanged."""
+    if dtype is None and not kwargs:
+        name = _ORIG_TYPE(self)
+        return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
+    return _ORIG_TYPE(self, dtype, non_blocking, **kwargs)
 
 
 def patch_cuda_calls() -> None:
-    """Device selection, synchronisation and memory statistics become no-ops, the CUDA RNG a
-    CPU generator's state, ``Tensor.cuda()`` the tensor itself."""
+    """Device selection, synchronisation, streams and memory statistics become no-ops, the CUDA
+    RNG a CPU generator's state, ``Tensor.cuda()`` the tensor itself, ``Tensor.type()`` the
+    ``torch.cuda.*`` name (``get_model`` builds DDP on a side stream; the optimizers check the
+    parameters' type names)."""
     cuda = torch.cuda
     cuda.set_device = lambda *a, **k: None
     cuda.current_device = lambda: "cpu"
@@ -26,3 +51,7 @@ def patch_cuda_calls() -> None:
     cuda.get_rng_state_all = lambda: [state()]
     cuda.set_rng_state_all = lambda *a, **k: None
     torch.Tensor.cuda = lambda self, *a, **k: self
+    cuda.Stream = lambda *a, **k: _Stream()
+    cuda.current_stream = lambda *a, **k: _Stream()
+    cuda.stream = lambda *a, **k: contextlib.nullcontext()
+    torch.Tensor.type = _cuda_type_name

@@ -140,6 +140,35 @@ def patch_cuda() -> None:
     dist.new_group = new_group_gloo
 
 
+def patch_fused_adam() -> None:
+    """Without Apex/Transformer Engine, Megatron-Core builds torch's AdamW, which refuses the
+    ``lr=None`` of a default ``OptimizerConfig`` (Megatron-LM's optimizer tests leave the learning
+    rate to the scheduler); the GPU's FusedAdam takes it. A stand-in with FusedAdam's signature
+    (``adam_w_mode``) that builds torch's AdamW/Adam with the same arguments, the learning rate
+    ``None`` where it was given as ``None``. The distributed optimizer then treats it as FusedAdam
+    too: the Adam ``step`` is not per-parameter state (Megatron-LM's tests build Adam moments
+    without one). Applied in pytest runs only (``pytest_configure``), not to the training worker
+    of ``test_training_checkpointing.py``, which steps the optimizer."""
+    import megatron.core.optimizer as mcore_optimizer
+    import megatron.core.optimizer.distrib_optimizer as distrib_optimizer
+
+    if not mcore_optimizer.USING_PYTORCH_OPTIMIZER:
+        return
+    distrib_optimizer.HAVE_APEX_OR_TE = distrib_optimizer.USING_APEX_OPTIMIZER = True
+
+    def fused_adam_on_cpu(params, lr=None, adam_w_mode=True, **kwargs):
+        cls = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
+        optimizer = cls(params, lr=0.0 if lr is None else lr, **kwargs)
+        if lr is None:
+            optimizer.defaults["lr"] = None
+            for group in optimizer.param_groups:
+                group["lr"] = None if group["lr"] == 0.0 else group["lr"]
+        return optimizer
+
+    mcore_optimizer.Adam = fused_adam_on_cpu
+    mcore_optimizer.USING_PYTORCH_OPTIMIZER = False
+
+
 _BIK = "megatron.core.transformer.custom_layers.batch_invariant_kernels"
 
 
@@ -201,6 +230,10 @@ if IMPL == "ours":
     import io
 
     torch.serialization.add_safe_globals([io.BytesIO])
+
+
+def pytest_configure(config):
+    patch_fused_adam()
 
 
 @pytest.fixture(scope="session")
