@@ -1,8 +1,8 @@
 """The ``torch_dist`` backend: Megatron-Core checkpoints in PyTorch DCP format.
 
-Built on :mod:`torch.distributed.checkpoint` (its file format, read planning and I/O); the
-planners in :mod:`._dcp_planner` translate ShardedTensors/ShardedObjects into DCP items.
-Checkpoints written here load in Megatron-Core and vice versa; loads read only the requested
+Built on :mod:`torch.distributed.checkpoint` (its file format, read planning and I/O). Saves
+write the DCP items of :mod:`._dcp_planner`; loads go, as Megatron-Core's, through
+``MCoreLoadPlanner`` on the PyT state dict of :mod:`._load_requests`. Checkpoints written here load in Megatron-Core and vice versa; loads read only the requested
 local regions, so a checkpoint can be loaded at another parallel layout.
 
 Megatron-Core's building blocks are here too, for code written against them:
