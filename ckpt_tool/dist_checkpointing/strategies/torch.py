@@ -2,8 +2,9 @@
 
 Built on :mod:`torch.distributed.checkpoint` (its file format, read planning and I/O). Saves
 write the DCP items of :mod:`._dcp_planner`; loads go, as Megatron-Core's, through
-``MCoreLoadPlanner`` on the PyT state dict of :mod:`._load_requests`. Checkpoints written here load in Megatron-Core and vice versa; loads read only the requested
-local regions, so a checkpoint can be loaded at another parallel layout.
+``MCoreLoadPlanner`` on the PyT state dict of :mod:`._load_requests`. Checkpoints written
+here load in Megatron-Core and vice versa; loads read only the requested local regions, so a
+checkpoint can be loaded at another parallel layout.
 
 Megatron-Core's building blocks are here too, for code written against them:
 ``mcore_to_pyt_state_dict`` (ShardedTensors as DCP-checkpointable values),
