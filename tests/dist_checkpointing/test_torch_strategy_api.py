@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import pickle
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed._shard.sharded_tensor import ShardedTensor as TorchShardedTensor
 from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.planner import LoadPlan
 
 from ckpt_tool.dist_checkpointing import ShardedObject, ShardedTensor
 from ckpt_tool.dist_checkpointing.core import CheckpointingException
@@ -147,6 +149,40 @@ def test_load_planner_checks_global_shapes(tmp_path):
                        allow_shape_mismatch_sharded_tensors={"e": padded})
     assert torch.equal(loaded["e"][0][:4], GLOBAL) and not loaded["e"][0][4].any()
     assert metadata.state_dict_metadata["e"].size == (4, 6)  # restored after planning
+
+
+def test_strategy_load_reads_the_plan_of_mcore_load_planner(tmp_path):
+    """Our strategy's load reads what ``MCoreLoadPlanner.create_local_plan`` plans, as
+    Megatron-Core's does (Megatron-LM's test_fully_parallel patches it to watch the reads);
+    requests of one key with equal offsets are read once."""
+    st.TorchDistSaveShardedStrategy("torch_dist", 1).save(
+        {"w": ShardedTensor.from_rank_offsets("w", GLOBAL.clone()),
+         "o": ShardedObject("o", {"step": 7}, (1,), (0,))}, tmp_path)
+    original, seen = st.MCoreLoadPlanner.create_local_plan, []
+
+    def request():
+        return {"w": ShardedTensor.from_rank_offsets("w", torch.full((2, 6), -1.0), (0, 1, 2)),
+                "tied": ShardedTensor.from_rank_offsets("w", torch.zeros(2, 6), (0, 1, 2)),
+                "o": ShardedObject("o", None, (1,), (0,))}
+
+    def without_tensor_reads(self):  # the plan, less its reads of "w"
+        plan = original(self)
+        seen.append((self, plan))
+        return LoadPlan([item for item in plan.items if item.dest_index.fqn != "w"])
+
+    with mock.patch.object(st.MCoreLoadPlanner, "create_local_plan", without_tensor_reads):
+        loaded = st.TorchDistLoadShardedStrategy().load(request(), tmp_path)
+    (planner, plan), = seen
+    assert [sh.key for sh in planner.shapes_validation_sharded_tensors] == ["w"]
+    assert not planner.allow_shape_mismatch_sharded_tensors
+    (read,) = [item for item in plan.items if item.dest_index.fqn == "w"]
+    assert (tuple(read.storage_offsets), tuple(read.lengths)) == ((2, 0), (2, 6))
+    assert loaded["o"] == {"step": 7}
+    assert (loaded["w"] == -1).all()  # nothing read, and the shared read copied that
+    assert (loaded["tied"] == -1).all()
+
+    loaded = st.TorchDistLoadShardedStrategy().load(request(), tmp_path)
+    assert torch.equal(loaded["w"], GLOBAL[2:]) and torch.equal(loaded["tied"], GLOBAL[2:])
 
 
 def test_save_planner_arguments_and_decentralized_plan():

@@ -1,7 +1,8 @@
 """Megatron-Core's DCP planners for PyT state dicts (see :mod:`._pyt_state_dict`).
 
-Public names are re-exported by :mod:`.torch`. Our own ``torch_dist`` strategy uses the
-planners of :mod:`._dcp_planner`, which write the same items.
+Public names are re-exported by :mod:`.torch`. Our own ``torch_dist`` strategy loads with
+:class:`MCoreLoadPlanner` (see :mod:`._load_requests`) and saves with the planner of
+:mod:`._dcp_planner`, which writes the same items as :class:`MCoreSavePlanner`.
 """
 
 from __future__ import annotations

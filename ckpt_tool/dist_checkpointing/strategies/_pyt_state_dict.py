@@ -4,9 +4,10 @@ Megatron-Core's ``torch_dist`` strategy converts a sharded state dict into a *Py
 one entry per key, holding a DCP-checkpointable tensor (all of this rank's pieces of that
 global tensor) or, for ShardedObjects, ``torch.save`` bytes. ``torch.distributed.checkpoint``
 then saves or loads it with :class:`~._mcore_planners.MCoreSavePlanner` /
-:class:`~._mcore_planners.MCoreLoadPlanner`. Our own strategy plans DCP items directly
-(:mod:`._dcp_planner`) and writes the same bytes; these functions are for code written against
-Megatron-Core's building blocks. Public names are re-exported by :mod:`.torch`.
+:class:`~._mcore_planners.MCoreLoadPlanner`. Our own strategy saves DCP items it plans
+directly (:mod:`._dcp_planner`, the same bytes) and loads through ``MCoreLoadPlanner`` (see
+:mod:`._load_requests`); these functions are for code written against Megatron-Core's
+building blocks. Public names are re-exported by :mod:`.torch`.
 """
 
 from __future__ import annotations

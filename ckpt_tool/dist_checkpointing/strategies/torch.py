@@ -1,9 +1,10 @@
 """The ``torch_dist`` backend: Megatron-Core checkpoints in PyTorch DCP format.
 
-Built on :mod:`torch.distributed.checkpoint` (its file format, read planning and I/O); the
-planners in :mod:`._dcp_planner` translate ShardedTensors/ShardedObjects into DCP items.
-Checkpoints written here load in Megatron-Core and vice versa; loads read only the requested
-local regions, so a checkpoint can be loaded at another parallel layout.
+Built on :mod:`torch.distributed.checkpoint` (its file format, read planning and I/O). Saves
+write the DCP items of :mod:`._dcp_planner`; loads go, as Megatron-Core's, through
+``MCoreLoadPlanner`` on the PyT state dict of :mod:`._load_requests`. Checkpoints written
+here load in Megatron-Core and vice versa; loads read only the requested local regions, so a
+checkpoint can be loaded at another parallel layout.
 
 Megatron-Core's building blocks are here too, for code written against them:
 ``mcore_to_pyt_state_dict`` (ShardedTensors as DCP-checkpointable values),
@@ -15,7 +16,6 @@ classes that Megatron-Core <= 0.15 pickled into ``.metadata``.
 from __future__ import annotations
 
 import copy
-import io
 import logging
 import os
 import pickle
@@ -26,6 +26,7 @@ from typing import Any, Dict, List, Union
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+from torch.distributed.checkpoint.utils import _wrap_exception
 
 from ckpt_tool.formats.dcp_metadata import mcore_classes
 
@@ -47,12 +48,8 @@ from ..mapping import (
     StateDict,
     is_main_replica,
 )
-from ._dcp_planner import (
-    RequestLoadPlanner,
-    TableSavePlanner,
-    TensorRequest,
-    WriteTable,
-)
+from ._dcp_planner import TableSavePlanner, WriteTable
+from ._load_requests import CheckpointReadError, LoadRequests
 from ._mcore_planners import MCoreLoadPlanner, MCoreSavePlanner
 from ._pyt_state_dict import (  # the private ones: MCore's names, for code that imports them
     _get_filesystem_reader,
@@ -255,20 +252,21 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         self.trust = trust
         self.cached_global_metadata = None
 
-    def _load_object(self, value: io.BytesIO):
-        from ckpt_tool.formats.safe_pickle import load_torch_file
-
-        return load_torch_file(value, trust=self.trust)
-
     def load(self, sharded_state_dict: ShardedStateDict,
              checkpoint_dir: Union[str, Path]) -> StateDict:
-        """Load the requested values; returns the same nested structure with plain values."""
-        requests: Dict[int, TensorRequest] = {}
-        objects: Dict[int, ShardedObject] = {}
-        shape_checked = {}
+        """Load the requested values; returns the same nested structure with plain values.
+
+        As Megatron-Core: the request becomes a PyT state dict that
+        ``torch.distributed.checkpoint`` loads with :class:`MCoreLoadPlanner` (its
+        ``create_local_plan`` plans the reads). Request errors are raised before any read as
+        ``CheckpointReadError`` (ours and torch's ``CheckpointException``); see
+        :mod:`._load_requests` for shared reads and N-D reformulated tensors.
+        """
+        sharded_tensors: List[ShardedTensor] = []
+        object_keys: List[str] = []
         for sh in nested_values(sharded_state_dict):
             if isinstance(sh, ShardedObject):
-                objects[id(sh)] = sh
+                object_keys.append(sh.unique_key)
                 continue
             if not isinstance(sh, ShardedTensor):
                 raise CheckpointingException(f"Cannot load {type(sh).__name__} {sh}")
@@ -281,25 +279,31 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                     sh.data = sh.data.detach()  # (its storage), so a parameter can be zeroed
                 if sh.allow_shape_mismatch:
                     sh.data.zero_()
-            if not sh.allow_shape_mismatch:
-                shape_checked[sh.key] = tuple(sh.global_shape)
-            target = _chunk_view(sh, sh.data)
-            requests[id(sh)] = TensorRequest(sh.key, tuple(sh.global_offset), target)
+            sharded_tensors.append(sh)
 
         reader = CachedMetadataFileSystemReader(str(checkpoint_dir), trust=self.trust)
-        planner = RequestLoadPlanner(list(requests.values()),
-                                     sorted({o.unique_key for o in objects.values()}),
-                                     shape_checked, self._load_object)
-        planner.check(reader.read_metadata())
+        metadata = reader.read_metadata()
+        requests = LoadRequests(sharded_tensors, object_keys, metadata)
+        try:
+            requests.check()
+        except CheckpointingException as e:
+            rank = torch.distributed.get_rank() if _dist_ready() else 0
+            raise CheckpointReadError(str(e), {rank: _wrap_exception(e)}) from e
+        pyt_state_dict = requests.pyt_state_dict()
+        planner = MCoreLoadPlanner(
+            shapes_validation_sharded_tensors=requests.shapes_validation_sharded_tensors,
+            allow_shape_mismatch_sharded_tensors=requests.allow_shape_mismatch_sharded_tensors,
+            trust=self.trust)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load({}, storage_reader=reader, planner=planner, no_dist=not _dist_ready())
-        planner.finish_requests()
-        self.cached_global_metadata = reader.read_metadata()
+            dcp.load(pyt_state_dict, storage_reader=reader, planner=planner,
+                     no_dist=not _dist_ready())
+        requests.finish()
+        self.cached_global_metadata = metadata
 
         def result(sh):
             if isinstance(sh, ShardedObject):
-                values = planner.loaded_objects[sh.unique_key]
+                values = pyt_state_dict[sh.unique_key]
                 return values[0] if isinstance(values, list) and values else values
             return sh.data
 
