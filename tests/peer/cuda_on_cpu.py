@@ -2,14 +2,35 @@
 Megatron-Core, shared by the pytest plugin (every rank) and ``sitecustomize`` (the processes
 Megatron-Core spawns)."""
 
+import contextlib
+
 import torch
 
 _seed = [0]
 
 
+class CpuStream:
+    """A CUDA stream's stand-in: everything runs in order on the CPU, so waits are no-ops."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, other):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+
 def patch_cuda_calls() -> None:
-    """Device selection, synchronisation and memory statistics become no-ops, the CUDA RNG a
-    CPU generator's state, ``Tensor.cuda()`` the tensor itself."""
+    """Device selection, synchronisation, streams and memory statistics become no-ops, the
+    CUDA RNG a CPU generator's state, ``Tensor.cuda()`` the tensor itself."""
     cuda = torch.cuda
     cuda.set_device = lambda *a, **k: None
     cuda.current_device = lambda: "cpu"
@@ -26,3 +47,7 @@ def patch_cuda_calls() -> None:
     cuda.get_rng_state_all = lambda: [state()]
     cuda.set_rng_state_all = lambda *a, **k: None
     torch.Tensor.cuda = lambda self, *a, **k: self
+    # Megatron-LM's get_model (the tests' setup_model_and_optimizer) builds DDP on a side stream
+    cuda.Stream = CpuStream
+    cuda.current_stream = cuda.default_stream = lambda *a, **k: CpuStream()
+    cuda.stream = lambda *a, **k: contextlib.nullcontext()

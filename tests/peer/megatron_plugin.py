@@ -140,6 +140,43 @@ def patch_cuda() -> None:
     dist.new_group = new_group_gloo
 
 
+def patch_torch_adam() -> None:
+    """Without Transformer Engine or Apex, Megatron-Core builds torch's Adam/AdamW where a GPU
+    run gets their FusedAdam, which accepts the ``lr=None`` of the tests' ``OptimizerConfig``
+    (they never step) and keeps ``step`` out of the per-parameter state; torch's refuses
+    ``lr=None``, and Megatron-Core then wants a ``step`` in every parameter's state, which the
+    tests' ``setup_model_and_optimizer`` (filling only the Adam moments) does not put there.
+    Here ``lr=None`` means torch's default, and a state with moments but no step gets step 0."""
+    for name in ("Adam", "AdamW"):
+        base = getattr(torch.optim, name)
+
+        def __init__(self, params, lr=None, *args, _base=base, **kwargs):
+            _base.__init__(self, params, 1e-3 if lr is None else lr, *args, **kwargs)
+
+        def state_dict(self, _base=base):
+            for state in self.state.values():
+                if "exp_avg" in state and "step" not in state:
+                    state["step"] = torch.tensor(0.0)
+            return _base.state_dict(self)
+
+        setattr(torch.optim, name, type(name, (base,), {
+            "__init__": __init__, "state_dict": state_dict, "__module__": base.__module__}))
+
+
+def patch_tensor_type_names() -> None:
+    """``Tensor.type()`` names ``torch.cuda.*`` types, as on a GPU: Megatron-Core's mixed
+    precision optimizers accept only parameters whose type name says CUDA."""
+    original = torch.Tensor.type
+
+    def type_(self, dtype=None, non_blocking=False, **kwargs):
+        name = original(self, dtype, non_blocking, **kwargs)
+        if dtype is None and not kwargs and not name.startswith("torch.cuda."):
+            return name.replace("torch.", "torch.cuda.", 1)
+        return name
+
+    torch.Tensor.type = type_
+
+
 _BIK = "megatron.core.transformer.custom_layers.batch_invariant_kernels"
 
 
@@ -182,6 +219,8 @@ if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 stub_triton_kernels()
 patch_cuda()
+patch_torch_adam()
+patch_tensor_type_names()
 if IMPL == "ours":
     map_to_ours()
 elif IMPL != "real":
