@@ -146,7 +146,9 @@ def patch_torch_adam() -> None:
     (they never step) and keeps ``step`` out of the per-parameter state; torch's refuses
     ``lr=None``, and Megatron-Core then wants a ``step`` in every parameter's state, which the
     tests' ``setup_model_and_optimizer`` (filling only the Adam moments) does not put there.
-    Here ``lr=None`` means torch's default, and a state with moments but no step gets step 0."""
+    Here ``lr=None`` means torch's default, and ``state_dict()`` gives step 0 to a state with
+    moments but no step (the live state is left as it is: MCore's fully reshardable load copies
+    into every tensor of it)."""
     for name in ("Adam", "AdamW"):
         base = getattr(torch.optim, name)
 
@@ -154,10 +156,11 @@ def patch_torch_adam() -> None:
             _base.__init__(self, params, 1e-3 if lr is None else lr, *args, **kwargs)
 
         def state_dict(self, _base=base):
-            for state in self.state.values():
-                if "exp_avg" in state and "step" not in state:
-                    state["step"] = torch.tensor(0.0)
-            return _base.state_dict(self)
+            packed = _base.state_dict(self)
+            packed["state"] = {  # the live state stays as FusedAdam's (no step)
+                k: {**v, "step": torch.tensor(0.0)} if "exp_avg" in v and "step" not in v else v
+                for k, v in packed["state"].items()}
+            return packed
 
         setattr(torch.optim, name, type(name, (base,), {
             "__init__": __init__, "state_dict": state_dict, "__module__": base.__module__}))
