@@ -10,16 +10,6 @@ _seed = [0]
 _ORIG_TYPE = torch.Tensor.type
 
 
-class _Stream:
-    """A CUDA stream on CPU: work is synchronous, so waiting is a no-op."""
-
-    def wait_stream(self, other):
-        pass
-
-    def synchronize(self):
-        pass
-
-
 def _cuda_type_name(self, dtype=None, non_blocking=False, **kwargs):
     """``Tensor.type()`` (no argument) names the ``torch.cuda.*`` type, as on a GPU: Megatron-Core's
     mixed-precision and distributed optimizers accept only parameters whose type() is one of
@@ -28,6 +18,25 @@ def _cuda_type_name(self, dtype=None, non_blocking=False, **kwargs):
         name = _ORIG_TYPE(self)
         return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
     return _ORIG_TYPE(self, dtype, non_blocking, **kwargs)
+
+
+class CpuStream:
+    """A CUDA stream's stand-in: everything runs in order on the CPU, so waits are no-ops."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, other):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
 
 
 def patch_cuda_calls() -> None:
@@ -51,7 +60,8 @@ def patch_cuda_calls() -> None:
     cuda.get_rng_state_all = lambda: [state()]
     cuda.set_rng_state_all = lambda *a, **k: None
     torch.Tensor.cuda = lambda self, *a, **k: self
-    cuda.Stream = lambda *a, **k: _Stream()
-    cuda.current_stream = lambda *a, **k: _Stream()
+    # Megatron-LM's get_model (the tests' setup_model_and_optimizer) builds DDP on a side stream
+    cuda.Stream = CpuStream
+    cuda.current_stream = cuda.default_stream = lambda *a, **k: CpuStream()
     cuda.stream = lambda *a, **k: contextlib.nullcontext()
     torch.Tensor.type = _cuda_type_name

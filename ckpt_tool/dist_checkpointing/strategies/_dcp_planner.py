@@ -82,6 +82,8 @@ class TableSavePlanner(DefaultSavePlanner):
     def __init__(self, table: WriteTable):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self.table = table
+        # nothing to deduplicate or flatten: a rank's global plan is its local plan
+        self.can_run_decentralized_global_plan = True
 
     def create_local_plan(self) -> SavePlan:
         self.plan = SavePlan(items=self.table.write_items(), planner_data={})
@@ -92,6 +94,10 @@ class TableSavePlanner(DefaultSavePlanner):
         global_plans, metadata = super().create_global_plan(all_plans)
         metadata.all_local_plans = list(all_plans)
         return global_plans, metadata
+
+    def create_decentralized_global_plan(self, local_plan: SavePlan) -> SavePlan:
+        """This rank's global plan, made without the other ranks: its local plan."""
+        return local_plan
 
     def resolve_data(self, write_item: WriteItem):
         if write_item.type == WriteItemType.BYTE_IO:

@@ -200,6 +200,8 @@ class FileSystemWriterAsync(FileSystemWriter):
         self.results_queue: Optional[ResultsDrop] = None
         self._lease = self._lease_finalizer = None
         self.stage_host_tensors = True  # False: host tensors are written from where they are
+        # each rank may make its own global plan (prepare_decentralized_global_plan)
+        self.can_run_decentralized_global_plan = True
 
     def prepare_write_data(self, plan: SavePlan, planner: SavePlanner) -> None:
         """Split ``plan``'s items into per-file buckets and stage their data to host memory."""
@@ -331,8 +333,8 @@ class FileSystemWriterAsync(FileSystemWriter):
     def prepare_decentralized_global_plan(self, local_plan: SavePlan) -> SavePlan:
         """The global-plan step of a decentralized save (each rank plans alone): this rank's
         plan with its file prefix, as the coordinator would have given it."""
-        return dataclasses.replace(
-            local_plan, storage_data=_StoragePrefix(f"__{torch.distributed.get_rank()}_"))
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        return dataclasses.replace(local_plan, storage_data=_StoragePrefix(f"__{rank}_"))
 
     def write_data(self, plan: SavePlan, planner: SavePlanner):
         raise NotImplementedError("FileSystemWriterAsync writes via get_save_function_and_args")

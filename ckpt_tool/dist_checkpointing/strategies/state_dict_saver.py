@@ -9,7 +9,11 @@ Call order, on every rank::
     save_state_dict_async_finalize(writer, metadata, dist_wrapper)  # after the write, all ranks
 
 Planning gathers the local plans on the coordinator and scatters the global ones
-(``torch.distributed.checkpoint``'s reduce-scatter). With ``cached_ckpt_structure`` from the
+(``torch.distributed.checkpoint``'s reduce-scatter); when the planner and the writer both allow
+it (``can_run_decentralized_global_plan``, as Megatron-Core's), the coordinator only gathers the
+local plans to build the metadata and every rank makes its global plan alone, and with
+``loaded_all_plans`` that match every rank's plan not even that (the caller reuses the loaded
+checkpoint's metadata). With ``cached_ckpt_structure`` from the
 previous save, the ranks only all-reduce one integer saying whether their local plans are
 unchanged; if they all are, the cached global plan is reused and no plan crosses ranks (the
 caller supplies the cached global metadata on the coordinator). A changed rank makes every rank
@@ -39,7 +43,7 @@ from .async_utils import collective_device
 from .filesystem_async import FileSystemWriterAsync
 
 __all__ = ["save_state_dict_async_plan", "verify_global_md_reuse",
-           "save_state_dict_async_finalize", "CheckpointWriteError"]
+           "save_state_dict_async_finalize", "CheckpointWriteError", "CheckpointPlanError"]
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +59,14 @@ class CheckpointWriteError(CheckpointingException, CheckpointException):
     def __init__(self, message: str, failures: Optional[dict] = None):
         CheckpointingException.__init__(self, message)
         self._failures = dict(failures or {})
+
+
+class CheckpointPlanError(CheckpointingException, CheckpointException):
+    """The coordinator rejected a save's global plan; nothing was written."""
+
+    def __init__(self, message: str):
+        CheckpointingException.__init__(self, message)
+        self._failures = {}
 
 
 def _use_dist() -> bool:
@@ -101,7 +113,7 @@ def save_state_dict_async_plan(
     Returns:
         ``((storage_writer, global_metadata, dist_wrapper), central_plan, local_plan,
         cache_reused, global_md_verify_reuse)``; ``global_metadata`` is None on
-        non-coordinators and when the cached plan was reused.
+        non-coordinators and when the cached plan or the loaded metadata is to be reused.
     """
     cached_central, cached_local, _ = cached_ckpt_structure or (None, None, False)
     dist_wrapper = _DistWrapper(process_group, _use_dist(), coordinator_rank)
@@ -121,11 +133,21 @@ def save_state_dict_async_plan(
 
     cache_reused = False
     global_md_verify_reuse = False
+    local_plan = None
     if cached_central is not None:
         local_plan = local_step()
         cache_reused = _all_ranks_agree(_plans_equal(local_plan, cached_local), dist_wrapper)
     if cache_reused:
         central_plan = cached_central
+    elif _decentralized(planner, storage_writer):
+        if local_plan is None:
+            local_plan = local_step()
+        global_md_verify_reuse = verify_global_md_reuse(
+            loaded_all_plans, local_plan, dist_wrapper.get_rank(), dist_wrapper)
+        if not global_md_verify_reuse:
+            global_metadata = _coordinator_metadata(planner, local_plan, dist_wrapper)
+        central_plan = storage_writer.prepare_decentralized_global_plan(
+            planner.create_decentralized_global_plan(local_plan))
     else:
         if loaded_all_plans:
             local_plan = local_step()
@@ -143,6 +165,33 @@ def save_state_dict_async_plan(
     storage_writer.prepare_write_data(central_plan, planner)
     return ((storage_writer, global_metadata, dist_wrapper), central_plan, local_plan,
             cache_reused, global_md_verify_reuse)
+
+
+def _decentralized(planner: SavePlanner, storage_writer) -> bool:
+    """Whether every rank may make its global plan alone (both say so, as in Megatron-Core)."""
+    return bool(getattr(planner, "can_run_decentralized_global_plan", False)
+                and getattr(storage_writer, "can_run_decentralized_global_plan", False))
+
+
+def _coordinator_metadata(planner: SavePlanner, local_plan: SavePlan,
+                          dist_wrapper: _DistWrapper) -> Optional[Metadata]:
+    """The global metadata of a decentralized save, built on the coordinator from the gathered
+    local plans (stored in it as ``all_local_plans``); None elsewhere. A plan the coordinator
+    rejects (overlapping or out-of-bounds chunks) raises :class:`CheckpointPlanError` on every
+    rank."""
+    all_plans = dist_wrapper.gather_object(local_plan)
+    metadata, error = None, None
+    if dist_wrapper.is_coordinator:
+        try:
+            _, metadata = planner.create_global_plan(all_plans)
+            metadata.all_local_plans = list(all_plans)
+        except Exception as e:  # every rank must stop, not only this one
+            error = repr(e)
+    error = dist_wrapper.broadcast_object(error)
+    if error is not None:
+        raise CheckpointPlanError(
+            f"Checkpoint save plan rejected on rank {dist_wrapper.coordinator_rank}: {error}")
+    return metadata
 
 
 def verify_global_md_reuse(loaded_all_plans: List[SavePlan], local_plan: SavePlan, rank: int,

@@ -127,7 +127,9 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         keep_only_main_replica: write only main replicas (``replica_id`` 0); recommended.
         thread_count: writer threads, and so data files per rank (``__{rank}_{i}.distcp``).
         cached_metadata: async saves reuse the previous save plan and global metadata when
-            every rank's local plan is unchanged (planning then exchanges one integer).
+            every rank's local plan is unchanged (planning then exchanges one integer), and
+            the metadata of a loaded checkpoint put in ``cached_global_metadata`` when every
+            rank's plan is the one stored in it (no plan then crosses ranks).
         separation_hint: keys starting with it go to files of their own
             (``{separation_hint}__{rank}_{i}.distcp``, ``thread_count // 2`` per group; needs
             ``thread_count >= 2``), as Megatron-Core does for e.g. optimizer state.
@@ -153,6 +155,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         self.cached_global_metadata = None
         self.validated_cache_reuse = False
         self.validated_loaded_metadata_reuse = False
+        self._plan_metadata = None  # the coordinator's metadata of the cached plan
 
     def _write_table(self, sharded_state_dict: ShardedStateDict) -> WriteTable:
         table = WriteTable()
@@ -201,24 +204,34 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         writer = FileSystemWriterAsync(str(checkpoint_dir), thread_count=self.thread_count,
                                        overwrite=True, separation_hint=self.separation_hint)
         writer.stage_host_tensors = self.stage_host_tensors
-        cached = None
-        if self.use_cached_ckpt_structure and self.cached_central_plan is not None:
-            cached = (self.cached_central_plan, self.cached_local_plan,
-                      self.validated_cache_reuse)
+        cached, loaded_plans = None, None
+        if self.use_cached_ckpt_structure:
+            # a loaded checkpoint's metadata (Megatron-LM passes the load strategy's)
+            loaded_plans = getattr(self.cached_global_metadata, "all_local_plans", None)
+            if self.cached_central_plan is not None:
+                cached = (self.cached_central_plan, self.cached_local_plan,
+                          self.validated_cache_reuse)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Detected an existing checkpoint")
             (ret, central_plan, local_plan, self.validated_cache_reuse,
              self.validated_loaded_metadata_reuse) = save_state_dict_async_plan(
                 {}, writer, None, 0, planner=TableSavePlanner(table),
-                cached_ckpt_structure=cached)
+                cached_ckpt_structure=cached, loaded_all_plans=loaded_plans)
         writer, global_metadata, dist_wrapper = ret
         if self.use_cached_ckpt_structure:
+            # finish() sets per-save fields on a copy; as in MCore, cached_global_metadata
+            # holds a loaded metadata or, once a plan was reused, the plan's metadata
             if self.validated_cache_reuse:
-                if dist_wrapper.is_coordinator:  # finish() sets per-save fields on a copy
-                    global_metadata = copy.copy(self.cached_global_metadata)
+                global_metadata = self._plan_metadata
+                if dist_wrapper.is_coordinator:
+                    self.cached_global_metadata = self._plan_metadata
             else:
+                if loaded_plans and self.validated_loaded_metadata_reuse:
+                    global_metadata = self.cached_global_metadata
                 self.cached_central_plan, self.cached_local_plan = central_plan, local_plan
-                self.cached_global_metadata = global_metadata
+                self._plan_metadata = global_metadata if dist_wrapper.is_coordinator else None
+            if dist_wrapper.is_coordinator:
+                global_metadata = copy.copy(global_metadata)
         return self._get_save_and_finalize_callbacks(
             writer, (writer, global_metadata, dist_wrapper))
 
