@@ -90,6 +90,25 @@ def test_no_reduce_scatter_and_loaded_metadata_reuse(tmp_path, single_rank_group
         GLOBAL[0])
 
 
+def test_a_strategy_that_saved_before_reuses_a_loaded_metadata(tmp_path, single_rank_group):
+    """Megatron-LM's default save strategy is one object per process: on resume the strategy
+    that saved before gets the loaded metadata. As in MCore, its earlier (not yet validated)
+    plan does not bypass the check of the loaded metadata, which is then used as it is."""
+    strategy = st.TorchDistSaveShardedStrategy("torch_dist", 1, cached_metadata=True)
+    (tmp_path / "a").mkdir()
+    strategy.save(_state(), tmp_path / "a")
+    assert not strategy.validated_cache_reuse  # one save validates nothing yet
+    loader = st.TorchDistLoadShardedStrategy()
+    loader.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(4, 6))}, tmp_path / "a")
+    strategy.cached_global_metadata = loaded_md = loader.cached_global_metadata
+    (tmp_path / "b").mkdir()
+    strategy.save(_state(), tmp_path / "b")
+    assert strategy.validated_loaded_metadata_reuse
+    assert strategy.cached_global_metadata is loaded_md
+    assert strategy.validated_cache_reuse  # the same plan twice: validated
+    assert torch.equal(_load_w(tmp_path / "b"), GLOBAL)
+
+
 def test_rejected_plan_raises(tmp_path, single_rank_group):
     overlapping = {"a": ShardedTensor.from_rank_offsets("w", GLOBAL.clone()),
                    "b": ShardedTensor.from_rank_offsets("w", GLOBAL[2:].clone(), (0, 1, 2))}

@@ -156,8 +156,24 @@ def patch_fused_adam() -> None:
         return
     distrib_optimizer.HAVE_APEX_OR_TE = distrib_optimizer.USING_APEX_OPTIMIZER = True
 
+    def without_step(base):
+        class FusedAdamOnCpu(base):
+            def __setstate__(self, state):
+                """FusedAdam's load takes per-parameter state without ``step`` (it keeps the
+                step per group); torch's wants one: lent for the check, taken back after."""
+                lent = [s for s in state.get("state", {}).values()
+                        if isinstance(s, dict) and s and "step" not in s]
+                for s in lent:
+                    s["step"] = torch.tensor(0.0)
+                super().__setstate__(state)
+                for s in lent:
+                    s.pop("step", None)
+
+        FusedAdamOnCpu.__name__ = base.__name__
+        return FusedAdamOnCpu
+
     def fused_adam_on_cpu(params, lr=None, adam_w_mode=True, **kwargs):
-        cls = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
+        cls = without_step(torch.optim.AdamW if adam_w_mode else torch.optim.Adam)
         optimizer = cls(params, lr=0.0 if lr is None else lr, **kwargs)
         if lr is None:
             optimizer.defaults["lr"] = None

@@ -14,10 +14,11 @@ it (``can_run_decentralized_global_plan``, as Megatron-Core's), the coordinator 
 local plans to build the metadata and every rank makes its global plan alone, and with
 ``loaded_all_plans`` that match every rank's plan not even that (the caller reuses the loaded
 checkpoint's metadata). With ``cached_ckpt_structure`` from the
-previous save, the ranks only all-reduce one integer saying whether their local plans are
-unchanged; if they all are, the cached global plan is reused and no plan crosses ranks (the
-caller supplies the cached global metadata on the coordinator). A changed rank makes every rank
-plan afresh, so a stale cache can never drop or misplace items.
+previous save, once validated (as in Megatron-Core: two consecutive saves planned the same),
+the ranks only all-reduce one integer saying whether their local plans are unchanged; if they
+all are, the cached global plan is reused and no plan crosses ranks (the caller supplies the
+cached global metadata on the coordinator). A changed rank makes every rank plan afresh, so a
+stale cache can never drop or misplace items.
 
 Finalization gathers every rank's write results; the coordinator writes ``.metadata`` only if
 all ranks succeeded, then broadcasts the outcome: a failure anywhere raises
@@ -106,16 +107,20 @@ def save_state_dict_async_plan(
         coordinator_rank: rank that builds the global plan and writes ``.metadata``.
         planner: the save planner.
         cached_ckpt_structure: ``(central_plan, local_plan, validated)`` returned by the
-            previous save; reused when every rank's local plan is unchanged.
+            previous save. As in Megatron-Core, the plan is reused only once ``validated``
+            (two consecutive saves planned the same), and here only if every rank's local
+            plan is still the cached one.
         loaded_all_plans: local plans stored in a loaded checkpoint's ``.metadata``; see
             :func:`verify_global_md_reuse`.
 
     Returns:
         ``((storage_writer, global_metadata, dist_wrapper), central_plan, local_plan,
-        cache_reused, global_md_verify_reuse)``; ``global_metadata`` is None on
-        non-coordinators and when the cached plan or the loaded metadata is to be reused.
+        validated, global_md_verify_reuse)``: ``validated`` is true when the central plan
+        is the cached one (reused, or planned afresh and equal on every rank);
+        ``global_metadata`` is None on non-coordinators and when the cached plan or the
+        loaded metadata is to be reused.
     """
-    cached_central, cached_local, _ = cached_ckpt_structure or (None, None, False)
+    cached_central, cached_local, validated = cached_ckpt_structure or (None, None, False)
     dist_wrapper = _DistWrapper(process_group, _use_dist(), coordinator_rank)
     if planner is None:
         raise ValueError("a save planner is required")
@@ -134,7 +139,7 @@ def save_state_dict_async_plan(
     cache_reused = False
     global_md_verify_reuse = False
     local_plan = None
-    if cached_central is not None:
+    if validated and cached_central is not None:
         local_plan = local_step()
         cache_reused = _all_ranks_agree(_plans_equal(local_plan, cached_local), dist_wrapper)
     if cache_reused:
@@ -162,6 +167,8 @@ def save_state_dict_async_plan(
 
         central_plan = dist_wrapper.reduce_scatter("plan", map_fun, global_step)
     central_plan = planner.finish_plan(central_plan)
+    if not cache_reused and cached_central is not None:  # planned afresh: the same plan again?
+        cache_reused = _all_ranks_agree(central_plan == cached_central, dist_wrapper)
     storage_writer.prepare_write_data(central_plan, planner)
     return ((storage_writer, global_metadata, dist_wrapper), central_plan, local_plan,
             cache_reused, global_md_verify_reuse)

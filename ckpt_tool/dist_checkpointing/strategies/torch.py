@@ -207,7 +207,8 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         cached, loaded_plans = None, None
         if self.use_cached_ckpt_structure:
             # a loaded checkpoint's metadata (Megatron-LM passes the load strategy's)
-            loaded_plans = getattr(self.cached_global_metadata, "all_local_plans", None)
+            if self.cached_global_metadata is not self._plan_metadata:  # not our own (coordinator)
+                loaded_plans = getattr(self.cached_global_metadata, "all_local_plans", None)
             if self.cached_central_plan is not None:
                 cached = (self.cached_central_plan, self.cached_local_plan,
                           self.validated_cache_reuse)
@@ -219,17 +220,17 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
                 cached_ckpt_structure=cached, loaded_all_plans=loaded_plans)
         writer, global_metadata, dist_wrapper = ret
         if self.use_cached_ckpt_structure:
-            # finish() sets per-save fields on a copy; as in MCore, cached_global_metadata
-            # holds a loaded metadata or, once a plan was reused, the plan's metadata
-            if self.validated_cache_reuse:
-                global_metadata = self._plan_metadata
-                if dist_wrapper.is_coordinator:
-                    self.cached_global_metadata = self._plan_metadata
-            else:
-                if loaded_plans and self.validated_loaded_metadata_reuse:
+            # as in MCore: a loaded checkpoint's metadata that fits is used as it is; once a
+            # plan is validated, cached_global_metadata holds its metadata for the reuses
+            if (loaded_plans and self.cached_global_metadata is not None
+                    and self.validated_loaded_metadata_reuse):
+                global_metadata = self.cached_global_metadata
+            elif self.validated_cache_reuse:
+                if global_metadata is not None:  # planned afresh, equal to the cached plan
+                    self.cached_global_metadata = self._plan_metadata = global_metadata
+                elif dist_wrapper.is_coordinator:
                     global_metadata = self.cached_global_metadata
-                self.cached_central_plan, self.cached_local_plan = central_plan, local_plan
-                self._plan_metadata = global_metadata if dist_wrapper.is_coordinator else None
+            self.cached_central_plan, self.cached_local_plan = central_plan, local_plan
             if dist_wrapper.is_coordinator:
                 global_metadata = copy.copy(global_metadata)
         return self._get_save_and_finalize_callbacks(
