@@ -32,6 +32,23 @@ def _anon_kib(pid: int) -> int:
     return 0
 
 
+def _children(pid: int) -> list[int]:
+    kids: list[int] = []
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                kids += [int(c) for c in f.read().split()]
+    except OSError:
+        pass
+    return kids
+
+
+def _tree_anon_kib(pid: int) -> int:
+    """``RssAnon`` of ``pid`` and all its descendants (a command may re-exec itself in a child,
+    as ``wait4``'s peak RSS already counts)."""
+    return _anon_kib(pid) + sum(_tree_anon_kib(c) for c in _children(pid))
+
+
 def run(label: str, argv: list[str], *, repeat: int = 1, env: dict | None = None) -> Run:
     """Best-of-``repeat`` wall time; peak RSS (from ``wait4``) of the best run."""
     best: Run | None = None
@@ -44,7 +61,7 @@ def run(label: str, argv: list[str], *, repeat: int = 1, env: dict | None = None
             pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
             if pid:
                 break
-            anon = max(anon, _anon_kib(proc.pid))
+            anon = max(anon, _tree_anon_kib(proc.pid))
             time.sleep(0.002)
         dt = time.perf_counter() - t0
         code = os.waitstatus_to_exitcode(status)
