@@ -15,6 +15,7 @@ import multiprocessing
 import sys
 import time
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -272,3 +273,41 @@ def test_mp_real_megatron_core_loads_async_checkpoints(temporal, persistent):
     assert sorted((r["rank"], r["dir"]) for r in reports) == sorted(
         (rank, d) for rank in (0, 1) for d in dirs)
     assert all(r["errors"] == [] for r in reports), reports
+
+
+class _ForeignRequest(NamedTuple):
+    """A request class of another library with AsyncRequest's fields (nvidia-resiliency-ext's
+    local checkpoint manager hands Megatron-LM such requests, which it schedules on our queue)."""
+
+    async_fn: Any
+    async_fn_args: tuple
+    finalize_fns: list
+    async_fn_kwargs: dict = {}
+    preload_fn: Any = None
+    is_frozen: bool = False
+    call_idx: int = 0
+
+    def freeze(self):
+        return self._replace(is_frozen=True)
+
+
+def _write_staged(path, staged, suffix):
+    Path(path).write_text(staged + suffix)
+
+
+def _staged_text():
+    return "staged"
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_a_request_of_another_class_with_the_same_fields_is_scheduled(tmp_path, persistent):
+    target, done = tmp_path / "out.txt", []
+    request = _ForeignRequest(_write_staged, (str(target), None, "!"), [lambda: done.append(1)],
+                              preload_fn=_staged_text)
+    queue = AsyncCallsQueue(persistent=persistent)
+    try:
+        queue.schedule_async_request(request)
+        assert queue.maybe_finalize_async_calls(blocking=True) == [0]
+    finally:
+        queue.close()
+    assert target.read_text() == "staged!" and done == [1]

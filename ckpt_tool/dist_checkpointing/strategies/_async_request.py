@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -21,6 +21,20 @@ def collective_device() -> torch.device:
     if _dist_ready() and torch.distributed.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def staged_args(request: Any) -> list:
+    """``request.async_fn_args`` with the staged data from ``request.preload_fn`` in place.
+
+    ``request`` is any request with :class:`AsyncRequest`'s fields: Megatron-LM also schedules
+    the requests of nvidia-resiliency-ext's local checkpoint manager, a class of its own.
+    """
+    args = list(request.async_fn_args)
+    if request.preload_fn is not None:
+        if len(args) != 3:
+            raise CheckpointingException("Expected 3 args to be passed to async function")
+        args[1] = request.preload_fn()
+    return args
 
 
 class AsyncRequest(NamedTuple):
@@ -54,12 +68,7 @@ class AsyncRequest(NamedTuple):
 
     def staged_args(self) -> list:
         """``async_fn_args`` with the staged data from ``preload_fn`` in place."""
-        args = list(self.async_fn_args)
-        if self.preload_fn is not None:
-            if len(args) != 3:
-                raise CheckpointingException("Expected 3 args to be passed to async function")
-            args[1] = self.preload_fn()
-        return args
+        return staged_args(self)
 
     def execute_sync(self) -> None:
         """Stage, write and finalize in the calling process (a synchronous save)."""

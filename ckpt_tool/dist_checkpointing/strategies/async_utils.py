@@ -37,7 +37,8 @@ from .._staging_pool import release_staging_memory
 from .._mcore_names import log_single_rank  # noqa: F401 (re-exported as in MCore)
 from ..core import CheckpointingException
 from ..utils import debug_time
-from ._async_request import AsyncCaller, AsyncRequest, _dist_ready, collective_device
+from ._async_request import (AsyncCaller, AsyncRequest, _dist_ready, collective_device,
+                             staged_args)
 
 __all__ = ["AsyncRequest", "AsyncCaller", "TemporalAsyncCaller", "PersistentAsyncCaller",
            "AsyncCallsQueue"]
@@ -85,7 +86,7 @@ class TemporalAsyncCaller(AsyncCaller):
     def schedule_async_call(self, async_req: AsyncRequest) -> None:
         if async_req.async_fn is None:
             return
-        args = async_req.staged_args()
+        args = staged_args(async_req)
         ctx = mp.get_context("fork")
         for _ in range(_FORK_ATTEMPTS):
             ack_r, ack_w = os.pipe()
@@ -190,7 +191,7 @@ class PersistentAsyncCaller(AsyncCaller):
         if self.process is None or not self.process.is_alive():
             self._release(kill=True)
             self._start()
-        staged = async_req._replace(async_fn_args=tuple(async_req.staged_args()),
+        staged = async_req._replace(async_fn_args=tuple(staged_args(async_req)),
                                     preload_fn=None, finalize_fns=[])
         self.queue.put((async_req.call_idx, _dumps_request(staged)))
 
