@@ -311,3 +311,29 @@ def test_a_request_of_another_class_with_the_same_fields_is_scheduled(tmp_path, 
     finally:
         queue.close()
     assert target.read_text() == "staged!" and done == [1]
+
+
+def _fail(*_):
+    raise OSError("disk gone")
+
+
+def _raise_foreign():
+    raise KeyError("the foreign finalize saw the failure")
+
+
+@pytest.mark.parametrize("foreign", [False, True])
+def test_a_failed_write_runs_only_a_foreign_requests_finalize_functions(tmp_path, foreign):
+    done = []
+    fns = [lambda: done.append(1)]
+    kind = _ForeignRequest if foreign else AsyncRequest
+    queue = AsyncCallsQueue()
+    try:
+        queue.schedule_async_request(kind(_fail, (), list(fns)))
+        with pytest.raises(CheckpointingException, match="failed on rank"):
+            queue.maybe_finalize_async_calls(blocking=True)
+        assert done == ([1] if foreign else [])
+        queue.schedule_async_request(kind(_fail, (), [_raise_foreign]))
+        with pytest.raises(KeyError if foreign else CheckpointingException):
+            queue.maybe_finalize_async_calls(blocking=True)
+    finally:
+        queue.close()

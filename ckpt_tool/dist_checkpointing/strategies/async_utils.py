@@ -337,7 +337,10 @@ class AsyncCallsQueue:
         """Finalize the calls that are done on all ranks (all of them with ``blocking``).
 
         Call on all ranks. Returns the finalized indices. Raises CheckpointingException on
-        every rank when any rank's write failed (its finalize functions do not run).
+        every rank when any rank's write failed; the finalize functions of our requests do not
+        run then. Those of a request of another class (nvidia-resiliency-ext's local
+        checkpoints, which check the write themselves and clean up) run first, as Megatron-Core
+        runs them, and their own exception is raised when they raise one.
         """
         finalized = []
         while self.async_calls:
@@ -345,7 +348,13 @@ class AsyncCallsQueue:
             if not caller.is_current_async_call_done(blocking, no_dist):
                 break
             call_idx, _, async_request = self.async_calls.popleft()
-            self._raise_on_any_failure(call_idx, caller.take_failure(), no_dist)
+            try:
+                self._raise_on_any_failure(call_idx, caller.take_failure(), no_dist)
+            except CheckpointingException:
+                if not isinstance(async_request, AsyncRequest):
+                    for fn in async_request.finalize_fns:  # they may raise their own error
+                        fn()
+                raise
             with debug_time("finalize", logger):
                 for fn in async_request.finalize_fns:
                     fn()
