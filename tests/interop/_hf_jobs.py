@@ -3,6 +3,7 @@ logits, the Megatron-Core worker's job specs and the torchrun calls that run the
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -56,6 +57,37 @@ def randomise(model) -> None:
                 p.copy_(1 + 0.2 * torch.randn_like(p))
             elif name.endswith(".bias") or "gate.weight" in name:
                 p.normal_(0, 0.5)
+
+
+def saved_models(tmp: Path, make_models, seed: int) -> dict[str, Path]:
+    """``make_models()``'s HF models, built after ``torch.manual_seed(seed)``, randomised and
+    saved as ``tmp/<name>``; returns those directories by name."""
+    torch.manual_seed(seed)
+    srcs = {}
+    for name, model in make_models().items():
+        randomise(model)
+        srcs[name] = tmp / name
+        model.save_pretrained(srcs[name])
+    return srcs
+
+
+def import_job(tmp: Path, job: str, **kw) -> dict:
+    """The worker's ``load`` job (logits into ``tmp/<job>.pt``) for the conversion written to
+    ``tmp/<job>``, at the layout its ``args`` give; ``kw`` overrides fields."""
+    out = tmp / job
+    args = open_checkpoint(out).common()["args"]
+    if isinstance(args, dict):  # the legacy reader gives the fields as a dict
+        args = argparse.Namespace(**args)
+    return job_from_args(args, out, name=job, out=str(tmp / f"{job}.pt"),
+                         tp=args.tensor_model_parallel_size,
+                         pp=args.pipeline_model_parallel_size, **kw)
+
+
+def save_jobs(tmp: Path, exports) -> list[dict]:
+    """The worker's ``save`` jobs of ``(job, tp, pp, HF class, fields)`` rows: checkpoints the
+    real Megatron-Core saves as ``tmp/<job>``, their logits in ``tmp/<job>.pt``."""
+    return [dict(SAVE_BASE, name=job, ckpt=str(tmp / job), out=str(tmp / f"{job}.pt"),
+                 tp=tp, pp=pp, **model) for job, tp, pp, _, model in exports]
 
 
 def job_from_args(args, ckpt_dir: Path, **kw) -> dict:
