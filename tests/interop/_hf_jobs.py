@@ -43,6 +43,17 @@ def hf_logits(path: Path) -> torch.Tensor:
         return model(torch.tensor(TOKENS)).logits
 
 
+def assert_export_logits(tmp: Path, job: str, arch: str, *opts: str, name: str = "hf") -> None:
+    """``convert tmp/<job> tmp/<job>_<name> --to hf OPTS`` writes an ``arch`` model whose
+    transformers logits are the Megatron-Core worker's (``tmp/<job>.pt``)."""
+    out = tmp / f"{job}_{name}"
+    ckpt("convert", tmp / job, out, "--to", "hf", *opts)
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == [arch]
+    torch.testing.assert_close(hf_logits(out), torch.load(tmp / f"{job}.pt"), rtol=1e-4,
+                               atol=1e-5)
+
+
 def tensors(path: Path) -> dict[str, torch.Tensor]:
     with open_checkpoint(path) as r:
         return {k: r.read(k) for k in r.metadata().tensors}
