@@ -37,7 +37,8 @@ from ckpt_tool.formats.torch_zip import BoundedReader, check_zip_item
 from ckpt_tool.model import CheckpointMeta
 from ckpt_tool.ops._checks import Finding
 from ckpt_tool.ops._mapping import map_ranges, prefault
-from ckpt_tool.ops._scan_item import Out, Unit, check_slowly, plan_files, plan_items, scan_unit
+from ckpt_tool.ops._scan_item import check_slowly, scan_unit
+from ckpt_tool.ops._scan_units import Out, Unit, plan_files, plan_items
 from ckpt_tool.ops._scan_vector import scan_items
 
 __all__ = ["BoundedReader", "check_zip_item", "scan_archives"]

@@ -22,7 +22,7 @@ from ckpt_tool.errors import UnsupportedError, plural
 from ckpt_tool.formats.base import Reader
 from ckpt_tool.model import CheckpointMeta, ChunkRef, TensorMeta, split_chained
 from ckpt_tool.ops._optim_model_space import _MAIN_0_15, ModelSpaceDistOptimizerView
-from ckpt_tool.planning.feasibility import model_sizes_from
+from ckpt_tool.planning.source_model import model_sizes_from
 from ckpt_tool.planning.source_layout import args_of, source_layout_from
 from ckpt_tool.planning.layout import RuleSet
 from ckpt_tool.planning.optim_buckets import (STATES, Bucket, BucketLayoutError, BucketParam,

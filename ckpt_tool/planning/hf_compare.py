@@ -25,7 +25,7 @@ from typing import Any
 from ckpt_tool.errors import CkptError
 from ckpt_tool.model import CheckpointMeta, is_optimizer_key
 from ckpt_tool.planning.hf_plan import Part, Recipe, Src, plan_export
-from ckpt_tool.planning.hf_rules import (_GPT2_NAMES, ArchRule, args_from_hf_config,
+from ckpt_tool.planning.hf_rules import (GPT2_CONFIG_NAMES, ArchRule, args_from_hf_config,
                                          rule_for_config)
 
 __all__ = ["MEGATRON_FORMATS", "HfView", "mapped_side", "plan_hf_view", "origin", "common_note",
@@ -131,7 +131,8 @@ _SETTINGS = (("hidden_size", "hidden_size"), ("num_layers", "num_hidden_layers")
              ("untie_embeddings_and_output_weights", "tie_word_embeddings"))
 # GPT-2 has one key/value head per query head of n_embd / n_head: both follow from n_head
 _NOT_IN_GPT2 = ("num_key_value_heads", "head_dim")
-_GPT2_FIELD = {new: old for old, new in _GPT2_NAMES.items()} | {"intermediate_size": "n_inner"}
+_GPT2_FIELD = ({new: old for old, new in GPT2_CONFIG_NAMES.items()}
+               | {"intermediate_size": "n_inner"})
 
 
 def _settings(args: dict[str, Any], rule: ArchRule) -> dict[str, Any]:

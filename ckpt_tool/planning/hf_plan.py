@@ -200,7 +200,8 @@ def plan_export(meta: CheckpointMeta, args: dict[str, Any], rule: ArchRule, *, v
                 raise UnsupportedError(
                     f"{rule.architecture} has no grouped-query attention; this checkpoint has "
                     f"{groups} query groups for {heads} heads", path=meta.root,
-                    hint="pass --hf-arch llama, mistral or qwen2")
+                    hint="pass --hf-arch llama, mistral or qwen2 if the other weights fit "
+                         "those architectures; otherwise use --to safetensors")
             t = int(m.transform == "qkv_cat_t")
             add(prefix + m.hf[0], src, "qkv_to_cat", tuple(reversed(shape)) if t else shape,
                 (("transpose", t),) + geo.params)

@@ -26,7 +26,8 @@ from typing import Any
 from ckpt_tool.planning.hf_extras import WINDOW_ARCHS, sliding_window_of, window_from_hf
 
 __all__ = ["ArchRule", "LayerMap", "ARCHS", "rule_for_config", "rule_named", "guess_arch",
-           "args_from_hf_config", "hf_config_from_args", "padded_vocab", "TE_NORMS"]
+           "args_from_hf_config", "hf_config_from_args", "padded_vocab", "TE_NORMS",
+           "GPT2_CONFIG_NAMES"]
 
 # Norm names: (local spec name, TE spec name), both below ``decoder.layers.{i}.``.
 TE_NORMS = {
@@ -233,14 +234,15 @@ def _rope_theta(config: dict[str, Any]) -> float:
     return float(theta or 10000.0)
 
 
-_GPT2_NAMES = {"n_embd": "hidden_size", "n_layer": "num_hidden_layers",
-               "n_head": "num_attention_heads", "n_positions": "max_position_embeddings",
-               "layer_norm_epsilon": "rms_norm_eps"}
+# GPT-2's config.json names -> the names the other architectures' configs use
+GPT2_CONFIG_NAMES = {"n_embd": "hidden_size", "n_layer": "num_hidden_layers",
+                     "n_head": "num_attention_heads", "n_positions": "max_position_embeddings",
+                     "layer_norm_epsilon": "rms_norm_eps"}
 
 
 def _gpt2_aliases(config: dict[str, Any]) -> dict[str, Any]:
     out = dict(config)
-    for old, new in _GPT2_NAMES.items():
+    for old, new in GPT2_CONFIG_NAMES.items():
         if old in config:
             out[new] = config[old]
     out["intermediate_size"] = config.get("n_inner") or 4 * int(out["hidden_size"])

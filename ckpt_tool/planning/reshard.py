@@ -22,11 +22,7 @@ from typing import Any, Mapping
 
 from ckpt_tool.errors import plural
 from ckpt_tool.model import CheckpointMeta, ChunkRef, ObjectMeta, TensorMeta, split_chained
-from ckpt_tool.planning.feasibility import (ERROR, NOTE, RESHARDABLE_OPTIMIZERS, WARNING,
-                                            OptimizerInfo,
-                                            Problem, check_layout,
-                                            model_sizes_from, optimizer_info_from,
-                                            source_layout_from, source_layout_origins,
+from ckpt_tool.planning.feasibility import (ERROR, NOTE, WARNING, Problem, check_layout,
                                             target_vocab_size, vocab_kept_unpadded)
 from ckpt_tool.planning.grid import infer_rule_from_grid
 from ckpt_tool.planning.layout import GLU, REPLICATED, VOCAB, Rule, RuleSet, example_rule, model_key
@@ -34,6 +30,9 @@ from ckpt_tool.planning.overlap import ChunkIndex, SourceRead, reads_for
 from ckpt_tool.planning.pieces import LocalTensor, Piece, effective_kind, rank_pieces
 from ckpt_tool.planning.rank_keys import EMBEDDING, OUTPUT, expert_of, local_key_of, stage_of
 from ckpt_tool.planning.sizes import LayerMap, Layout, ModelSizes, rank_dir_name
+from ckpt_tool.planning.source_layout import source_layout_from, source_layout_origins
+from ckpt_tool.planning.source_model import (RESHARDABLE_OPTIMIZERS, OptimizerInfo,
+                                             model_sizes_from, optimizer_info_from)
 
 __all__ = ["ReshardOptions", "PiecePlan", "TensorPlan", "RankPlan", "ReshardPlan",
            "plan_reshard", "target_file"]

@@ -135,7 +135,8 @@ def test_gpt2_export_of_grouped_query_attention_is_refused(tmp_path):
     lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1, result.stderr
     assert "GPT2LMHeadModel has no grouped-query attention; this checkpoint has 2 query " \
-           "groups for 4 heads (pass --hf-arch llama, mistral or qwen2)" in lines[0]
+           "groups for 4 heads (pass --hf-arch llama, mistral or qwen2 if the other weights " \
+           "fit those architectures; otherwise use --to safetensors)" in lines[0]
     assert list(tmp_path.iterdir()) == []  # nothing written, no staging left
 
 

@@ -3,6 +3,7 @@ logits, the Megatron-Core worker's job specs and the torchrun calls that run the
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -42,6 +43,17 @@ def hf_logits(path: Path) -> torch.Tensor:
         return model(torch.tensor(TOKENS)).logits
 
 
+def assert_export_logits(tmp: Path, job: str, arch: str, *opts: str, name: str = "hf") -> None:
+    """``convert tmp/<job> tmp/<job>_<name> --to hf OPTS`` writes an ``arch`` model whose
+    transformers logits are the Megatron-Core worker's (``tmp/<job>.pt``)."""
+    out = tmp / f"{job}_{name}"
+    ckpt("convert", tmp / job, out, "--to", "hf", *opts)
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == [arch]
+    torch.testing.assert_close(hf_logits(out), torch.load(tmp / f"{job}.pt"), rtol=1e-4,
+                               atol=1e-5)
+
+
 def tensors(path: Path) -> dict[str, torch.Tensor]:
     with open_checkpoint(path) as r:
         return {k: r.read(k) for k in r.metadata().tensors}
@@ -56,6 +68,37 @@ def randomise(model) -> None:
                 p.copy_(1 + 0.2 * torch.randn_like(p))
             elif name.endswith(".bias") or "gate.weight" in name:
                 p.normal_(0, 0.5)
+
+
+def saved_models(tmp: Path, make_models, seed: int) -> dict[str, Path]:
+    """``make_models()``'s HF models, built after ``torch.manual_seed(seed)``, randomised and
+    saved as ``tmp/<name>``; returns those directories by name."""
+    torch.manual_seed(seed)
+    srcs = {}
+    for name, model in make_models().items():
+        randomise(model)
+        srcs[name] = tmp / name
+        model.save_pretrained(srcs[name])
+    return srcs
+
+
+def import_job(tmp: Path, job: str, **kw) -> dict:
+    """The worker's ``load`` job (logits into ``tmp/<job>.pt``) for the conversion written to
+    ``tmp/<job>``, at the layout its ``args`` give; ``kw`` overrides fields."""
+    out = tmp / job
+    args = open_checkpoint(out).common()["args"]
+    if isinstance(args, dict):  # the legacy reader gives the fields as a dict
+        args = argparse.Namespace(**args)
+    return job_from_args(args, out, name=job, out=str(tmp / f"{job}.pt"),
+                         tp=args.tensor_model_parallel_size,
+                         pp=args.pipeline_model_parallel_size, **kw)
+
+
+def save_jobs(tmp: Path, exports) -> list[dict]:
+    """The worker's ``save`` jobs of ``(job, tp, pp, HF class, fields)`` rows: checkpoints the
+    real Megatron-Core saves as ``tmp/<job>``, their logits in ``tmp/<job>.pt``."""
+    return [dict(SAVE_BASE, name=job, ckpt=str(tmp / job), out=str(tmp / f"{job}.pt"),
+                 tp=tp, pp=pp, **model) for job, tp, pp, _, model in exports]
 
 
 def job_from_args(args, ckpt_dir: Path, **kw) -> dict:

@@ -23,8 +23,8 @@ import json
 import pytest
 import torch
 
-from _hf_jobs import (COMMON, SAVE_BASE, ckpt, hf_logits, job_from_args, randomise, run_jobs,
-                      tensors)
+from _hf_jobs import (COMMON, assert_export_logits, ckpt, hf_logits, import_job, randomise,
+                      run_jobs, save_jobs, saved_models, tensors)
 from ckpt_tool.formats.base import open_checkpoint
 
 transformers = pytest.importorskip("transformers")
@@ -78,24 +78,12 @@ EXPORTS = [("mixtral_save_tp2", 2, 1, "MixtralForCausalLM",
 def runs(tmp_path_factory):
     """Convert every HF model, then run every Megatron-Core job (load or save, logits)."""
     tmp = tmp_path_factory.mktemp("hf_logits")
-    torch.manual_seed(14)
-    srcs = {}
-    for name, model in _hf_models().items():
-        randomise(model)
-        srcs[name] = tmp / name
-        model.save_pretrained(srcs[name])
+    srcs = saved_models(tmp, _hf_models, seed=14)
     jobs = []
     for job, model, opts in IMPORTS:
-        out = tmp / job
-        ckpt("convert", srcs[model], out, "--to", "torch_dist", *opts)
-        args = open_checkpoint(out).common()["args"]
-        jobs.append(job_from_args(args, out, name=job, out=str(tmp / f"{job}.pt"),
-                                  tp=args.tensor_model_parallel_size,
-                                  pp=args.pipeline_model_parallel_size))
-    for job, tp, pp, _, model in EXPORTS:
-        jobs.append(dict(SAVE_BASE, name=job, ckpt=str(tmp / job), out=str(tmp / f"{job}.pt"),
-                         tp=tp, pp=pp, **model))
-    run_jobs(tmp, jobs)
+        ckpt("convert", srcs[model], tmp / job, "--to", "torch_dist", *opts)
+        jobs.append(import_job(tmp, job))
+    run_jobs(tmp, jobs + save_jobs(tmp, EXPORTS))
     return tmp, srcs
 
 
@@ -109,17 +97,10 @@ def test_hf_to_torch_dist_gives_transformers_logits(runs, job, model, opts):
 @pytest.mark.parametrize("job,tp,pp,arch,model", EXPORTS, ids=[j[0] for j in EXPORTS])
 def test_megatron_save_to_hf_gives_megatron_logits(runs, job, tp, pp, arch, model):
     tmp, _ = runs
-    want = torch.load(tmp / f"{job}.pt")
-    ckpt("convert", tmp / job, tmp / f"{job}_hf", "--to", "hf")
-    config = json.loads((tmp / f"{job}_hf" / "config.json").read_text())
-    assert config["architectures"] == [arch]  # guessed from the args
-    torch.testing.assert_close(hf_logits(tmp / f"{job}_hf"), want, rtol=1e-4, atol=1e-5)
+    assert_export_logits(tmp, job, arch)  # the architecture guessed from the args
     if arch == "LlamaForCausalLM" and tp * pp == 4:  # the same weights as a Mistral
-        ckpt("convert", tmp / job, tmp / f"{job}_mistral", "--to", "hf", "--hf-arch", "mistral")
-        config = json.loads((tmp / f"{job}_mistral" / "config.json").read_text())
-        assert config["architectures"] == ["MistralForCausalLM"]
-        torch.testing.assert_close(hf_logits(tmp / f"{job}_mistral"), want, rtol=1e-4,
-                                   atol=1e-5)
+        assert_export_logits(tmp, job, "MistralForCausalLM", "--hf-arch", "mistral",
+                             name="mistral")
 
 
 def test_bf16_transformers_moe_round_trip_keeps_dtype_bit_exact(tmp_path):

@@ -235,7 +235,8 @@ def test_gpt2_export_refuses_grouped_query_attention():
         plan_export(gpt2_meta(2), gpt2_args(2), rule, vocab=100)
     assert info.value.one_line() == (
         "/ckpt: GPT2LMHeadModel has no grouped-query attention; this checkpoint has 2 query "
-        "groups for 4 heads (pass --hf-arch llama, mistral or qwen2)")
+        "groups for 4 heads (pass --hf-arch llama, mistral or qwen2 if the other weights fit "
+        "those architectures; otherwise use --to safetensors)")
     # group_query_attention off: Megatron-LM ignores num_query_groups, one group per head
     assert plan_export(gpt2_meta(4), {**gpt2_args(4), "num_query_groups": 2}, rule, vocab=100)
 

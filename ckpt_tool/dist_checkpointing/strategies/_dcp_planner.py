@@ -34,7 +34,23 @@ from torch.distributed.checkpoint.planner import (
 from ckpt_tool.formats.dcp_streaming import McoreFileSystemWriter
 
 from ..core import CheckpointingException
+from ..dict_utils import nested_values
+from ..mapping import ShardedObject, ShardedStateDict, ShardedTensor, is_main_replica
 from .cached_metadata_filesystem_reader import CachedMetadataFileSystemReader
+
+
+def check_not_flattened(sh_ten: ShardedTensor) -> None:
+    """Raise if ``sh_ten`` is a flattened shard: ``torch_dist`` saves and loads whole chunks."""
+    if getattr(sh_ten, "flattened_range", None) is not None:
+        raise CheckpointingException(
+            f"ShardedTensor.flattened_range is not supported (key {sh_ten.key})")
+
+
+def _chunk_view(sh_ten: ShardedTensor, tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` with the ShardedTensor's prepended axes as leading size-1 dims (a view)."""
+    for _ in range(sh_ten.prepend_axis_num):
+        tensor = tensor.unsqueeze(0)
+    return tensor
 
 
 class WriteTable:
@@ -43,6 +59,30 @@ class WriteTable:
     def __init__(self) -> None:
         self.chunks: Dict[Tuple[str, Tuple[int, ...]], Tuple[torch.Tensor, Tuple[int, ...]]] = {}
         self.objects: Dict[str, io.BytesIO] = {}
+
+    @classmethod
+    def of(cls, sharded_state_dict: ShardedStateDict,
+           keep_only_main_replica: bool = True) -> "WriteTable":
+        """What this rank writes of ``sharded_state_dict``: its (main-replica) ShardedTensors
+        as chunks, its ShardedObjects as lists of values by unique key."""
+        table = cls()
+        objects: Dict[str, List[Any]] = {}
+        for sh in nested_values(sharded_state_dict):
+            if keep_only_main_replica and not is_main_replica(sh.replica_id):
+                continue
+            if isinstance(sh, ShardedObject):
+                objects.setdefault(sh.unique_key, []).append(sh.data)
+            elif isinstance(sh, ShardedTensor):
+                check_not_flattened(sh)
+                if sh.data is None:
+                    raise CheckpointingException(f"`data` attr is None for {sh}")
+                data = _chunk_view(sh, sh.data.detach()).contiguous()
+                table.add_chunk(sh.key, sh.global_offset, data, sh.global_shape)
+            else:
+                raise CheckpointingException(f"Cannot save {type(sh).__name__} {sh}")
+        for key, values in objects.items():
+            table.add_objects(key, values)
+        return table
 
     def add_chunk(self, key: str, offsets: Sequence[int], data: torch.Tensor,
                   global_shape: Sequence[int]) -> None:

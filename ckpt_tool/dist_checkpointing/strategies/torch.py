@@ -21,7 +21,7 @@ import os
 import pickle
 import warnings
 from pathlib import Path
-from typing import Any, Dict, List, Union
+from typing import List, Union
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -40,7 +40,7 @@ from .._mcore_names import (  # noqa: F401 (re-exported as in MCore)
 )
 from ..core import CheckpointingException
 from ..dict_utils import dict_list_map_outplace, nested_values
-from ..mapping import (
+from ..mapping import (  # noqa: F401 (is_main_replica: importable from here as in MCore)
     ShardedBase,
     ShardedObject,
     ShardedStateDict,
@@ -48,7 +48,7 @@ from ..mapping import (
     StateDict,
     is_main_replica,
 )
-from ._dcp_planner import TableSavePlanner, WriteTable
+from ._dcp_planner import TableSavePlanner, WriteTable, check_not_flattened
 from ._load_requests import CheckpointReadError, LoadRequests
 from ._mcore_planners import MCoreLoadPlanner, MCoreSavePlanner
 from ._pyt_state_dict import (  # the private ones: MCore's names, for code that imports them
@@ -105,19 +105,6 @@ def _dist_ready() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
-def _chunk_view(sh_ten: ShardedTensor, tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` with the ShardedTensor's prepended axes as leading size-1 dims (a view)."""
-    for _ in range(sh_ten.prepend_axis_num):
-        tensor = tensor.unsqueeze(0)
-    return tensor
-
-
-def _check_not_flattened(sh_ten: ShardedTensor) -> None:
-    if getattr(sh_ten, "flattened_range", None) is not None:
-        raise CheckpointingException(
-            f"ShardedTensor.flattened_range is not supported (key {sh_ten.key})")
-
-
 class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
     """Saves ShardedTensors and ShardedObjects in PyTorch DCP format (``torch_dist``).
 
@@ -157,26 +144,6 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         self.validated_loaded_metadata_reuse = False
         self._plan_metadata = None  # the coordinator's metadata of the cached plan
 
-    def _write_table(self, sharded_state_dict: ShardedStateDict) -> WriteTable:
-        table = WriteTable()
-        objects: Dict[str, List[Any]] = {}
-        for sh in nested_values(sharded_state_dict):
-            if self.keep_only_main_replica and not is_main_replica(sh.replica_id):
-                continue
-            if isinstance(sh, ShardedObject):
-                objects.setdefault(sh.unique_key, []).append(sh.data)
-            elif isinstance(sh, ShardedTensor):
-                _check_not_flattened(sh)
-                if sh.data is None:
-                    raise CheckpointingException(f"`data` attr is None for {sh}")
-                data = _chunk_view(sh, sh.data.detach()).contiguous()
-                table.add_chunk(sh.key, sh.global_offset, data, sh.global_shape)
-            else:
-                raise CheckpointingException(f"Cannot save {type(sh).__name__} {sh}")
-        for key, values in objects.items():
-            table.add_objects(key, values)
-        return table
-
     def save(self, sharded_state_dict: ShardedStateDict,
              checkpoint_dir: Union[str, Path]) -> None:
         """Synchronous save: :meth:`async_save`'s request run in this process, as
@@ -200,7 +167,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         every rank if any rank failed. Live tensors may change as soon as this returns.
         With ``cached_metadata`` a save of an unchanged structure reuses the previous plan.
         """
-        table = self._write_table(sharded_state_dict)
+        table = WriteTable.of(sharded_state_dict, self.keep_only_main_replica)
         writer = FileSystemWriterAsync(str(checkpoint_dir), thread_count=self.thread_count,
                                        overwrite=True, separation_hint=self.separation_hint)
         writer.stage_host_tensors = self.stage_host_tensors
@@ -284,7 +251,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                 continue
             if not isinstance(sh, ShardedTensor):
                 raise CheckpointingException(f"Cannot load {type(sh).__name__} {sh}")
-            _check_not_flattened(sh)
+            check_not_flattened(sh)
             if sh.data is None:
                 sh.init_data("cpu", init_fn=torch.zeros if sh.allow_shape_mismatch
                              else torch.empty)
