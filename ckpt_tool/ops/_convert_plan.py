@@ -8,7 +8,10 @@ state) and ``--dtype`` (floating tensors only) and picks the target chunk grid:
   plain tiling of the tensor (replicas counted once), so each output chunk is one source chunk
   read once; otherwise (flattened optimizer state, unchunked sources) one chunk per tensor;
 * any chunk larger than ``max_memory`` is split along its first axis;
-* single-file targets get one chunk per tensor (their writers stream slabs themselves).
+* safetensors keeps that grid too, though each tensor is stored whole: its writer pulls pieces
+  no bigger than the largest of them, so memory follows the stored chunks, not the tensor
+  (a stacked ``decoder.layers.*`` tensor grows with the layers; each layer's chunk does not);
+* other single-file targets get one chunk per tensor (their writers stream slabs themselves).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ DTYPE_ALIASES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16",
                  "float32": "float32", "float": "float32"}
 _FLOATS = {"float64", "float32", "float16", "bfloat16"}
 _CHUNKED_TARGETS = {"torch_dist", "dcp", "zarr"}
+_GRID_TARGETS = _CHUNKED_TARGETS | {"safetensors"}  # keep the source's grid (see above)
 _OPTIMIZER_COMMON = ("optimizer", "opt_param_scheduler", "optim")
 
 
@@ -163,7 +167,7 @@ def _target_chunks(t: TensorMeta, to: str, dtype: str, max_memory: int | None
                    ) -> tuple[ChunkRef, ...]:
     whole = (ChunkRef(offsets=(0,) * len(t.shape), sizes=tuple(t.shape)),)
     grid = whole
-    if to in _CHUNKED_TARGETS and _is_plain_tiling(t):
+    if to in _GRID_TARGETS and _is_plain_tiling(t):
         seen = set()
         grid = tuple(ChunkRef(offsets=c.offsets, sizes=c.sizes) for c in t.chunks
                      if not (c.offsets in seen or seen.add(c.offsets)))

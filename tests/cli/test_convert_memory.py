@@ -15,12 +15,8 @@ bytearray copy) and the export copied a whole stacked item to align it (2.3-2.6x
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 import pytest
@@ -28,38 +24,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _hf_dirs import llama_dir  # noqa: E402
+from _peak_memory import ckpt_peak  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
 LARGEST = 64 << 20
 BIG = dict(hidden=1024, inter=1024, layers=4, heads=8, kv=2, vocab=16384, shards=3)
 TINY = dict(hidden=64, inter=128, layers=2, heads=8, kv=2, vocab=1024, shards=1)
 
 
-def _anon_kib(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("RssAnon:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
-
-
 def _peak_anon(*args) -> int:
     """``python -m ckpt_tool ARGS`` in a child; its peak RssAnon in bytes (sampled)."""
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    with tempfile.TemporaryFile() as err:
-        proc = subprocess.Popen([sys.executable, "-m", "ckpt_tool", *map(str, args)],
-                                cwd=REPO, env=env, stdin=subprocess.DEVNULL,
-                                stdout=subprocess.DEVNULL, stderr=err)
-        peak = 0
-        while proc.poll() is None:
-            peak = max(peak, _anon_kib(proc.pid))
-            time.sleep(0.002)
-        err.seek(0)
-        assert proc.returncode == 0, err.read().decode(errors="replace")[-3000:]
-    return peak << 10
+    return ckpt_peak(*args).anon
 
 
 def _as_mcore_saves(ours: Path, out: Path) -> None:

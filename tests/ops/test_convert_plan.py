@@ -34,9 +34,18 @@ def test_dist_target_keeps_the_source_chunk_grid(bf16_optim):
 
 
 def test_single_file_targets_get_one_chunk(bf16_optim):
-    plan = plan_convert(bf16_optim, ConvertOptions(to="safetensors"))
+    plan = plan_convert(bf16_optim, ConvertOptions(to="torch"))
     assert all(len(t.chunks) == 1 and t.chunks[0].sizes == t.shape
                for t in plan.target.tensors.values())
+
+
+def test_safetensors_keeps_the_grid_as_the_pieces_to_pull(bf16_optim):
+    """Its writer pulls pieces no bigger than the largest stored chunk (bounded memory)."""
+    plan = plan_convert(bf16_optim, ConvertOptions(to="safetensors"))
+    ref = plan_convert(bf16_optim, ConvertOptions(to="torch_dist"))
+    for key, t in plan.target.tensors.items():
+        assert t.chunks == ref.target.tensors[key].chunks
+    assert any(len(t.chunks) > 1 for t in plan.target.tensors.values())
 
 
 def test_flattened_optimizer_state_becomes_whole_model_space_tensors(flattened):

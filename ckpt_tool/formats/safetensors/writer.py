@@ -15,7 +15,10 @@ JSON header (``__metadata__`` first, then tensors in data order) padded with spa
 multiple of 8, raw C-order little-endian data. Inside a file tensors are ordered by item size,
 largest first (stable), so every tensor starts aligned to its item size. The header is known
 from the metadata alone, so it is written first and the data streamed after it, slab by slab
-(:func:`slab_pieces`): peak memory is one slab (``max_memory``, default 256 MiB).
+(:func:`slab_pieces`): peak memory is one slab (``max_memory``, default 256 MiB), or less when
+the tensor's metadata lists the chunks its source stores (``convert`` keeps a plain tiling):
+then slabs are no bigger than the largest of those (16 MiB at least), so a stacked tensor held
+one layer per chunk is never gathered into slabs many layers big.
 
 ``__metadata__`` holds ``{"format": "pt"}``, the source description and the top-level scalar
 common values (``iteration``, ``checkpoint_version``, ...) as strings. Everything else
@@ -50,6 +53,8 @@ __all__ = ["scalar_common", "SAFETENSORS_CODES", "plan_shards", "SafetensorsWrit
 
 #: the optimizer state goes beside the model's weights, in ``optimizer*.safetensors``
 OPTIMIZER_STEM = "optimizer"
+
+_MIN_PIECE = 16 << 20  # smaller pieces only cost calls
 
 #: torch dtype name -> safetensors dtype code, for the dtypes safetensors.torch can load.
 SAFETENSORS_CODES: dict[str, str] = {
@@ -152,7 +157,7 @@ class SafetensorsWriter(Writer):
                     fd, placed = self._start_file(self.directory / name, shard, metadata)
                     fds.append(fd)
                     tasks += [(fd, at, t, piece) for at, t in placed
-                              for at, piece in _slabs(at, t, budget)]
+                              for at, piece in _slabs(at, t, _piece_budget(t, budget))]
                 if threads > 1:  # biggest first: the threads end together
                     tasks.sort(key=lambda task: -math.prod(task[3][1])
                                * dtype_itemsize(task[2].dtype))
@@ -232,6 +237,15 @@ class SafetensorsWriter(Writer):
         _pwrite_all(fd, view, at)
         del data
         progress(view.nbytes)
+
+
+def _piece_budget(t: TensorMeta, budget: int) -> int:
+    """The most bytes of ``t`` pulled at once: ``budget``, or the largest of the chunks its
+    metadata lists when there are several (at least ``_MIN_PIECE``; see the module doc)."""
+    if len(t.chunks) <= 1:
+        return budget
+    largest = max(c.numel for c in t.chunks) * dtype_itemsize(t.dtype)
+    return min(budget, max(largest, _MIN_PIECE))
 
 
 def _slabs(at: int, t: TensorMeta, budget: int) -> list[tuple[int, tuple]]:
