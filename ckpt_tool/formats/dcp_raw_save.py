@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ckpt_tool.errors import CorruptCheckpointError
-from ckpt_tool.digests import FollowingDigest
+from ckpt_tool.digests import digested_file
 from ckpt_tool.formats.dcp_raw_metadata import (
     PlannedItem,
     assign_files,
@@ -37,7 +37,6 @@ from ckpt_tool.model import dtype_itemsize
 __all__ = ["raw_save_applies", "raw_dcp_save", "chunk_buffer", "file_count", "is_main_rank",
            "stored_shape_note"]
 
-_SLICE = 32 << 20
 METADATA_FILE = ".metadata"
 
 
@@ -76,41 +75,19 @@ def _write_file(path: Path, items: Sequence[PlannedItem], tensor: Callable[[Plan
                 sync: bool, digest: str | None) -> list[tuple[int, int]]:
     """Write ``items`` into the new file ``path``; ``(offset, length)`` of each."""
     out = []
-    with open(path, "wb") as f:
-        follower = FollowingDigest(path, digest) if digest else None
-
-        def write(buf: Any) -> None:  # big buffers in slices: the digest follows each
-            view = memoryview(buf)
-            if follower is None or view.nbytes <= _SLICE:
-                f.write(view)
-                return
-            for start in range(0, view.nbytes, _SLICE):
-                f.write(view[start:start + _SLICE])
-                follower.advance(os.lseek(f.fileno(), 0, os.SEEK_CUR))
-
-        try:
-            for item in items:
-                offset = f.tell()
-                if item.is_bytes:
-                    length = f.write(payload(item.fqn))
-                else:
-                    data = chunk_buffer(item, tensor(item))
-                    archive = TensorArchive(item.dtype, item.sizes, data.nbytes)
-                    length = archive.write(write, data)
-                    del data  # on disk: let it go before resolving the next item
-                    on_written(item.nbytes)
-                out.append((offset, length))
-                if follower is not None:  # what has reached the OS so far
-                    follower.advance(os.lseek(f.fileno(), 0, os.SEEK_CUR))
-            f.flush()
-            if sync:
-                os.fsync(f.fileno())
-        except BaseException:
-            if follower is not None:
-                follower.abandon()
-            raise
-    if follower is not None:
-        follower.finish(os.path.getsize(path))
+    with digested_file(path, digest, sync=sync) as f:
+        for item in items:
+            offset = f.file.tell()
+            if item.is_bytes:
+                length = f.file.write(payload(item.fqn))
+            else:
+                data = chunk_buffer(item, tensor(item))
+                archive = TensorArchive(item.dtype, item.sizes, data.nbytes)
+                length = archive.write(f.write, data)
+                del data  # on disk: let it go before resolving the next item
+                on_written(item.nbytes)
+            out.append((offset, length))
+            f.advanced()  # what has reached the OS so far
     return out
 
 
