@@ -1,8 +1,11 @@
-"""A single-process DCP save without torch: the ``.distcp`` files and ``.metadata`` written by us.
+"""A DCP save without DCP: the ``.distcp`` files and ``.metadata`` written by us.
 
-What ``torch.distributed.checkpoint.save`` does for one process with the streaming writers of
-:mod:`ckpt_tool.formats.dcp_streaming`, step by step, but without importing torch or DCP
-(seconds of CPU, most of a small conversion): the plan and the ``Metadata`` come from
+What ``torch.distributed.checkpoint.save`` does with the streaming writers of
+:mod:`ckpt_tool.formats.dcp_streaming`, in one process or on every rank of a torchrun job
+(each rank's local plan as the DCP path splits the items, its own ``__{rank}_{i}.distcp``
+files; rank 0 gathers what every rank wrote and writes ``.metadata``), step by step, but
+without DCP's per-item protocol nor, in one process, importing torch (seconds of CPU, most
+of a small conversion): the plan and the ``Metadata`` come from
 :mod:`ckpt_tool.formats.dcp_raw_metadata`, each tensor item is the ``torch.save`` archive of
 its chunk (:class:`ckpt_tool.formats.torch_zip_write.TensorArchive`), each bytes item its
 payload as given, every file fsynced, its digest computed while it is written

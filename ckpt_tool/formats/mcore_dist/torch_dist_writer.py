@@ -1,10 +1,14 @@
 """Streaming writer of Megatron-Core ``torch_dist`` checkpoints.
 
-When one process writes, every chunk suits our ``torch.save`` archive writer and the common
-state and objects can be copied as the source stores them (``WriteRequest.common_file`` /
-``raw_object``: a torch_dist source converted as is), nothing imports torch: the files and
-``.metadata`` come from :mod:`ckpt_tool.formats.dcp_raw_save` (the same bytes, an equal
-``Metadata``). Otherwise:
+When every chunk suits our ``torch.save`` archive writer (a dtype with a plain storage class,
+under 4 GiB), the files and ``.metadata`` come from :mod:`ckpt_tool.formats.dcp_raw_save`
+(the same bytes and an equal ``Metadata`` as DCP's save, without its protocol): in one
+process and on every rank of a torchrun job (each rank its ``__{rank}_{i}.distcp``, rank 0
+the ``.metadata``), for ``convert`` and ``reshard`` alike. ``common.pt`` is the source's file
+copied when the request passes one (``WriteRequest.common_file``: a torch_dist source
+converted as is; nothing then imports torch when the objects' stored bytes items can be
+copied too), else ``torch.save`` of the common state (``reshard``: its args change).
+Otherwise (another dtype, or ``extra["raw_save"]`` False):
 
 ``torch.distributed.checkpoint.save`` runs in this one process (no process group) with the
 planner and file writer of :mod:`ckpt_tool.formats.dcp_streaming`: every target chunk becomes
@@ -19,7 +23,7 @@ Megatron-Core cannot parse as a ShardedObject's (``<key>/shard_<offset>_<shape>`
 source's bytes items or a legacy file's ``rng_state/mp_rank_00_000``) go into ``common.pt``
 under their key instead (a note says so).
 
-Options (``WriterOptions.extra``): ``files`` (number of data files; default
+Options (``WriterOptions.extra``): ``raw_save`` (False: always DCP's save), ``files`` (number of data files; default
 ``max(2, total bytes / max_shard_size, threads)``), ``threads`` (files written at once; default 1;
 more than 1 calls ``source.read``/``objects`` from several threads, which they must allow).
 ``max_memory`` is met by the target chunk grid (the planner cuts chunks to it).
