@@ -11,16 +11,18 @@ Nothing here imports torch.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import threading
-from typing import Any
+from typing import Any, Iterator
 
 from ckpt_tool._crc import crc32
 
-__all__ = ["FollowingDigest", "note", "noted", "take", "give"]
+__all__ = ["FollowingDigest", "DigestedFile", "digested_file", "note", "noted", "take", "give"]
 
 _BLOCK = 8 << 20
+_SLICE = 32 << 20  # big buffers are written in slices: the digest follows each
 _LOCK = threading.Lock()
 # absolute path -> (algorithm, size, mtime_ns, hex digest)
 _NOTED: dict[str, tuple[str, int, int, str]] = {}
@@ -96,6 +98,52 @@ class FollowingDigest:
             self._cond.notify()
         self._thread.join()
         os.close(self._fd)
+
+
+class DigestedFile:
+    """The file :func:`digested_file` opened: ``file`` (the binary stream), :meth:`write`
+    (big buffers in slices the digest follows) and :meth:`advanced` (tell the digest what
+    has reached the OS)."""
+
+    def __init__(self, file: Any, follower: FollowingDigest | None):
+        self.file = file
+        self.follower = follower
+
+    def write(self, buf: Any) -> int:
+        """Write ``buf`` (any buffer); returns its length."""
+        view = memoryview(buf)
+        if self.follower is None or view.nbytes <= _SLICE:
+            return self.file.write(view)
+        for start in range(0, view.nbytes, _SLICE):
+            self.file.write(view[start:start + _SLICE])
+            self.advanced()
+        return view.nbytes
+
+    def advanced(self) -> None:
+        """What the file holds so far (its OS position) may be hashed."""
+        if self.follower is not None:
+            self.follower.advance(os.lseek(self.file.fileno(), 0, os.SEEK_CUR))
+
+
+@contextlib.contextmanager
+def digested_file(path: str | os.PathLike, algorithm: str | None, *,
+                  sync: bool = True) -> Iterator[DigestedFile]:
+    """A new file ``path`` written in the ``with`` block: flushed and (``sync``) fsynced at
+    its end, its ``algorithm`` digest (None: none) computed by a :class:`FollowingDigest`
+    while it is written and noted once it is complete; on an error the digest is abandoned."""
+    with open(path, "wb") as f:
+        follower = FollowingDigest(path, algorithm) if algorithm else None
+        try:
+            yield DigestedFile(f, follower)
+            f.flush()
+            if sync:
+                os.fsync(f.fileno())
+        except BaseException:
+            if follower is not None:
+                follower.abandon()
+            raise
+    if follower is not None:
+        follower.finish(os.path.getsize(path))
 
 
 def note(path: str | os.PathLike, algorithm: str, size: int, digest: str) -> None:

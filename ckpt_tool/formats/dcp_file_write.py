@@ -10,17 +10,14 @@ data is held at a time; the file is fsynced before the results are returned.
 
 from __future__ import annotations
 
-import os
 from typing import Any, Callable, Sequence
 
 from ckpt_tool._program import interrupts_deferred
-from ckpt_tool.digests import FollowingDigest
+from ckpt_tool.digests import DigestedFile, digested_file
 from ckpt_tool.formats.torch_zip_write import TensorArchive, supported
 from ckpt_tool.formats.write_guard import GuardedStream
 
 __all__ = ["write_dcp_file", "raw_buffer"]
-
-_SLICE = 32 << 20
 
 
 def raw_buffer(data: Any) -> memoryview:
@@ -69,26 +66,14 @@ def write_dcp_file(path: str, storage_key: str, items: Sequence[Any],
     tensor. ``digest``: ``"sha256"``/``"crc32"`` of the file for the integrity manifest,
     computed on a thread that follows the writer (``ckpt_tool.digests``). Returns DCP's
     ``WriteResult`` per item."""
-    with open(path, "wb") as f:
-        follower = FollowingDigest(path, digest) if digest else None
-        try:
-            results = _write_items(f, path, storage_key, items, resolve, transforms,
-                                   serialization_format, on_written, follower)
-            f.flush()
-            if sync:
-                os.fsync(f.fileno())
-        except BaseException:
-            if follower is not None:
-                follower.abandon()
-            raise
-    if follower is not None:
-        follower.finish(os.path.getsize(path))
-    return results
+    with digested_file(path, digest, sync=sync) as out:
+        return _write_items(out, path, storage_key, items, resolve, transforms,
+                            serialization_format, on_written)
 
 
-def _write_items(f: Any, path: str, storage_key: str, items: Sequence[Any],
+def _write_items(out: DigestedFile, path: str, storage_key: str, items: Sequence[Any],
                  resolve: Callable[[Any], Any], transforms: Any, serialization_format: Any,
-                 on_written: Callable[[Any, int], None], follower: Any) -> list:
+                 on_written: Callable[[Any, int], None]) -> list:
     from torch.distributed.checkpoint.planner import WriteItemType
     from torch.distributed.checkpoint.storage import WriteResult
 
@@ -96,16 +81,7 @@ def _write_items(f: Any, path: str, storage_key: str, items: Sequence[Any],
     ordered = ([i for i in items if i.type == WriteItemType.BYTE_IO]
                + [i for i in items if i.type != WriteItemType.BYTE_IO])
     results = []
-
-    def write(buf: Any) -> None:  # big buffers in slices: the digest follows each
-        view = memoryview(buf)
-        if follower is None or view.nbytes <= _SLICE:
-            f.write(view)
-            return
-        for start in range(0, view.nbytes, _SLICE):
-            f.write(view[start:start + _SLICE])
-            follower.advance(os.lseek(f.fileno(), 0, os.SEEK_CUR))
-
+    f = out.file
     for item in ordered:
         data = resolve(item)
         offset = f.tell()
@@ -116,7 +92,7 @@ def _write_items(f: Any, path: str, storage_key: str, items: Sequence[Any],
         elif item.type != WriteItemType.BYTE_IO and plain and _raw_ok(item, data):
             chunk = item.tensor_data.chunk
             archive = TensorArchive(_dtype_name(item), tuple(chunk.sizes), _nbytes(data))
-            length = archive.write(write, raw_buffer(data))
+            length = archive.write(out.write, raw_buffer(data))
             result = WriteResult(index=item.index, size_in_bytes=length,
                                  storage_data=_storage_info(storage_key, offset, length))
         else:
@@ -127,8 +103,7 @@ def _write_items(f: Any, path: str, storage_key: str, items: Sequence[Any],
         del data  # on disk: let it go before resolving the next item
         if item.type != WriteItemType.BYTE_IO:
             on_written(item, nbytes)
-        if follower is not None:  # what has reached the OS so far
-            follower.advance(os.lseek(f.fileno(), 0, os.SEEK_CUR))
+        out.advanced()  # what has reached the OS so far
     return results
 
 

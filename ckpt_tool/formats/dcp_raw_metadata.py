@@ -27,8 +27,8 @@ from ckpt_tool.errors import UsageError
 from ckpt_tool.formats.pickle_refs import Call, dumps, instance, ref
 from ckpt_tool.model import TensorMeta, dtype_itemsize
 
-__all__ = ["PlannedItem", "check_grid", "planned_items", "assign_files", "metadata_pickle",
-           "DCP_VERSION"]
+__all__ = ["PlannedItem", "check_grid", "planned_items", "rank_plans", "assign_files",
+           "metadata_pickle", "DCP_VERSION"]
 
 #: ``torch.distributed.checkpoint.metadata`` ``CURRENT_DCP_VERSION`` (torch >= 2.4)
 DCP_VERSION = "1.0.0"
@@ -97,6 +97,26 @@ def planned_items(tensors: Sequence[TensorMeta], object_keys: Sequence[str]) -> 
         items += [PlannedItem(t.key, tuple(int(v) for v in o), tuple(int(v) for v in s),
                               t.dtype, tuple(int(v) for v in t.shape)) for o, s in chunks]
     return items + [PlannedItem(k) for k in object_keys]
+
+
+def rank_plans(items: Sequence[PlannedItem], world: int,
+               file_of: Callable[[PlannedItem], str | None] | None = None
+               ) -> list[list[PlannedItem]]:
+    """Each of ``world`` saving ranks' items (its local plan), as the streaming DCP path
+    splits them (``dcp_streaming.run_dcp_save``): items bound for one named file stay
+    together (two ranks never write one file), the groups balanced by bytes
+    (``parallel.split_by_bytes``; a bytes item counts 1), a rank's items grouped in the
+    order their groups first appear in ``items``."""
+    from ckpt_tool.parallel import split_by_bytes
+
+    if world <= 1:
+        return [list(items)]
+    groups: dict[Any, list[PlannedItem]] = {}
+    for n, item in enumerate(items):
+        groups.setdefault((file_of(item) if file_of else None) or n, []).append(item)
+    shares = split_by_bytes([(g, sum(max(1, i.nbytes) for i in groups[g])) for g in groups],
+                            world)
+    return [[i for g in share for i in groups[g]] for share in shares]
 
 
 def assign_files(items: Sequence[PlannedItem], files: int, prefix: str = "__0_",
@@ -175,9 +195,12 @@ class _Builder:
 def metadata_pickle(items: Sequence[PlannedItem],
                     written: Sequence[tuple[PlannedItem, str, int, int]], *,
                     checkpoint_id: str, save_id: str, planner_data: Any = None,
-                    keep_local_plans: bool = True) -> bytes:
-    """The ``.metadata`` bytes for ``items`` (in plan order), stored as ``written``:
-    ``(item, file, offset, length)`` in the order the files were written."""
+                    keep_local_plans: bool = True,
+                    plans: Sequence[Sequence[PlannedItem]] | None = None) -> bytes:
+    """The ``.metadata`` bytes for ``items`` (in global plan order: every rank's local plan
+    in rank order), stored as ``written``: ``(item, file, offset, length)`` in the order
+    the ranks and their files were written. ``plans``: the local plans (``all_local_plans``;
+    default one, ``items``)."""
     b = _Builder()
     state_md: dict[str, Any] = {}
     chunks: dict[str, list] = {}
@@ -211,6 +234,6 @@ def metadata_pickle(items: Sequence[PlannedItem],
     }
     if keep_local_plans:
         state["all_local_plans"] = [instance(_ref(_PLANNER, "SavePlan"), {
-            "items": [b.write_item(i) for i in items], "storage_data": None,
-            "planner_data": {}, "usable": True})]
+            "items": [b.write_item(i) for i in plan], "storage_data": None,
+            "planner_data": {}, "usable": True}) for plan in (plans or [items])]
     return dumps(instance(_ref(_MD, "Metadata"), state), list(_REFS.values()))

@@ -1,8 +1,11 @@
-"""A single-process DCP save without torch: the ``.distcp`` files and ``.metadata`` written by us.
+"""A DCP save without DCP: the ``.distcp`` files and ``.metadata`` written by us.
 
-What ``torch.distributed.checkpoint.save`` does for one process with the streaming writers of
-:mod:`ckpt_tool.formats.dcp_streaming`, step by step, but without importing torch or DCP
-(seconds of CPU, most of a small conversion): the plan and the ``Metadata`` come from
+What ``torch.distributed.checkpoint.save`` does with the streaming writers of
+:mod:`ckpt_tool.formats.dcp_streaming`, in one process or on every rank of a torchrun job
+(each rank's local plan as the DCP path splits the items, its own ``__{rank}_{i}.distcp``
+files; rank 0 gathers what every rank wrote and writes ``.metadata``), step by step, but
+without DCP's per-item protocol nor, in one process, importing torch (seconds of CPU, most
+of a small conversion): the plan and the ``Metadata`` come from
 :mod:`ckpt_tool.formats.dcp_raw_metadata`, each tensor item is the ``torch.save`` archive of
 its chunk (:class:`ckpt_tool.formats.torch_zip_write.TensorArchive`), each bytes item its
 payload as given, every file fsynced, its digest computed while it is written
@@ -23,12 +26,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from ckpt_tool.errors import CorruptCheckpointError
-from ckpt_tool.digests import FollowingDigest
+from ckpt_tool.errors import CheckpointingException, CorruptCheckpointError
+from ckpt_tool.digests import digested_file
 from ckpt_tool.formats.dcp_raw_metadata import (
     PlannedItem,
     assign_files,
     metadata_pickle,
+    rank_plans,
 )
 from ckpt_tool.formats.torch_zip_write import TensorArchive, supported
 from ckpt_tool.formats.writer import WriteRequest, Writer
@@ -37,7 +41,6 @@ from ckpt_tool.model import dtype_itemsize
 __all__ = ["raw_save_applies", "raw_dcp_save", "chunk_buffer", "file_count", "is_main_rank",
            "stored_shape_note"]
 
-_SLICE = 32 << 20
 METADATA_FILE = ".metadata"
 
 
@@ -76,57 +79,95 @@ def _write_file(path: Path, items: Sequence[PlannedItem], tensor: Callable[[Plan
                 sync: bool, digest: str | None) -> list[tuple[int, int]]:
     """Write ``items`` into the new file ``path``; ``(offset, length)`` of each."""
     out = []
-    with open(path, "wb") as f:
-        follower = FollowingDigest(path, digest) if digest else None
-
-        def write(buf: Any) -> None:  # big buffers in slices: the digest follows each
-            view = memoryview(buf)
-            if follower is None or view.nbytes <= _SLICE:
-                f.write(view)
-                return
-            for start in range(0, view.nbytes, _SLICE):
-                f.write(view[start:start + _SLICE])
-                follower.advance(os.lseek(f.fileno(), 0, os.SEEK_CUR))
-
-        try:
-            for item in items:
-                offset = f.tell()
-                if item.is_bytes:
-                    length = f.write(payload(item.fqn))
-                else:
-                    data = chunk_buffer(item, tensor(item))
-                    archive = TensorArchive(item.dtype, item.sizes, data.nbytes)
-                    length = archive.write(write, data)
-                    del data  # on disk: let it go before resolving the next item
-                    on_written(item.nbytes)
-                out.append((offset, length))
-                if follower is not None:  # what has reached the OS so far
-                    follower.advance(os.lseek(f.fileno(), 0, os.SEEK_CUR))
-            f.flush()
-            if sync:
-                os.fsync(f.fileno())
-        except BaseException:
-            if follower is not None:
-                follower.abandon()
-            raise
-    if follower is not None:
-        follower.finish(os.path.getsize(path))
+    with digested_file(path, digest, sync=sync) as f:
+        for item in items:
+            offset = f.file.tell()
+            if item.is_bytes:
+                length = f.file.write(payload(item.fqn))
+            else:
+                data = chunk_buffer(item, tensor(item))
+                archive = TensorArchive(item.dtype, item.sizes, data.nbytes)
+                length = archive.write(f.write, data)
+                del data  # on disk: let it go before resolving the next item
+                on_written(item.nbytes)
+            out.append((offset, length))
+            f.advanced()  # what has reached the OS so far
     return out
 
 
 def raw_dcp_save(directory: Path, items: Sequence[PlannedItem], *,
                  tensor: Callable[[PlannedItem], Any], payload: Callable[[str], bytes],
-                 files: int, threads: int = 1,
+                 files: int | Callable[[int], int], threads: int = 1,
                  file_of: Callable[[PlannedItem], str | None] | None = None,
                  on_written: Callable[[int], None] = lambda nbytes: None,
                  planner_data: Any = None, keep_local_plans: bool = True,
-                 digest: str | None = None, sync: bool = True) -> None:
-    """Save ``items`` into ``directory`` as one DCP saving process would (see the module
+                 digest: str | None = None, sync: bool = True, ranks: Any = None,
+                 prepare: Callable[[], None] | None = None) -> None:
+    """Save ``items`` into ``directory`` as DCP's saving processes would (see the module
     docstring): ``tensor(item)`` gives a chunk's data, ``payload(fqn)`` a bytes item's
-    bytes; ``files`` data files (or the ones ``file_of`` names), ``threads`` at once."""
+    bytes; ``files`` data files (or ``files(number of this rank's items)``; or the files
+    ``file_of`` names), ``threads`` at once.
+
+    ``ranks`` (``ckpt_tool.parallel.Ranks``, world > 1): every rank calls this with the same
+    arguments and writes its local plan (:func:`rank_plans`) into ``__{rank}_{i}.distcp``;
+    rank 0 gathers what each wrote and writes ``.metadata``. A failure on any rank (also in
+    ``prepare``, run first on this rank) fails every rank once all have met, as DCP does."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    jobs = assign_files(items, files, file_of=file_of)
+    world = 1 if ranks is None else int(ranks.world)
+    rank = 0 if ranks is None else int(ranks.rank)
+    plans = rank_plans(items, world, file_of)
+    items = [i for plan in plans for i in plan]  # the global plan: the local ones in rank order
+    if world == 1:
+        if prepare is not None:
+            prepare()
+        written = _write_plan(directory, plans[0], rank, tensor, payload, files, threads,
+                              file_of, on_written, digest, sync)
+        _write_metadata(directory, items, written, plans, planner_data, keep_local_plans,
+                        sync)
+        return
+    position = {item: n for n, item in enumerate(items)}
+    error: BaseException | None = None
+    mine: list[tuple[int, str, int, int]] | None = None
+    try:
+        if prepare is not None:
+            prepare()
+        mine = [(position[i], name, offset, length) for i, name, offset, length in _write_plan(
+            directory, plans[rank], rank, tensor, payload, files, threads, file_of,
+            on_written, digest, sync)]
+    except Exception as exc:  # noqa: BLE001 - met by every rank below, then raised
+        error = exc
+    parts = ranks.gather(None if error is not None else mine)
+    status = None
+    if ranks.is_main:
+        failed = [r for r, part in enumerate(parts or []) if part is None]
+        if failed:
+            status = f"rank {failed[0]} failed writing its data files"
+        else:
+            try:
+                written = [(items[n], name, offset, length)
+                           for part in parts for n, name, offset, length in part]
+                _write_metadata(directory, items, written, plans, planner_data,
+                                keep_local_plans, sync)
+            except Exception as exc:  # noqa: BLE001
+                error = exc
+                status = f"rank 0 failed writing {METADATA_FILE}: {exc}"
+    status = ranks.broadcast(status)
+    if error is not None:
+        raise error
+    if status is not None:
+        raise CheckpointingException(f"{status} (see that rank's error)")
+
+
+def _write_plan(directory: Path, plan: Sequence[PlannedItem], rank: int,
+                tensor: Callable[[PlannedItem], Any], payload: Callable[[str], bytes],
+                files: int | Callable[[int], int], threads: int,
+                file_of: Callable[[PlannedItem], str | None] | None,
+                on_written: Callable[[int], None], digest: str | None,
+                sync: bool) -> list[tuple[PlannedItem, str, int, int]]:
+    """One rank's data files; ``(item, file, offset, length)`` in file (job) order."""
+    count = files(len(plan)) if callable(files) else files
+    jobs = assign_files(plan, count, prefix=f"__{rank}_", file_of=file_of)
 
     def one(job: tuple[str, list[PlannedItem]]) -> list[tuple[PlannedItem, str, int, int]]:
         name, file_items = job
@@ -139,9 +180,16 @@ def raw_dcp_save(directory: Path, items: Sequence[PlannedItem], *,
     else:
         with ThreadPoolExecutor(threads, thread_name_prefix="ckpt-dcp-write") as ex:
             parts = list(ex.map(one, jobs))
-    data = metadata_pickle(items, [w for part in parts for w in part],
-                           checkpoint_id=str(directory), save_id=str(uuid.uuid4()),
-                           planner_data=planner_data, keep_local_plans=keep_local_plans)
+    return [w for part in parts for w in part]
+
+
+def _write_metadata(directory: Path, items: Sequence[PlannedItem],
+                    written: Sequence[tuple[PlannedItem, str, int, int]],
+                    plans: Sequence[Sequence[PlannedItem]], planner_data: Any,
+                    keep_local_plans: bool, sync: bool) -> None:
+    data = metadata_pickle(items, written, checkpoint_id=str(directory),
+                           save_id=str(uuid.uuid4()), planner_data=planner_data,
+                           keep_local_plans=keep_local_plans, plans=plans)
     tmp = directory / f"{METADATA_FILE}.tmp"
     with open(tmp, "wb") as f:
         f.write(data)

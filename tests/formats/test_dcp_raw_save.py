@@ -92,7 +92,8 @@ def _write(reader, out: Path, *, raw: bool, threads: int = 1) -> None:
                                or None).contiguous()
 
     req.source = Source()
-    writer_for("torch_dist")(out, WriterOptions(extra={"threads": threads})).write(req)
+    extra = {"threads": threads} if raw else {"threads": threads, "raw_save": False}
+    writer_for("torch_dist")(out, WriterOptions(extra=extra)).write(req)
 
 
 @pytest.mark.parametrize("name,threads", [("mcore016_gpt_tp2pp2_bf16_optim", 1),
@@ -151,3 +152,75 @@ def test_convert_torch_dist_to_torch_dist_never_imports_torch(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == [False, True]
     assert (tmp_path / "out" / ".metadata").is_file()
+
+
+def _same_output(raw: Path, dcp: Path) -> None:
+    """Data files byte for byte, ``.metadata`` an equal ``Metadata``, ``common.pt`` equal
+    values (torch.save's bytes depend on which strings the process had interned)."""
+    import torch
+
+    data = sorted(p.name for p in raw.glob("*.distcp"))
+    assert data and data == sorted(p.name for p in dcp.glob("*.distcp"))
+    for f in data:
+        assert (raw / f).read_bytes() == (dcp / f).read_bytes(), f
+    ours = pickle.loads((raw / ".metadata").read_bytes())
+    theirs = pickle.loads((dcp / ".metadata").read_bytes())
+    ours.storage_meta = theirs.storage_meta  # the staging path and a fresh UUID
+    assert ours == theirs
+    assert list(ours.storage_data) == list(theirs.storage_data)
+    a, b = (torch.load(d / "common.pt", weights_only=False) for d in (raw, dcp))
+    assert a.keys() == b.keys() and vars(a["args"]) == vars(b["args"])
+    assert {k: v for k, v in a.items() if k != "args"} == \
+        {k: v for k, v in b.items() if k != "args"}
+    assert (raw / "integrity.json").is_file() and (raw / "metadata.json").is_file()
+
+
+def test_reshard_takes_the_raw_path_and_writes_what_dcp_writes(tmp_path, monkeypatch):
+    """``reshard`` of a torch_dist source (one process, 2 I/O threads): the raw path (not
+    DCP's save: ``RAW_SAVES`` counts it, ``dcp.save`` would raise), output equal to the DCP
+    path's; its args are the target's (tp 1, pp 1)."""
+    import torch.distributed.checkpoint as dcp
+
+    from ckpt_tool.formats.mcore_dist import torch_dist_writer
+    from ckpt_tool.ops.reshard import ReshardRequest, reshard
+
+    src = _fixture("mcore016_gpt_tp2pp2_bf16_optim")
+    with monkeypatch.context() as m:
+        m.setattr(torch_dist_writer.TorchDistWriter, "_write_raw", lambda *a: False)
+        reshard(src, tmp_path / "dcp", ReshardRequest(tp=1, pp=1), workers=2)
+    before = len(torch_dist_writer.RAW_SAVES)
+
+    def refuse(*a, **k):
+        raise AssertionError("DCP's save was called")
+
+    monkeypatch.setattr(dcp, "save", refuse)
+    assert reshard(src, tmp_path / "raw", ReshardRequest(tp=1, pp=1), workers=2).written
+    assert len(torch_dist_writer.RAW_SAVES) == before + 1
+    _same_output(tmp_path / "raw", tmp_path / "dcp")
+    import torch
+
+    args = torch.load(tmp_path / "raw" / "common.pt", weights_only=False)["args"]
+    assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size) == (1, 1)
+
+
+@pytest.mark.multiproc
+def test_two_ranks_convert_and_reshard_write_what_dcp_writes(tmp_path):
+    """Under torchrun (2 gloo ranks) both ``convert --to torch_dist`` and ``reshard`` take the
+    raw path on every rank; data files, ``.metadata`` (two local plans) and the common state
+    equal the DCP path's."""
+    src = _fixture("mcore016_gpt_tp2pp2_bf16_optim")
+    worker = Path(__file__).resolve().parent / "_raw_save_ranks_worker.py"
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1",
+               PYTHONPATH=str(Path(__file__).resolve().parents[2]), PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node=2", str(worker), str(src), str(tmp_path)],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(l for l in proc.stdout.splitlines() if l.startswith("VERDICT "))
+    verdict = json.loads(line.removeprefix("VERDICT "))
+    for name in ("convert", "reshard"):
+        got = verdict[name]
+        assert any(f.startswith("__1_") for f in got.pop("files")), name  # rank 1 wrote
+        assert got == {"same_names": True, "same_bytes": True, "same_common": True,
+                       "metadata_equal": True, "storage_order": True, "plans": 2,
+                       "staged_ids": True, "manifest": True, "raw_on_every_rank": True}, name

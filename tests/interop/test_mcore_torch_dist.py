@@ -136,3 +136,31 @@ def test_mcore_loads_our_torch_free_conversion(mcore_ckpt, tmp_path, monkeypatch
     assert same_value(theirs["objects"], mcore_view(mcore_ckpt, tmp_path / "src.pt")["objects"])
     torchrun("dist_worker.py", 2, "--lib", "mcore", "--op", "load", "--layout", "tp2pp1",
              "--dir", str(out), timeout=600)
+
+
+TWO_RANK_CONVERT = r"""
+import sys
+from ckpt_tool.formats.mcore_dist import torch_dist_writer
+from ckpt_tool.ops._convert_plan import ConvertOptions
+from ckpt_tool.ops.convert import convert
+from ckpt_tool.parallel import ranks
+
+r = ranks()
+assert r.world == 2 and convert(sys.argv[1], sys.argv[2], ConvertOptions(to="torch_dist")).verified
+assert len(torch_dist_writer.RAW_SAVES) == 1, torch_dist_writer.RAW_SAVES  # not DCP's save
+print(f"rank {r.rank}: raw save OK", flush=True)
+"""
+
+
+def test_mcore_loads_our_two_rank_raw_conversion(mcore_ckpt, tmp_path):
+    """``convert --to torch_dist`` on 2 gloo ranks takes the raw path on both (each rank its
+    ``__{rank}_*.distcp``, rank 0 the ``.metadata``); Megatron-Core loads it like the source."""
+    worker = tmp_path / "convert_worker.py"
+    worker.write_text(TWO_RANK_CONVERT)
+    out = tmp_path / "converted2"
+    log = torchrun(str(worker), 2, str(mcore_ckpt), str(out), timeout=600)
+    assert log.count("raw save OK") == 2, log[-3000:]
+    assert any(p.name.startswith("__1_") for p in out.glob("*.distcp"))
+    _check_truth(mcore_view(out, tmp_path / "mcore.pt"), pp_size=1)
+    torchrun("dist_worker.py", 2, "--lib", "mcore", "--op", "load", "--layout", "tp2pp1",
+             "--dir", str(out), timeout=600)

@@ -1,10 +1,14 @@
 """Streaming writer of Megatron-Core ``torch_dist`` checkpoints.
 
-When one process writes, every chunk suits our ``torch.save`` archive writer and the common
-state and objects can be copied as the source stores them (``WriteRequest.common_file`` /
-``raw_object``: a torch_dist source converted as is), nothing imports torch: the files and
-``.metadata`` come from :mod:`ckpt_tool.formats.dcp_raw_save` (the same bytes, an equal
-``Metadata``). Otherwise:
+When every chunk suits our ``torch.save`` archive writer (a dtype with a plain storage class,
+under 4 GiB), the files and ``.metadata`` come from :mod:`ckpt_tool.formats.dcp_raw_save`
+(the same bytes and an equal ``Metadata`` as DCP's save, without its protocol): in one
+process and on every rank of a torchrun job (each rank its ``__{rank}_{i}.distcp``, rank 0
+the ``.metadata``), for ``convert`` and ``reshard`` alike. ``common.pt`` is the source's file
+copied when the request passes one (``WriteRequest.common_file``: a torch_dist source
+converted as is; nothing then imports torch when the objects' stored bytes items can be
+copied too), else ``torch.save`` of the common state (``reshard``: its args change).
+Otherwise (another dtype, or ``extra["raw_save"]`` False):
 
 ``torch.distributed.checkpoint.save`` runs in this one process (no process group) with the
 planner and file writer of :mod:`ckpt_tool.formats.dcp_streaming`: every target chunk becomes
@@ -19,7 +23,7 @@ Megatron-Core cannot parse as a ShardedObject's (``<key>/shard_<offset>_<shape>`
 source's bytes items or a legacy file's ``rng_state/mp_rank_00_000``) go into ``common.pt``
 under their key instead (a note says so).
 
-Options (``WriterOptions.extra``): ``files`` (number of data files; default
+Options (``WriterOptions.extra``): ``raw_save`` (False: always DCP's save), ``files`` (number of data files; default
 ``max(2, total bytes / max_shard_size, threads)``), ``threads`` (files written at once; default 1;
 more than 1 calls ``source.read``/``objects`` from several threads, which they must allow).
 ``max_memory`` is met by the target chunk grid (the planner cuts chunks to it).
@@ -35,6 +39,7 @@ import shutil
 from ckpt_tool.formats.dcp_raw_metadata import planned_items
 from ckpt_tool.formats.dcp_raw_save import (
     file_count,
+    is_main_rank,
     raw_dcp_save,
     raw_save_applies,
     stored_shape_note,
@@ -60,10 +65,9 @@ class TorchDistWriter(Writer):
         """``common.pt``, the DCP items and ``.metadata``, then ``metadata.json``; keeps
         everything (tensors in their dtypes, ShardedObjects, the whole common state)."""
         notes = stored_shape_note(request)
-        if self._write_raw(request):
+        if self._write_raw(request, notes):
             return notes
 
-        from ckpt_tool.formats.dcp_raw_save import is_main_rank
         from ckpt_tool.formats.dcp_streaming import (
             bytes_write_item,
             run_dcp_save,
@@ -71,19 +75,8 @@ class TorchDistWriter(Writer):
             tensor_items,
         )
 
-        common = dict(request.full_common() or {})
-        object_keys, moved = [], []
-        for key in dict.fromkeys(o.unique_key for o in request.meta.objects):
-            if _SHARDED_OBJECT_KEY.fullmatch(key):
-                object_keys.append(key)
-            elif key not in common:  # a DCP source lists its bytes items in both
-                common[key] = request.objects(key)
-                moved.append(key)
-        if moved:
-            more = ", ..." if len(moved) > 3 else ""
-            notes.append(f"stored {len(moved)} object{'s' * (len(moved) != 1)} that are not "
-                         f"Megatron-Core ShardedObjects (key not '<key>/shard_<offset>_<shape>') in "
-                         f"{COMMON_FILE}: {', '.join(moved[:3])}{more}")
+        object_keys, others = _object_keys(request)
+        common = _common_with_objects(request, others, notes)
         if is_main_rank(request):
             torch_save_file(common, self.directory / COMMON_FILE)
         items = tensor_items(request) + [bytes_write_item(k) for k in object_keys]
@@ -96,36 +89,89 @@ class TorchDistWriter(Writer):
             save_config(CheckpointingConfig("torch_dist", 1), str(self.directory))
         return notes
 
-    def _write_raw(self, request: WriteRequest) -> bool:
-        """The whole checkpoint without torch (``dcp_raw_save``) when one process writes it,
-        every chunk suits the raw archive writer, every object's stored bytes item and the
-        common state's file can be copied as they are; False (nothing written) otherwise."""
-        if request.ranks is not None and request.ranks.world > 1:
+    def _write_raw(self, request: WriteRequest, notes: list[str]) -> bool:
+        """The checkpoint through ``dcp_raw_save`` (our plan, archives and ``.metadata``; on
+        every rank of a torchrun job) when every chunk suits the raw archive writer and
+        ``extra["raw_save"]`` is not False; False (nothing written) otherwise.
+
+        ``common.pt`` is the source's file copied as it is when the request passes one and
+        no object moves into it (``convert`` of a torch_dist source), else ``torch.save``
+        of the common state as the DCP path writes it (``reshard``: its args change).
+        Objects are their stored bytes items when the source has them, else
+        ``torch.save([payload])`` as the DCP path writes them."""
+        if self.options.extra.get("raw_save", True) is False:
             return False
-        if request.common_file is None:
-            return False
-        keys = list(dict.fromkeys(o.unique_key for o in request.meta.objects))
-        if not all(_SHARDED_OBJECT_KEY.fullmatch(k) for k in keys):
-            return False
-        items = planned_items(list(request.meta.tensors.values()), keys)
+        object_keys, others = _object_keys(request)
+        items = planned_items(list(request.meta.tensors.values()), object_keys)
         if not raw_save_applies(items):
             return False
-        payloads = {k: request.raw_object(k) for k in keys}
-        if any(p is None for p in payloads.values()):
-            return False
+        ranks = request.ranks if request.ranks is not None and request.ranks.world > 1 \
+            else None
         chunk_files = {(k, tuple(c.offsets)): c.file for k, t in request.meta.tensors.items()
                        for c in t.chunks if c.file}
-        _copy_file(request.common_file, self.directory / COMMON_FILE)
+
+        def payload(key: str) -> bytes:
+            stored = request.raw_object(key)
+            if stored is not None:
+                return stored
+            from ckpt_tool.formats.dcp_streaming import serialized
+
+            return serialized([request.objects(key)]).getvalue()
+
+        def common_file() -> None:
+            if not is_main_rank(request):
+                return
+            if request.common_file is not None and not others:
+                _copy_file(request.common_file, self.directory / COMMON_FILE)
+            else:
+                torch_save_file(_common_with_objects(request, others, notes),
+                                self.directory / COMMON_FILE)
+
         raw_dcp_save(
-            self.directory, items, payload=payloads.__getitem__,
+            self.directory, items, payload=payload,
             tensor=lambda i: request.source.read(i.fqn, i.offsets, i.sizes),
-            files=file_count(request, self, len(items)),
+            files=lambda n: file_count(request, self, n),
             threads=int(self.options.extra.get("threads", 1)),
             file_of=(lambda i: chunk_files.get((i.fqn, i.offsets))) if chunk_files else None,
             on_written=request.progress, planner_data=None, keep_local_plans=True,
-            digest="sha256")  # the integrity manifest's algorithm (Megatron-Core's)
-        save_config(CheckpointingConfig("torch_dist", 1), str(self.directory))
+            digest="sha256",  # the integrity manifest's algorithm (Megatron-Core's)
+            ranks=ranks, prepare=common_file)
+        RAW_SAVES.append(str(self.directory))
+        if ranks is not None:
+            ranks.barrier()  # every rank's files are in place (.metadata is: rank 0 said so)
+        if is_main_rank(request):  # the completeness marker, last
+            save_config(CheckpointingConfig("torch_dist", 1), str(self.directory))
         return True
+
+
+#: The directories written through the raw path in this process, newest last (tests check
+#: that a run did not fall back to DCP's save silently).
+RAW_SAVES: list[str] = []
+
+
+def _object_keys(request: WriteRequest) -> tuple[list[str], list[str]]:
+    """The objects' keys: ShardedObjects (stored as bytes items), then the others (which
+    Megatron-Core cannot parse as a ShardedObject's: they go into ``common.pt``)."""
+    keys = list(dict.fromkeys(o.unique_key for o in request.meta.objects))
+    return ([k for k in keys if _SHARDED_OBJECT_KEY.fullmatch(k)],
+            [k for k in keys if not _SHARDED_OBJECT_KEY.fullmatch(k)])
+
+
+def _common_with_objects(request: WriteRequest, others: list[str],
+                         notes: list[str]) -> dict:
+    """The common state to save, with the ``others`` objects it does not hold yet."""
+    common = dict(request.full_common() or {})
+    moved = []
+    for key in others:
+        if key not in common:  # a DCP source lists its bytes items in both
+            common[key] = request.objects(key)
+            moved.append(key)
+    if moved:
+        more = ", ..." if len(moved) > 3 else ""
+        notes.append(f"stored {len(moved)} object{'s' * (len(moved) != 1)} that are not "
+                     f"Megatron-Core ShardedObjects (key not '<key>/shard_<offset>_<shape>') in "
+                     f"{COMMON_FILE}: {', '.join(moved[:3])}{more}")
+    return common
 
 
 def _copy_file(src: os.PathLike, dst: os.PathLike) -> None:

@@ -1,0 +1,70 @@
+"""Run under torchrun (2 gloo ranks) by ``test_dcp_raw_save.py``: ``convert --to torch_dist`` and
+``reshard`` of a torch_dist fixture, each written twice, through DCP's save (``raw_save``
+refused) and through the raw path; rank 0 prints a JSON verdict comparing the two.
+
+argv: SRC OUT
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import sys
+from pathlib import Path
+
+from ckpt_tool.formats.mcore_dist import torch_dist_writer
+from ckpt_tool.ops._convert_plan import ConvertOptions
+from ckpt_tool.ops.convert import convert
+from ckpt_tool.ops.reshard import ReshardRequest, reshard
+from ckpt_tool.parallel import ranks
+
+
+def _common(d: Path) -> dict:
+    import torch
+
+    common = torch.load(d / "common.pt", weights_only=False)
+    return {k: vars(v) if k == "args" else v for k, v in common.items()}
+
+
+def compare(a: Path, b: Path) -> dict:
+    names = sorted(p.name for p in a.glob("*.distcp"))
+    ma = pickle.loads((a / ".metadata").read_bytes())
+    mb = pickle.loads((b / ".metadata").read_bytes())
+    ids = (ma.storage_meta.checkpoint_id, mb.storage_meta.checkpoint_id)
+    ma.storage_meta = mb.storage_meta  # the staging path and a fresh UUID
+    return {
+        "files": names, "same_names": names == sorted(p.name for p in b.glob("*.distcp")),
+        "same_bytes": all((a / n).read_bytes() == (b / n).read_bytes() for n in names),
+        # equal values (torch.save's bytes depend on which strings the process interned)
+        "same_common": _common(a) == _common(b),
+        "metadata_equal": ma == mb,
+        "storage_order": list(ma.storage_data) == list(mb.storage_data),
+        "plans": len(ma.all_local_plans), "staged_ids": all(".ckpt-staging-" in i for i in ids),
+        "manifest": (a / "integrity.json").is_file() and (b / "integrity.json").is_file(),
+    }
+
+
+def main() -> None:
+    src, out = Path(sys.argv[1]), Path(sys.argv[2])
+    r = ranks()
+    real = torch_dist_writer.TorchDistWriter._write_raw
+    runs = {"convert": lambda d: convert(src, d, ConvertOptions(to="torch_dist")),
+            "reshard": lambda d: reshard(src, d, ReshardRequest(tp=1, pp=1))}
+    verdict = {}
+    for name, run in runs.items():
+        torch_dist_writer.TorchDistWriter._write_raw = lambda self, req, notes: False
+        run(out / f"{name}_dcp")
+        torch_dist_writer.TorchDistWriter._write_raw = real
+        before = len(torch_dist_writer.RAW_SAVES)
+        run(out / f"{name}_raw")
+        raw_taken = r.gather(len(torch_dist_writer.RAW_SAVES) == before + 1)
+        if r.is_main:
+            verdict[name] = {**compare(out / f"{name}_raw", out / f"{name}_dcp"),
+                             "raw_on_every_rank": all(raw_taken)}
+    r.barrier()
+    if r.is_main:
+        print("VERDICT " + json.dumps(verdict))
+
+
+if __name__ == "__main__":
+    main()
