@@ -51,8 +51,7 @@ _FORK_ATTEMPTS = 3
 
 
 def _forked_main(ack_fd: int, async_fn: Callable, args: list, kwargs: dict) -> None:
-    """Target of a forked writer: tell the parent it started, then write (an exception is
-    printed and becomes exit code 1)."""
+    """A forked writer: tells the parent it started, then writes (an error: exit code 1)."""
     os.write(ack_fd, b"1")
     os.close(ack_fd)
     async_fn(*args, **kwargs)
@@ -336,11 +335,9 @@ class AsyncCallsQueue:
                                    no_dist: bool = False) -> List[int]:
         """Finalize the calls that are done on all ranks (all of them with ``blocking``).
 
-        Call on all ranks. Returns the finalized indices. Raises CheckpointingException on
-        every rank when any rank's write failed; the finalize functions of our requests do not
-        run then. Those of a request of another class (nvidia-resiliency-ext's local
-        checkpoints, which check the write themselves and clean up) run first, as Megatron-Core
-        runs them, and their own exception is raised when they raise one.
+        Call on all ranks. Returns the finalized indices. When any rank's write failed, raises
+        CheckpointingException on every rank without finalizing, except that a foreign
+        request's (nvidia-resiliency-ext's) finalize functions run first, as in Megatron-Core.
         """
         finalized = []
         while self.async_calls:
@@ -351,9 +348,9 @@ class AsyncCallsQueue:
             try:
                 self._raise_on_any_failure(call_idx, caller.take_failure(), no_dist)
             except CheckpointingException:
-                if not isinstance(async_request, AsyncRequest):
-                    for fn in async_request.finalize_fns:  # they may raise their own error
-                        fn()
+                foreign = not isinstance(async_request, AsyncRequest)
+                for fn in async_request.finalize_fns if foreign else []:
+                    fn()  # they check the write themselves and may raise their own error
                 raise
             with debug_time("finalize", logger):
                 for fn in async_request.finalize_fns:
