@@ -345,15 +345,18 @@ def test_stock_dcp_file_writer_would_hold_a_whole_file(tmp_path):
 
 
 # -- errors -------------------------------------------------------------------------------------
-def test_source_giving_the_wrong_piece_is_an_error(tmp_path):
+@pytest.mark.parametrize("raw", [True, False])
+def test_source_giving_the_wrong_piece_is_an_error(tmp_path, raw):
     src = open_checkpoint(_fixture("mcore016_gpt_tp2pp2_fp32"))
 
     class Wrong(Source):
         def read(self, key, offsets, sizes):
             return super().read(key, offsets, sizes).to(torch.float16)
 
-    with pytest.raises(CorruptCheckpointError, match="expected torch.float32"):
-        write("torch_dist", src, tmp_path / "out", source=Wrong(src))
+    options = None if raw else WriterOptions(extra={"raw_save": False})
+    expected = "gave float16 .* expected float32" if raw else "expected torch.float32"
+    with pytest.raises(CorruptCheckpointError, match=expected):
+        write("torch_dist", src, tmp_path / "out", source=Wrong(src), options=options)
     assert not (tmp_path / "out" / "metadata.json").exists()
 
 
