@@ -14,7 +14,10 @@ process:
   aborts. So files are handed to it by name (:func:`zip_writer_name`), and where a Python
   stream is unavoidable (DCP's item writer) the ``write`` calls run under
   ``ckpt_tool._program.interrupts_deferred``. :class:`GuardedStream` keeps a stream's first
-  write error for the caller instead of raising it into torch.
+  write error for the caller instead of raising it into torch. The writer's own methods are
+  pybind11 calls, which abort the same way when the Ctrl-C handler raises while they convert
+  their arguments (``pybind11::error_already_set``): they run under the same deferral
+  (:func:`uninterrupted`; ``torch.save`` as a whole in :func:`torch_save_file`).
 """
 
 from __future__ import annotations
@@ -24,8 +27,10 @@ import os
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator
 
+from ckpt_tool._program import interrupts_deferred
+
 __all__ = ["GuardedStream", "torch_save_file", "finish_failed_writer", "raise_write_failure",
-           "zip_writer_name"]
+           "uninterrupted", "zip_writer_name"]
 
 
 class GuardedStream:
@@ -88,13 +93,20 @@ def zip_writer_name(path: str | os.PathLike) -> Iterator[Any]:
         shutil.rmtree(link_dir, ignore_errors=True)
 
 
+def uninterrupted(call: Any, *args: Any) -> Any:
+    """``call(*args)`` with a Ctrl-C taking effect when it returns (see the module docstring)."""
+    with interrupts_deferred():
+        return call(*args)
+
+
 def torch_save_file(obj: Any, path: str | os.PathLike) -> None:
-    """``torch.save(obj, path)`` that raises the real OSError when a write fails."""
+    """``torch.save(obj, path)`` that raises the real OSError when a write fails (a Ctrl-C
+    takes effect once the file is written)."""
     import torch
 
     with zip_writer_name(path) as name:
         try:
-            torch.save(obj, name)
+            uninterrupted(torch.save, obj, name)
         except RuntimeError as exc:
             raise_write_failure(Path(path), exc)
             raise
@@ -106,7 +118,7 @@ def finish_failed_writer(writer: Any, path: str | os.PathLike, exc: BaseExceptio
     then, for the writer's own RuntimeError, raise the OSError behind it
     (:func:`raise_write_failure`); otherwise return (the caller re-raises ``exc``)."""
     try:
-        writer.write_end_of_file()
+        uninterrupted(writer.write_end_of_file)
     except Exception:  # noqa: BLE001 - the first error is the one to report
         pass
     if isinstance(exc, RuntimeError):

@@ -41,7 +41,7 @@ from ckpt_tool.errors import UnsupportedError, plural
 from ckpt_tool.formats.write_pieces import (DEFAULT_MAX_MEMORY, pull_piece, slab_pieces,
                                          tensor_bytes)
 from ckpt_tool.formats.torch_save_files import zip_data_offsets
-from ckpt_tool.formats.write_guard import (finish_failed_writer, raise_write_failure,
+from ckpt_tool.formats.write_guard import (finish_failed_writer, raise_write_failure, uninterrupted,
                                           zip_writer_name)
 from ckpt_tool.formats.writer import WriteRequest, Writer, dropped_objects_note
 from ckpt_tool.model import TensorMeta, dtype_itemsize
@@ -166,19 +166,18 @@ class TorchSaveWriter(Writer):
 
         from torch.serialization import _get_storage_alignment, get_crc32_options
 
-        writer = torch._C.PyTorchFileWriter(target, get_crc32_options(),
-                                            _get_storage_alignment())
+        writer = uninterrupted(torch._C.PyTorchFileWriter, target, get_crc32_options(),
+                               _get_storage_alignment())
         deferred = []
         try:
-            writer.write_record("data.pkl", data, len(data))
-            writer.write_record(".format_version", "1", len("1"))
             alignment = str(_get_storage_alignment())
-            writer.write_record(".storage_alignment", alignment, len(alignment))
-            writer.write_record("byteorder", "little", len("little"))
+            for name, record in (("data.pkl", data), (".format_version", "1"),
+                                 (".storage_alignment", alignment), ("byteorder", "little")):
+                uninterrupted(writer.write_record, name, record, len(record))
             for key, t in storages:
                 name = f"data/{key}"
                 if t.nbytes > budget:
-                    writer.write_record_metadata(name, t.nbytes)  # torch.save's skip_data
+                    uninterrupted(writer.write_record_metadata, name, t.nbytes)  # skip_data
                     deferred.append((f"{writer.archive_name()}/{name}", t))
                 else:
                     self._write_storage(writer, name, t, request)
@@ -186,7 +185,7 @@ class TorchSaveWriter(Writer):
             finish_failed_writer(writer, path, exc)
             raise
         try:
-            writer.write_end_of_file()
+            uninterrupted(writer.write_end_of_file)
         except RuntimeError as exc:
             raise_write_failure(path, exc)
             raise
@@ -195,12 +194,12 @@ class TorchSaveWriter(Writer):
     @staticmethod
     def _write_storage(writer: Any, name: str, t: TensorMeta, request: WriteRequest) -> None:
         if t.numel == 0:
-            writer.write_record(name, b"", 0)
+            uninterrupted(writer.write_record, name, b"", 0)
             return
         piece = pull_piece(request, t, (0,) * len(t.shape), tuple(t.shape))
         if piece.storage_offset() or piece.untyped_storage().nbytes() != t.nbytes:
             piece = piece.clone()  # a view into a larger storage: write only its bytes
-        writer.write_record(name, piece.untyped_storage(), t.nbytes)
+        uninterrupted(writer.write_record, name, piece.untyped_storage(), t.nbytes)
         request.progress(t.nbytes)
 
 
