@@ -109,13 +109,19 @@ class JobProgress:
 
 
 def ranks() -> Ranks:
-    """This process's ``Ranks``; initialises a gloo process group under torchrun (once)."""
+    """This process's ``Ranks``; initialises a gloo process group under torchrun (once) and
+    registers the exit handler that lets gloo's workers go idle before the interpreter
+    finalizes (:func:`ckpt_tool._torchrun.register_exit_teardown`)."""
     if not under_torchrun():
         return Ranks()
     import torch.distributed as dist
 
+    from ckpt_tool._torchrun import register_exit_teardown
+
     if not dist.is_initialized():
         dist.init_process_group("gloo")
+    # a library script ending without destroy_process_group must not abort at exit
+    register_exit_teardown()
     return Ranks(rank=dist.get_rank(), world=dist.get_world_size())
 
 
