@@ -15,6 +15,7 @@ from typing import Callable, Dict, Optional, Set, Tuple, Union
 
 import torch
 
+from ckpt_tool._torchrun import group_initialized
 from ckpt_tool.formats.mcore_dist.config import config_bytes
 
 from ._manifest import remove_integrity_json, write_integrity_json
@@ -74,16 +75,12 @@ CkptShardedMetadata = Dict[str, Union[ShardedTensor, ShardedObject]]
 _CONTENT_METADATA_KEY = "content_metadata"
 
 
-def _dist_ready() -> bool:
-    return torch.distributed.is_available() and torch.distributed.is_initialized()
-
-
 def _rank() -> int:
-    return torch.distributed.get_rank() if _dist_ready() else 0
+    return torch.distributed.get_rank() if group_initialized() else 0
 
 
 def _barrier() -> None:
-    if _dist_ready():
+    if group_initialized():
         torch.distributed.barrier()
 
 

@@ -14,6 +14,7 @@ from typing import List, Optional, Set, Tuple, Union
 
 import torch
 
+from ckpt_tool._torchrun import group_initialized
 from ._mcore_names import MultiStorageClientFeature  # noqa: F401 (re-exported as in MCore)
 from ._integrity import check_object_shards, check_tensor_shards, group_by_key
 from .core import CheckpointingException, maybe_load_config
@@ -106,10 +107,6 @@ def parse_strict_flag(strict: Union[str, StrictHandling]) -> StrictHandling:
         return StrictHandling(strict)
     except (ValueError, TypeError) as e:
         raise ValueError(f"Invalid strict flag: {e}") from e
-
-
-def _dist_ready() -> bool:
-    return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 def validate_integrity_and_strict_load(
@@ -269,7 +266,7 @@ def _validate_common_state_dict(common_state_dict: CommonStateDict) -> None:
     Only rank 0 saves the common state, so a difference means another rank's values are lost.
     A no-op without a process group.
     """
-    if not _dist_ready():
+    if not group_initialized():
         return
     rank = torch.distributed.get_rank()
     holder = [common_state_dict if rank == 0 else None]
@@ -306,7 +303,7 @@ def validate_sharding_integrity(
     """
     if common_state_dict is not None:
         _validate_common_state_dict(common_state_dict)
-    if _dist_ready() and torch.distributed.get_rank() != 0:
+    if group_initialized() and torch.distributed.get_rank() != 0:
         return
     for key, entries in group_by_key(global_metadata).items():
         if all(isinstance(sh, ShardedObject) for _, sh in entries):
@@ -342,7 +339,7 @@ def _validate_objects_for_key(sharded_objects: List[Tuple[int, ShardedObject]]) 
 
 def validate_objects_sharding_integrity(global_metadata: _GlobalMetadata) -> None:
     """The ShardedObject part of :func:`validate_sharding_integrity` (tensors are ignored)."""
-    if _dist_ready() and torch.distributed.get_rank() != 0:
+    if group_initialized() and torch.distributed.get_rank() != 0:
         return
     objects_only = [
         [sh for sh in rank_values if isinstance(sh, ShardedObject)]
@@ -360,7 +357,7 @@ def determine_global_metadata(
     Without a process group the global metadata is ``[local_metadata]``.
     """
     local_metadata = [sh.without_data() for sh in nested_values(sharded_state_dict)]
-    if not _dist_ready():
+    if not group_initialized():
         return local_metadata, [local_metadata]
     global_metadata = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(global_metadata, local_metadata)

@@ -7,18 +7,15 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
+from ckpt_tool._torchrun import group_initialized
 from ..core import CheckpointingException
 
 __all__ = ["AsyncRequest", "AsyncCaller", "collective_device"]
 
 
-def _dist_ready() -> bool:
-    return torch.distributed.is_available() and torch.distributed.is_initialized()
-
-
 def collective_device() -> torch.device:
     """Device of small tensors for collectives: the current GPU under NCCL, else the CPU."""
-    if _dist_ready() and torch.distributed.get_backend() == "nccl":
+    if group_initialized() and torch.distributed.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -75,7 +72,7 @@ class AsyncRequest(NamedTuple):
         args = self.staged_args()
         if self.async_fn is not None:
             self.async_fn(*args, **self.async_fn_kwargs)
-        if _dist_ready():
+        if group_initialized():
             torch.distributed.barrier()
         for fn in self.finalize_fns:
             fn()
@@ -105,7 +102,7 @@ class AsyncCaller(ABC):
 
     def sync_all_async_calls(self, is_alive: int) -> bool:
         """True when no rank has its call still running (one integer all-reduce)."""
-        if not _dist_ready():
+        if not group_initialized():
             return not is_alive
         ten = torch.tensor([int(is_alive)], dtype=torch.int, device=collective_device())
         torch.distributed.all_reduce(ten)

@@ -32,13 +32,13 @@ import torch
 import torch.multiprocessing as mp
 from multiprocessing.reduction import ForkingPickler
 
+from ckpt_tool._torchrun import group_initialized
 from .._staging import SharedSegment, _StagedPickler, dumps_staged, loads_staged
 from .._staging_pool import release_staging_memory
 from .._mcore_names import log_single_rank  # noqa: F401 (re-exported as in MCore)
 from ..core import CheckpointingException
 from ..utils import debug_time
-from ._async_request import (AsyncCaller, AsyncRequest, _dist_ready, collective_device,
-                             staged_args)
+from ._async_request import AsyncCaller, AsyncRequest, collective_device, staged_args
 
 __all__ = ["AsyncRequest", "AsyncCaller", "TemporalAsyncCaller", "PersistentAsyncCaller",
            "AsyncCallsQueue"]
@@ -176,7 +176,7 @@ class PersistentAsyncCaller(AsyncCaller):
     def _start(self) -> None:
         ctx = mp.get_context("spawn")
         self.queue, self.comp_q = ctx.Queue(), ctx.Queue()
-        rank = torch.distributed.get_rank() if _dist_ready() else 0
+        rank = torch.distributed.get_rank() if group_initialized() else 0
         self.process = ctx.Process(target=PersistentAsyncCaller.async_loop,
                                    args=(rank, self.queue, None, self.comp_q,
                                          logger.getEffectiveLevel()), daemon=True)
@@ -355,7 +355,7 @@ class AsyncCallsQueue:
             with debug_time("finalize", logger):
                 for fn in async_request.finalize_fns:
                     fn()
-                if not no_dist and _dist_ready():
+                if not no_dist and group_initialized():
                     ten = torch.tensor([call_idx], dtype=torch.int, device=collective_device())
                     torch.distributed.all_reduce(ten, op=torch.distributed.ReduceOp.MAX)
                     if int(ten.item()) != call_idx:
@@ -368,7 +368,7 @@ class AsyncCallsQueue:
     def _raise_on_any_failure(call_idx: int, failure: Optional[str], no_dist: bool) -> None:
         """All-reduce of one failure flag per rank; raise on every rank if any is set."""
         failed = [int(failure is not None)]
-        if not no_dist and _dist_ready():
+        if not no_dist and group_initialized():
             dist = torch.distributed
             flags = torch.zeros(dist.get_world_size(), dtype=torch.int, device=collective_device())
             flags[dist.get_rank()] = failed[0]

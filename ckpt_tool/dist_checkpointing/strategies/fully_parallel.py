@@ -25,6 +25,7 @@ from typing import Any, Callable, Dict, Optional, Tuple, TypeVar, Union
 import torch
 import torch.distributed as dist
 
+from ckpt_tool._torchrun import group_initialized
 from .._mcore_names import get_pg_rank, get_pg_size  # noqa: F401 (re-exported as in MCore)
 from ..core import CheckpointingException
 from ..dict_utils import dict_list_map_inplace, extract_matching_values, merge, nested_values
@@ -51,12 +52,8 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T", ShardedObject, ShardedTensor)
 
 
-def _dist_ready() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
 def _group_size(group) -> int:
-    return dist.get_world_size(group=group) if _dist_ready() else 1
+    return dist.get_world_size(group=group) if group_initialized() else 1
 
 
 class FullyParallelSaveStrategyWrapper(AsyncSaveShardedStrategy):

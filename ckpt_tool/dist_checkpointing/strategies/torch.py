@@ -28,6 +28,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 from torch.distributed.checkpoint.utils import _wrap_exception
 
+from ckpt_tool._torchrun import group_initialized
 from ckpt_tool.formats.dcp_metadata import mcore_classes
 
 from .._mcore_names import (  # noqa: F401 (re-exported as in MCore)
@@ -99,10 +100,6 @@ MCoreMetadata = _STAND_INS["MCoreMetadata"]
 MCoreSavePlan = _STAND_INS["MCoreSavePlan"]
 
 _METADATA_FNAME = ".metadata"
-
-
-def _dist_ready() -> bool:
-    return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
@@ -268,7 +265,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         try:
             requests.check()
         except CheckpointingException as e:
-            rank = torch.distributed.get_rank() if _dist_ready() else 0
+            rank = torch.distributed.get_rank() if group_initialized() else 0
             raise CheckpointReadError(str(e), {rank: _wrap_exception(e)}) from e
         pyt_state_dict = requests.pyt_state_dict()
         planner = MCoreLoadPlanner(
@@ -278,7 +275,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(pyt_state_dict, storage_reader=reader, planner=planner,
-                     no_dist=not _dist_ready())
+                     no_dist=not group_initialized())
         requests.finish()
         self.cached_global_metadata = metadata
 

@@ -24,6 +24,7 @@ from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
+from ckpt_tool._torchrun import group_initialized
 from ..core import CheckpointingException
 from ..dict_utils import dict_list_map_inplace, nested_values
 from ..mapping import ShardedStateDict, ShardedTensor, is_main_replica
@@ -61,16 +62,12 @@ def register_default_zarr_strategies() -> None:
     register_default_strategy(StrategyAction.LOAD_SHARDED, "zarr", 1, ZarrLoadShardedStrategy())
 
 
-def _dist_ready() -> bool:
-    return torch.distributed.is_available() and torch.distributed.is_initialized()
-
-
 def _sync_errors(step: str, error: Optional[BaseException]) -> None:
     """Collective barrier that also fails every rank if ``step`` failed on any rank.
 
     A rank raising alone would leave the others waiting forever in the next collective.
     """
-    if not _dist_ready():
+    if not group_initialized():
         if error is not None:
             raise error
         return
