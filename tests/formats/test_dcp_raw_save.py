@@ -101,15 +101,14 @@ def _write(reader, out: Path, *, raw: bool, threads: int = 1) -> None:
 def test_raw_path_writes_what_dcp_writes(name, threads, tmp_path, monkeypatch):
     import torch
 
-    from ckpt_tool.formats import open_checkpoint
-    from ckpt_tool.formats.mcore_dist import torch_dist_writer
+    from ckpt_tool.formats import dcp_raw_save, open_checkpoint
 
     reader = open_checkpoint(_fixture(name))
     if reader.common_file() is None:
         pytest.skip("the fixture's common.pt needs torch to load")
     calls = []
-    real = torch_dist_writer.raw_dcp_save
-    monkeypatch.setattr(torch_dist_writer, "raw_dcp_save",
+    real = dcp_raw_save.raw_dcp_save
+    monkeypatch.setattr(dcp_raw_save, "raw_dcp_save",
                         lambda *a, **k: calls.append(1) or real(*a, **k))
     _write(reader, tmp_path / "dcp", raw=False, threads=threads)
     assert not calls
