@@ -44,7 +44,8 @@ def compare(a: Path, b: Path) -> dict:
         "same_common": _common(a) == _common(b),
         "metadata_equal": ma == mb,
         "storage_order": list(ma.storage_data) == list(mb.storage_data),
-        "plans": len(ma.all_local_plans) if ma.all_local_plans is not None else None, "staged_ids": all(".ckpt-staging-" in i for i in ids),
+        "plans": len(ma.all_local_plans) if ma.all_local_plans is not None else None,
+        "staged_ids": all(".ckpt-staging-" in i for i in ids),
         "manifest": all((d / "integrity.json").is_file() or (d / "ckpt-manifest.json").is_file()
                         for d in (a, b)),
     }

@@ -55,7 +55,8 @@ def test_plain_values_and_unwrapped_objects_are_torch_saves_bytes():
 
     ns = argparse.Namespace(params_dtype=torch.bfloat16, main=torch.float32, half=torch.half,
                             seed=np.int64(3), lrs=[0.5] * 300, names=[f"n{i}" for i in range(300)],
-                            again=torch.bfloat16, blob=b"\x00\xff", t=(1, "a"), od=collections.OrderedDict(x=1))
+                            again=torch.bfloat16, blob=b"\x00\xff", t=(1, "a"),
+                            od=collections.OrderedDict(x=1))
     for value in (ns, {"a": {"b": [1, 2.5, None, True]}}, "x" * 70000, [ns, ns], None, 2**70):
         loaded = load_plain(_torch_save(value))  # torch dtypes as stand-ins
         assert plain_archive(loaded) == _torch_save(value)
@@ -198,3 +199,40 @@ def test_convert_torch_dist_to_dcp_never_imports_torch(tmp_path):
     assert json.loads(out.stdout.strip().splitlines()[-1]) == [False, True, 1]
     assert (tmp_path / "out" / ".metadata").is_file()
     assert not (tmp_path / "out" / "metadata.json").exists()
+
+
+@pytest.mark.parametrize("case", ["raw", "raw_save_false", "float8"])
+def test_dcp_writer_chooses_the_raw_path_as_torch_dist_does(case, tmp_path, monkeypatch):
+    """The DCP writer takes the raw path unless ``extra["raw_save"]`` is False or a chunk is
+    one the raw archive writer leaves to ``torch.save`` (float8); the output reads back the
+    same either way (tensors, nested common state, an object)."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from ckpt_tool.formats import dcp_raw_save
+    from ckpt_tool.formats.writer import WriteRequest, WriterOptions, writer_for
+    from ckpt_tool.model import CheckpointMeta, ChunkRef, ObjectMeta, TensorMeta
+
+    dtype = torch.float8_e4m3fn if case == "float8" else torch.bfloat16
+    data = {"w": torch.arange(12, dtype=torch.float32).reshape(4, 3).to(dtype),
+            "b": torch.ones(5, dtype=torch.float32)}
+    tensors = {"w": TensorMeta("w", str(dtype).removeprefix("torch."), (4, 3),
+                               (ChunkRef((0, 0), (2, 3)), ChunkRef((2, 0), (2, 3)))),
+               "b": TensorMeta("b", "float32", (5,))}
+
+    class Source:
+        def read(self, key, offsets, sizes):
+            return data[key][tuple(slice(o, o + s) for o, s in zip(offsets, sizes))].clone()
+
+    common = {"optimizer": {"param_groups": [{"lr": 0.5, "params": [0]}]}, "step": 7}
+    req = WriteRequest(meta=CheckpointMeta("x", "", tensors, (ObjectMeta("obj", "obj"),)),
+                       source=Source(), common=common, objects=lambda key: {"k": [1, 2]})
+    extra = {"raw_save": False} if case == "raw_save_false" else {}
+    before = len(dcp_raw_save.RAW_SAVES)
+    writer_for("dcp")(tmp_path / "out", WriterOptions(extra=extra)).write(req)
+    assert len(dcp_raw_save.RAW_SAVES) == before + (case == "raw")
+    dcp_to_torch_save(tmp_path / "out", tmp_path / "out.pt")
+    loaded = torch.load(tmp_path / "out.pt", weights_only=False)
+    assert _equal(loaded["w"], data["w"]) and _equal(loaded["b"], data["b"])
+    assert loaded["optimizer"] == common["optimizer"] and loaded["step"] == 7
+    assert loaded["obj"] == {"k": [1, 2]}
