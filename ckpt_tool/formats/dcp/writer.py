@@ -106,13 +106,14 @@ def _light_common(request: WriteRequest) -> dict | None:
     ``common.pt`` when the request passes one and that needs no torch, else None."""
     if request.common_file is None:
         return None
+    from ckpt_tool.errors import CkptError
     from ckpt_tool.formats.torch_save_plain import load_plain
     from ckpt_tool.formats.torch_stand_ins import NeedsTorch
 
     try:
         common = load_plain(request.common_file)
-    except NeedsTorch:
-        return None
+    except (NeedsTorch, CkptError):  # (a global the allowlist refuses: the reader decides,
+        return None                  # with its --trust, through ``full_common``)
     return common if isinstance(common, dict) else None
 
 
