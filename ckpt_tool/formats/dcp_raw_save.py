@@ -32,6 +32,7 @@ from ckpt_tool.formats.dcp_raw_metadata import (
     PlannedItem,
     assign_files,
     metadata_pickle,
+    planned_items,
     rank_plans,
 )
 from ckpt_tool.formats.torch_zip_write import TensorArchive, supported
@@ -39,7 +40,7 @@ from ckpt_tool.formats.writer import WriteRequest, Writer
 from ckpt_tool.model import dtype_itemsize
 
 __all__ = ["raw_save_applies", "raw_dcp_save", "chunk_buffer", "file_count", "is_main_rank",
-           "stored_shape_note"]
+           "stored_shape_note", "raw_path_applies", "raw_write", "RAW_SAVES"]
 
 METADATA_FILE = ".metadata"
 
@@ -196,6 +197,43 @@ def _write_metadata(directory: Path, items: Sequence[PlannedItem],
         if sync:
             os.fsync(f.fileno())
     os.replace(tmp, directory / METADATA_FILE)
+
+
+# -- a writer's request on the raw path (torch_dist and dcp writers) -----------------
+
+#: The directories written through the raw path in this process, newest last (tests check
+#: that a run did not fall back to DCP's save silently).
+RAW_SAVES: list[str] = []
+
+
+def raw_path_applies(writer: Writer, request: WriteRequest) -> bool:
+    """True when ``writer`` should write ``request`` through :func:`raw_dcp_save`: every
+    target chunk suits the raw archive writer and ``extra["raw_save"]`` is not False."""
+    if writer.options.extra.get("raw_save", True) is False:
+        return False
+    return raw_save_applies(planned_items(list(request.meta.tensors.values()), []))
+
+
+def raw_write(writer: Writer, request: WriteRequest, bytes_keys: Sequence[str],
+              payload: Callable[[str], bytes], *, planner_data: Any, keep_local_plans: bool,
+              digest: str, prepare: Callable[[], None] | None = None) -> None:
+    """:func:`raw_dcp_save` of ``request`` into ``writer.directory`` on this rank (every rank
+    of a torchrun job calls it): the target chunks then the bytes items ``bytes_keys``
+    (``payload(key)``: their bytes), the files and threads the writer's options ask for,
+    each chunk into the file the target names when it names one."""
+    ranks = request.ranks if request.ranks is not None and request.ranks.world > 1 \
+        else None
+    chunk_files = {(k, tuple(c.offsets)): c.file for k, t in request.meta.tensors.items()
+                   for c in t.chunks if c.file}
+    raw_dcp_save(
+        writer.directory, planned_items(list(request.meta.tensors.values()), bytes_keys),
+        payload=payload, tensor=lambda i: request.source.read(i.fqn, i.offsets, i.sizes),
+        files=lambda n: file_count(request, writer, n),
+        threads=int(writer.options.extra.get("threads", 1)),
+        file_of=(lambda i: chunk_files.get((i.fqn, i.offsets))) if chunk_files else None,
+        on_written=request.progress, planner_data=planner_data,
+        keep_local_plans=keep_local_plans, digest=digest, ranks=ranks, prepare=prepare)
+    RAW_SAVES.append(str(writer.directory))
 
 
 # -- shared with the DCP path (dcp_streaming) ----------------------------------------

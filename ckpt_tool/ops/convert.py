@@ -119,9 +119,10 @@ def convert(src: str | Path, dst: str | Path, options: ConvertOptions, *, trust:
         def on_bytes(nbytes: int) -> None:
             job_progress.update(nbytes, source.tensors_done)
 
-        # torch_dist -> torch_dist moving raw bytes: common.pt and the objects' bytes items
-        # may be copied as stored (the writer then never imports torch)
-        passthrough = _passthrough(reader, plan) if raw and options.to == "torch_dist" else {}
+        # torch_dist -> torch_dist (or dcp) moving raw bytes: common.pt and the objects' bytes
+        # items may be copied (or re-pickled) as stored: the writer then never imports torch
+        passthrough = (_passthrough(reader, plan) if raw and options.to in ("torch_dist", "dcp")
+                       else {})
         # safetensors keeps only scalars of the common state: the summary has them (and
         # loading the full common state would import torch for nothing)
         common = (_scalar_summary(meta.common) if options.to == "safetensors"

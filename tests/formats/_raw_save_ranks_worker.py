@@ -1,6 +1,7 @@
-"""Run under torchrun (2 gloo ranks) by ``test_dcp_raw_save.py``: ``convert --to torch_dist`` and
-``reshard`` of a torch_dist fixture, each written twice, through DCP's save (``raw_save``
-refused) and through the raw path; rank 0 prints a JSON verdict comparing the two.
+"""Run under torchrun (2 gloo ranks) by ``test_dcp_raw_save.py``: ``convert --to torch_dist``,
+``reshard`` and ``convert --to dcp`` of a torch_dist fixture, each written twice, through DCP's
+save (the raw path refused) and through the raw path; rank 0 prints a JSON verdict comparing
+the two.
 
 argv: SRC OUT
 """
@@ -12,6 +13,8 @@ import pickle
 import sys
 from pathlib import Path
 
+from ckpt_tool.formats import dcp_raw_save
+from ckpt_tool.formats.dcp import writer as dcp_writer
 from ckpt_tool.formats.mcore_dist import torch_dist_writer
 from ckpt_tool.ops._convert_plan import ConvertOptions
 from ckpt_tool.ops.convert import convert
@@ -19,9 +22,11 @@ from ckpt_tool.ops.reshard import ReshardRequest, reshard
 from ckpt_tool.parallel import ranks
 
 
-def _common(d: Path) -> dict:
+def _common(d: Path) -> dict | None:
     import torch
 
+    if not (d / "common.pt").is_file():  # a plain DCP checkpoint
+        return None
     common = torch.load(d / "common.pt", weights_only=False)
     return {k: vars(v) if k == "args" else v for k, v in common.items()}
 
@@ -39,25 +44,29 @@ def compare(a: Path, b: Path) -> dict:
         "same_common": _common(a) == _common(b),
         "metadata_equal": ma == mb,
         "storage_order": list(ma.storage_data) == list(mb.storage_data),
-        "plans": len(ma.all_local_plans), "staged_ids": all(".ckpt-staging-" in i for i in ids),
-        "manifest": (a / "integrity.json").is_file() and (b / "integrity.json").is_file(),
+        "plans": len(ma.all_local_plans) if ma.all_local_plans is not None else None,
+        "staged_ids": all(".ckpt-staging-" in i for i in ids),
+        "manifest": all((d / "integrity.json").is_file() or (d / "ckpt-manifest.json").is_file()
+                        for d in (a, b)),
     }
 
 
 def main() -> None:
     src, out = Path(sys.argv[1]), Path(sys.argv[2])
     r = ranks()
-    real = torch_dist_writer.TorchDistWriter._write_raw
+    real = torch_dist_writer.TorchDistWriter._write_raw, dcp_writer.raw_path_applies
     runs = {"convert": lambda d: convert(src, d, ConvertOptions(to="torch_dist")),
-            "reshard": lambda d: reshard(src, d, ReshardRequest(tp=1, pp=1))}
+            "reshard": lambda d: reshard(src, d, ReshardRequest(tp=1, pp=1)),
+            "convert_dcp": lambda d: convert(src, d, ConvertOptions(to="dcp"))}
     verdict = {}
     for name, run in runs.items():
         torch_dist_writer.TorchDistWriter._write_raw = lambda self, req, notes: False
+        dcp_writer.raw_path_applies = lambda *a: False
         run(out / f"{name}_dcp")
-        torch_dist_writer.TorchDistWriter._write_raw = real
-        before = len(torch_dist_writer.RAW_SAVES)
+        torch_dist_writer.TorchDistWriter._write_raw, dcp_writer.raw_path_applies = real
+        before = len(dcp_raw_save.RAW_SAVES)
         run(out / f"{name}_raw")
-        raw_taken = r.gather(len(torch_dist_writer.RAW_SAVES) == before + 1)
+        raw_taken = r.gather(len(dcp_raw_save.RAW_SAVES) == before + 1)
         if r.is_main:
             verdict[name] = {**compare(out / f"{name}_raw", out / f"{name}_dcp"),
                              "raw_on_every_rank": all(raw_taken)}

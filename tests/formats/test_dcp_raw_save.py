@@ -101,15 +101,14 @@ def _write(reader, out: Path, *, raw: bool, threads: int = 1) -> None:
 def test_raw_path_writes_what_dcp_writes(name, threads, tmp_path, monkeypatch):
     import torch
 
-    from ckpt_tool.formats import open_checkpoint
-    from ckpt_tool.formats.mcore_dist import torch_dist_writer
+    from ckpt_tool.formats import dcp_raw_save, open_checkpoint
 
     reader = open_checkpoint(_fixture(name))
     if reader.common_file() is None:
         pytest.skip("the fixture's common.pt needs torch to load")
     calls = []
-    real = torch_dist_writer.raw_dcp_save
-    monkeypatch.setattr(torch_dist_writer, "raw_dcp_save",
+    real = dcp_raw_save.raw_dcp_save
+    monkeypatch.setattr(dcp_raw_save, "raw_dcp_save",
                         lambda *a, **k: calls.append(1) or real(*a, **k))
     _write(reader, tmp_path / "dcp", raw=False, threads=threads)
     assert not calls
@@ -205,9 +204,9 @@ def test_reshard_takes_the_raw_path_and_writes_what_dcp_writes(tmp_path, monkeyp
 
 @pytest.mark.multiproc
 def test_two_ranks_convert_and_reshard_write_what_dcp_writes(tmp_path):
-    """Under torchrun (2 gloo ranks) both ``convert --to torch_dist`` and ``reshard`` take the
-    raw path on every rank; data files, ``.metadata`` (two local plans) and the common state
-    equal the DCP path's."""
+    """Under torchrun (2 gloo ranks) ``convert --to torch_dist``, ``reshard`` and ``convert
+    --to dcp`` take the raw path on every rank; data files, ``.metadata`` (two local plans
+    for torch_dist) and the common state equal the DCP path's."""
     src = _fixture("mcore016_gpt_tp2pp2_bf16_optim")
     worker = Path(__file__).resolve().parent / "_raw_save_ranks_worker.py"
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1",
@@ -218,9 +217,11 @@ def test_two_ranks_convert_and_reshard_write_what_dcp_writes(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(l for l in proc.stdout.splitlines() if l.startswith("VERDICT "))
     verdict = json.loads(line.removeprefix("VERDICT "))
-    for name in ("convert", "reshard"):
+    for name in ("convert", "reshard", "convert_dcp"):
         got = verdict[name]
         assert any(f.startswith("__1_") for f in got.pop("files")), name  # rank 1 wrote
+        plain = name == "convert_dcp"  # plain DCP: no common.pt, no all_local_plans
         assert got == {"same_names": True, "same_bytes": True, "same_common": True,
-                       "metadata_equal": True, "storage_order": True, "plans": 2,
-                       "staged_ids": True, "manifest": True, "raw_on_every_rank": True}, name
+                       "metadata_equal": True, "storage_order": True,
+                       "plans": None if plain else 2, "staged_ids": True, "manifest": True,
+                       "raw_on_every_rank": True}, name

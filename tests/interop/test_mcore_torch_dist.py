@@ -120,13 +120,13 @@ def test_mcore_loads_our_torch_free_conversion(mcore_ckpt, tmp_path, monkeypatch
     """``convert --to torch_dist`` of Megatron-Core's checkpoint takes the torch-free path
     (data files by our archive writer, ``.metadata`` pickled by reference, ``common.pt`` and
     the objects copied as stored); Megatron-Core reads and loads it like the source."""
-    from ckpt_tool.formats.mcore_dist import torch_dist_writer
+    from ckpt_tool.formats import dcp_raw_save
     from ckpt_tool.ops._convert_plan import ConvertOptions
     from ckpt_tool.ops.convert import convert
 
     calls = []
-    real = torch_dist_writer.raw_dcp_save
-    monkeypatch.setattr(torch_dist_writer, "raw_dcp_save",
+    real = dcp_raw_save.raw_dcp_save
+    monkeypatch.setattr(dcp_raw_save, "raw_dcp_save",
                         lambda *a, **k: calls.append(1) or real(*a, **k))
     out = tmp_path / "converted"
     convert(mcore_ckpt, out, ConvertOptions(to="torch_dist"))

@@ -307,6 +307,16 @@ class DcpReader(Reader):
             exc.path = exc.path or str(self.root / str(o.file))
             raise
 
+    def read_object_light(self, unique_key: str) -> Any:
+        """:meth:`read_object` with tensors as placeholders, through the same allowlisting
+        unpickler, without importing torch unless the pickle needs it (for validation)."""
+        from ckpt_tool.formats.common_state import load_torch_save_light
+        from ckpt_tool.formats.dcp_items import read_item_bytes
+
+        o = self._object_meta(unique_key)
+        data = read_item_bytes(self.root, o.file, o.byte_offset, o.byte_length)
+        return load_torch_save_light(data, trust=self.trust, where=self.root / str(o.file))
+
     def objects_in_common(self) -> frozenset[str]:
         """The bytes items that are the common state: all but Megatron-Core ShardedObjects
         (``key/shard_<offset>_<shape>``), which stay objects."""

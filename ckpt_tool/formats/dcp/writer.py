@@ -1,28 +1,37 @@
-"""Streaming writer of plain PyTorch DCP checkpoints: ``__0_{i}.distcp`` + ``.metadata``.
+"""Streaming writer of plain PyTorch DCP checkpoints: ``__{rank}_{i}.distcp`` + ``.metadata``.
 
-The same streaming machinery as ``torch_dist`` (:mod:`ckpt_tool.formats.dcp_streaming`).
 Objects and the common state become bytes items (``torch.save(value)``, as ``dcp.save`` stores
 non-tensors); the common state is flattened the way ``dcp.save`` flattens a state dict
-(``optimizer.param_groups.0.lr``), each value a bytes item (its tensors too, so that a reader
-tells the model's tensors from the common state's), and ``planner_data`` maps each key to its
-nested path, so ``dcp.load`` and ``dcp_to_torch_save`` give the values back.
+(``optimizer.param_groups.0.lr``: :func:`ckpt_tool.formats.torch_save_plain.flatten_state`),
+each value a bytes item (its tensors too, so that a reader tells the model's tensors from the
+common state's), and ``planner_data`` maps each key to its nested path, so ``dcp.load`` and
+``dcp_to_torch_save`` give the values back.
 
-Options (``WriterOptions.extra``): ``files``, ``threads`` as for ``torch_dist``;
-``planner_data``: ``{fqn: path tuple}`` for tensor/object keys, default ``(fqn,)``.
+As for ``torch_dist`` (:mod:`ckpt_tool.formats.mcore_dist.torch_dist_writer`): when every
+chunk suits our ``torch.save`` archive writer, :mod:`ckpt_tool.formats.dcp_raw_save` writes the
+files and ``.metadata`` (the same bytes and an equal ``Metadata`` as DCP's save), in one
+process and on every rank of a torchrun job. The bytes items are then written without torch
+where the source was read without it: a torch_dist source passes its ``common.pt`` and its
+objects' stored bytes (``WriteRequest.common_file``/``raw_object``), which are loaded with
+torch dtypes as stand-ins and pickled as ``torch.save`` would
+(:mod:`ckpt_tool.formats.torch_save_plain`); a value holding a tensor or another torch object
+is ``torch.save``d. Otherwise (another dtype, or ``extra["raw_save"]`` False)
+``torch.distributed.checkpoint.save`` runs with the planner and file writer of
+:mod:`ckpt_tool.formats.dcp_streaming`.
+
+Options (``WriterOptions.extra``): ``raw_save`` (False: always DCP's save), ``files``,
+``threads`` as for ``torch_dist``; ``planner_data``: ``{fqn: path tuple}`` for tensor/object
+keys, default ``(fqn,)``.
 """
 
 from __future__ import annotations
 
 import io
-from typing import Any
+import threading
+from typing import Any, Callable
 
-from ckpt_tool.formats.dcp_streaming import (
-    bytes_write_item,
-    run_dcp_save,
-    serialized,
-    stored_shape_note,
-    tensor_items,
-)
+from ckpt_tool.formats.dcp_raw_save import raw_path_applies, raw_write, stored_shape_note
+from ckpt_tool.formats.torch_save_plain import flatten_state
 from ckpt_tool.formats.writer import WriteRequest, Writer
 
 __all__ = ["DcpWriter"]
@@ -36,28 +45,52 @@ class DcpWriter(Writer):
 
     def write(self, request: WriteRequest) -> list[str]:
         """The DCP items and ``.metadata``; objects and common values as bytes items."""
-        from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-
         notes = stored_shape_note(request)
+        raw = raw_path_applies(self, request)
+        light = _light_common(request) if raw else None
+        common = light if light is not None else dict(request.full_common() or {})
+        planner_data, flat, objects = self._plan(request, common, notes)
+        if raw:
+            payload = _Payloads(request, flat, objects, light is not None)
+            raw_write(self, request, list(flat) + objects, payload.archive,
+                      planner_data=planner_data, keep_local_plans=False, digest="crc32")
+            return notes
+
+        from ckpt_tool.formats.dcp_streaming import (
+            bytes_write_item,
+            run_dcp_save,
+            serialized,
+            tensor_items,
+        )
+
+        items = tensor_items(request) + [bytes_write_item(k) for k in list(flat) + objects]
+        object_set = set(objects)
+
+        def payload(fqn: str) -> io.BytesIO:
+            return serialized(request.objects(fqn) if fqn in object_set else flat[fqn])
+
+        run_dcp_save(self, request, items, planner_data=planner_data, keep_local_plans=False,
+                     tensor=lambda fqn, offsets, sizes: request.source.read(fqn, offsets, sizes),
+                     payload=payload)
+        return notes
+
+    def _plan(self, request: WriteRequest, common: dict, notes: list[str]
+              ) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
+        """``planner_data`` (every key's nested path), the flattened common values to store
+        and the objects' keys, in the order their bytes items are written."""
         given = self.options.extra.get("planner_data") or {}
-        items = tensor_items(request)
         planner_data: dict[str, Any] = {k: tuple(given.get(k, (k,)))
                                         for k in request.meta.tensors}
         # the common state first: its bytes items keep their nested paths (a DCP source lists
         # the same items as objects too: ``Reader.objects_in_common``)
-        flat, mappings = flatten_state_dict(dict(request.common or {}))
-        common: dict[str, Any] = {}
-        clashes = []
-        for fqn, value in flat.items():
-            if fqn in planner_data:
-                clashes.append(fqn)
-                continue
-            common[fqn] = value
+        flat, mappings = flatten_state(common)
+        clashes = sorted(k for k in flat if k in planner_data)
+        flat = {k: v for k, v in flat.items() if k not in planner_data}
+        for fqn in flat:
             planner_data[fqn] = tuple(mappings.get(fqn, (fqn,)))
-            items.append(bytes_write_item(fqn))  # tensors too: a reader tells them apart
         if clashes:
             notes.append(f"dropped {len(clashes)} common-state values whose key is also a "
-                         f"tensor key ({', '.join(sorted(clashes)[:3])}"
+                         f"tensor key ({', '.join(clashes[:3])}"
                          f"{', ...' if len(clashes) > 3 else ''})")
         objects = []
         for o in request.meta.objects:
@@ -65,15 +98,63 @@ class DcpWriter(Writer):
                 continue
             objects.append(o.unique_key)
             planner_data[o.unique_key] = tuple(given.get(o.unique_key, (o.unique_key,)))
-            items.append(bytes_write_item(o.unique_key))
-        object_set = set(objects)
+        return planner_data, flat, objects
 
-        def tensor(fqn: str, offsets: tuple, sizes: tuple):
-            return request.source.read(fqn, offsets, sizes)
 
-        def payload(fqn: str) -> io.BytesIO:
-            return serialized(request.objects(fqn) if fqn in object_set else common[fqn])
+def _light_common(request: WriteRequest) -> dict | None:
+    """The common state loaded without torch (torch dtypes as stand-ins) from the source's
+    ``common.pt`` when the request passes one and that needs no torch, else None."""
+    if request.common_file is None:
+        return None
+    from ckpt_tool.errors import CkptError
+    from ckpt_tool.formats.torch_save_plain import load_plain
+    from ckpt_tool.formats.torch_stand_ins import NeedsTorch
 
-        run_dcp_save(self, request, items, planner_data=planner_data, keep_local_plans=False,
-                      tensor=tensor, payload=payload)
-        return notes
+    try:
+        common = load_plain(request.common_file)
+    except (NeedsTorch, CkptError):  # (a global the allowlist refuses: the reader decides,
+        return None                  # with its --trust, through ``full_common``)
+    return common if isinstance(common, dict) else None
+
+
+class _Payloads:
+    """Each bytes item's ``torch.save`` archive for the raw path: without torch for common
+    values loaded without it (``light``) and for objects the source stores as
+    ``torch.save([payload])`` (tensors included: the list taken off the stored archive);
+    through ``torch.save`` of the value loaded with torch otherwise (thread-safe)."""
+
+    def __init__(self, request: WriteRequest, flat: dict[str, Any], objects: list[str],
+                 light: bool):
+        self._request, self._flat, self._light = request, flat, light
+        self._objects = set(objects)
+        self._lock = threading.Lock()
+        self._torch_flat: dict[str, Any] | None = None
+
+    def archive(self, fqn: str) -> bytes:
+        from ckpt_tool.formats.torch_save_plain import plain_archive, unwrapped_archive
+
+        data = None
+        if fqn in self._objects:
+            stored = self._request.raw_object(fqn)  # torch.save([payload]) as stored
+            data = None if stored is None else unwrapped_archive(stored)
+            if data is None:
+                return self._torch_save(lambda: self._request.objects(fqn))
+        elif self._light:
+            data = plain_archive(self._flat[fqn])
+        if data is not None:
+            return data
+        return self._torch_save(lambda: self._torch_common()[fqn])
+
+    def _torch_common(self) -> dict[str, Any]:
+        if not self._light:
+            return self._flat
+        with self._lock:  # the common state loaded with torch, once
+            if self._torch_flat is None:
+                self._torch_flat = flatten_state(dict(self._request.full_common() or {}))[0]
+            return self._torch_flat
+
+    @staticmethod
+    def _torch_save(value: Callable[[], Any]) -> bytes:
+        from ckpt_tool.formats.dcp_streaming import serialized
+
+        return serialized(value()).getvalue()

@@ -36,12 +36,11 @@ import re
 import os
 import shutil
 
-from ckpt_tool.formats.dcp_raw_metadata import planned_items
-from ckpt_tool.formats.dcp_raw_save import (
-    file_count,
+from ckpt_tool.formats.dcp_raw_save import (  # noqa: F401 - RAW_SAVES: tests count raw saves
+    RAW_SAVES,
     is_main_rank,
-    raw_dcp_save,
-    raw_save_applies,
+    raw_path_applies,
+    raw_write,
     stored_shape_note,
 )
 from ckpt_tool.formats.mcore_dist.config import CheckpointingConfig, save_config
@@ -99,16 +98,9 @@ class TorchDistWriter(Writer):
         of the common state as the DCP path writes it (``reshard``: its args change).
         Objects are their stored bytes items when the source has them, else
         ``torch.save([payload])`` as the DCP path writes them."""
-        if self.options.extra.get("raw_save", True) is False:
+        if not raw_path_applies(self, request):
             return False
         object_keys, others = _object_keys(request)
-        items = planned_items(list(request.meta.tensors.values()), object_keys)
-        if not raw_save_applies(items):
-            return False
-        ranks = request.ranks if request.ranks is not None and request.ranks.world > 1 \
-            else None
-        chunk_files = {(k, tuple(c.offsets)): c.file for k, t in request.meta.tensors.items()
-                       for c in t.chunks if c.file}
 
         def payload(key: str) -> bytes:
             stored = request.raw_object(key)
@@ -127,26 +119,14 @@ class TorchDistWriter(Writer):
                 torch_save_file(_common_with_objects(request, others, notes),
                                 self.directory / COMMON_FILE)
 
-        raw_dcp_save(
-            self.directory, items, payload=payload,
-            tensor=lambda i: request.source.read(i.fqn, i.offsets, i.sizes),
-            files=lambda n: file_count(request, self, n),
-            threads=int(self.options.extra.get("threads", 1)),
-            file_of=(lambda i: chunk_files.get((i.fqn, i.offsets))) if chunk_files else None,
-            on_written=request.progress, planner_data=None, keep_local_plans=True,
-            digest="sha256",  # the integrity manifest's algorithm (Megatron-Core's)
-            ranks=ranks, prepare=common_file)
-        RAW_SAVES.append(str(self.directory))
-        if ranks is not None:
-            ranks.barrier()  # every rank's files are in place (.metadata is: rank 0 said so)
+        # the integrity manifest's algorithm: sha256 (Megatron-Core's)
+        raw_write(self, request, object_keys, payload, planner_data=None,
+                  keep_local_plans=True, digest="sha256", prepare=common_file)
+        if request.ranks is not None and request.ranks.world > 1:
+            request.ranks.barrier()  # every rank's files are in place (.metadata: rank 0 said so)
         if is_main_rank(request):  # the completeness marker, last
             save_config(CheckpointingConfig("torch_dist", 1), str(self.directory))
         return True
-
-
-#: The directories written through the raw path in this process, newest last (tests check
-#: that a run did not fall back to DCP's save silently).
-RAW_SAVES: list[str] = []
 
 
 def _object_keys(request: WriteRequest) -> tuple[list[str], list[str]]:
