@@ -20,7 +20,7 @@ from ckpt_tool.formats.base import open_checkpoint
 from ckpt_tool.formats.writer import WriteRequest, WriterOptions, writer_for
 from ckpt_tool.formats.legacy.writer import updated_args, write_legacy_ranks
 from ckpt_tool.ops._optim_unflatten import unflatten_bucketed_optimizer
-from ckpt_tool.ops._reshard_io import PaddedSource, stacked_view_if_legacy
+from ckpt_tool.ops._reshard_io import reshard_source, stacked_view_if_legacy
 from ckpt_tool.ops._staging import (check_output_target, output_estimate, staged_output_ranks,
                                     verify_output)
 from ckpt_tool.parallel import JobProgress
@@ -104,7 +104,7 @@ def reshard(src: str | Path, dst: str | Path | None, req: ReshardRequest, *,
         reader = unflatten_bucketed_optimizer(reader, load_rules(req.rules))
     with reader:
         meta = reader.metadata()
-        common = reader.common()
+        common = _source_common(reader)
         layout, target_origins = _target_layout(req, meta, common)
         options = ReshardOptions(target_format=to, drop_optimizer=req.drop_optimizer,
                                  make_vocab_size_divisible_by=req.make_vocab_size_divisible_by,
@@ -124,7 +124,7 @@ def reshard(src: str | Path, dst: str | Path | None, req: ReshardRequest, *,
             result.seconds = time.perf_counter() - start
             return result
         target = plan.target_meta
-        source = PaddedSource(reader, target, fill=req.vocab_fill)
+        source = reshard_source(reader, target, req.vocab_fill, to)
         job_progress = JobProgress(progress, r)
         on_bytes = job_progress.update
 
@@ -152,6 +152,7 @@ def reshard(src: str | Path, dst: str | Path | None, req: ReshardRequest, *,
                 request = WriteRequest(
                     meta=target, source=source, common=new_common,
                     objects=lambda unique_key: reader.read_object(unique_key),
+                    raw_object=getattr(reader, "object_item_torch_free", lambda key: None),
                     progress=on_bytes, ranks=r if r.world > 1 else None,
                     source_description=f"ckpt reshard of {meta.root}")
                 wopts = WriterOptions(extra={"threads": max(1, workers)})
@@ -165,6 +166,15 @@ def reshard(src: str | Path, dst: str | Path | None, req: ReshardRequest, *,
     result.nbytes = r.broadcast(sum(r.gather(mine) or [0])) if r.world > 1 else mine
     result.seconds = time.perf_counter() - start
     return result
+
+
+def _source_common(reader: Any) -> dict[str, Any]:
+    """The source's common state; without torch where the reader can (a torch_dist
+    ``common.pt`` holding plain values and dtypes: ``torch.save``'s bytes of it are then
+    written without torch too)."""
+    light = getattr(reader, "common_torch_free", None)
+    common = light() if light is not None else None
+    return common if common is not None else reader.common()
 
 
 def _norm_names(req: ReshardRequest, common: dict[str, Any]) -> tuple[bool, str]:

@@ -7,7 +7,9 @@ process and on every rank of a torchrun job (each rank its ``__{rank}_{i}.distcp
 the ``.metadata``), for ``convert`` and ``reshard`` alike. ``common.pt`` is the source's file
 copied when the request passes one (``WriteRequest.common_file``: a torch_dist source
 converted as is; nothing then imports torch when the objects' stored bytes items can be
-copied too), else ``torch.save`` of the common state (``reshard``: its args change).
+copied too), else ``torch.save``'s bytes of the common state (``reshard``: its args change),
+written without torch when it holds only plain values and dtypes
+(:mod:`ckpt_tool.formats.torch_save_object`).
 Otherwise (another dtype, or ``extra["raw_save"]`` False):
 
 ``torch.distributed.checkpoint.save`` runs in this one process (no process group) with the
@@ -45,6 +47,7 @@ from ckpt_tool.formats.dcp_raw_save import (
     stored_shape_note,
 )
 from ckpt_tool.formats.mcore_dist.config import CheckpointingConfig, save_config
+from ckpt_tool.formats.torch_save_object import save_object
 from ckpt_tool.formats.write_guard import torch_save_file
 from ckpt_tool.formats.writer import WriteRequest, Writer
 
@@ -123,9 +126,9 @@ class TorchDistWriter(Writer):
                 return
             if request.common_file is not None and not others:
                 _copy_file(request.common_file, self.directory / COMMON_FILE)
-            else:
-                torch_save_file(_common_with_objects(request, others, notes),
-                                self.directory / COMMON_FILE)
+            else:  # without torch when the common state allows (torch_save_object)
+                save_object(_common_with_objects(request, others, notes),
+                            self.directory / COMMON_FILE)
 
         raw_dcp_save(
             self.directory, items, payload=payload,
