@@ -64,7 +64,10 @@ class TorchRef:
         return f"torch.{self.name}"
 
     def __reduce__(self) -> str:
-        return _REF_PREFIX + self.name  # a name of this module (see __getattr__ below)
+        # only :func:`torch_free_pickle` may pickle it (as torch's dtype): anything else
+        # (torch.save among them) would write a reference to this module
+        raise pickle.PicklingError(f"{self!r} stands in for torch's dtype: load the object "
+                                   "with torch to pickle it any other way")
 
 
 _REF_PREFIX = "_torch_dtype_"
@@ -75,6 +78,16 @@ def __getattr__(name: str) -> Any:  # the pickler checks each reference by looki
     if name.startswith(_REF_PREFIX) and name[len(_REF_PREFIX):] in TorchRef._all:
         return TorchRef._all[name[len(_REF_PREFIX):]]
     raise AttributeError(name)
+
+
+class _Pickler(pickle.Pickler):
+    """Python's C pickler; a :class:`TorchRef` becomes a reference to a name of this module
+    (rewritten to ``torch`` afterwards)."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if type(obj) is TorchRef:
+            return _REF_PREFIX + obj.name  # see __getattr__ above
+        return NotImplemented
 
 
 class _Give(BaseException):
@@ -123,7 +136,9 @@ def torch_free_pickle(obj: Any) -> bytes | None:
     (see the module docstring), else ``None``."""
     if not _plain(obj, set(), 0):
         return None
-    data = pickle.dumps(obj, protocol=2)
+    buf = io.BytesIO()
+    _Pickler(buf, protocol=2).dump(obj)
+    data = buf.getvalue()
     if _MODULE_REF.split(" ")[0].encode() not in data:
         return data
     out, at = bytearray(), 0
@@ -172,13 +187,14 @@ def _dtype_name(dtype: Any) -> str:
 
 
 def archive_prefix(path: str | os.PathLike) -> str:
-    """The record prefix ``torch.save`` gives the file ``path``: its name up to the first dot
+    """The record prefix ``torch.save`` gives the file ``path``: its name up to the last dot
     (``common`` for ``common.pt``); ``archive`` for a name ours opens through a link
     (:func:`ckpt_tool.formats.write_guard.zip_writer_name`: non-ASCII paths)."""
     path = os.fspath(path)
     if not path.isascii():
         return "archive"
-    return os.path.basename(path).split(".", 1)[0]
+    name = os.path.basename(path)
+    return name.rsplit(".", 1)[0] if "." in name else name
 
 
 def object_item(payload: Any) -> bytes | None:

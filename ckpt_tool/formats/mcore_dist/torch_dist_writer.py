@@ -33,10 +33,11 @@ more than 1 calls ``source.read``/``objects`` from several threads, which they m
 
 from __future__ import annotations
 
-import re
-
 import os
+import re
 import shutil
+from types import SimpleNamespace
+from typing import Any
 
 from ckpt_tool.formats.dcp_raw_metadata import planned_items
 from ckpt_tool.formats.dcp_raw_save import (
@@ -49,9 +50,10 @@ from ckpt_tool.formats.dcp_raw_save import (
 from ckpt_tool.formats.mcore_dist.config import CheckpointingConfig, save_config
 from ckpt_tool.formats.torch_save_object import save_object
 from ckpt_tool.formats.write_guard import torch_save_file
-from ckpt_tool.formats.writer import WriteRequest, Writer
+from ckpt_tool.formats.writer import WriteRequest, Writer, WriterOptions
+from ckpt_tool.model import CheckpointMeta
 
-__all__ = ["TorchDistWriter"]
+__all__ = ["TorchDistWriter", "writes_raw"]
 
 COMMON_FILE = "common.pt"
 # What Megatron-Core's ShardedObject.empty_from_unique_key can parse back.
@@ -102,12 +104,10 @@ class TorchDistWriter(Writer):
         of the common state as the DCP path writes it (``reshard``: its args change).
         Objects are their stored bytes items when the source has them, else
         ``torch.save([payload])`` as the DCP path writes them."""
-        if self.options.extra.get("raw_save", True) is False:
+        if not writes_raw(request.meta, self.options):
             return False
         object_keys, others = _object_keys(request)
         items = planned_items(list(request.meta.tensors.values()), object_keys)
-        if not raw_save_applies(items):
-            return False
         ranks = request.ranks if request.ranks is not None and request.ranks.world > 1 \
             else None
         chunk_files = {(k, tuple(c.offsets)): c.file for k, t in request.meta.tensors.items()
@@ -147,14 +147,28 @@ class TorchDistWriter(Writer):
         return True
 
 
+def writes_raw(meta: CheckpointMeta, options: WriterOptions, *,
+               common_alone: bool = False) -> bool:
+    """True when :meth:`TorchDistWriter.write` takes the raw path for the target ``meta``
+    (every chunk suits the archive writer, ``extra["raw_save"]`` is not False); with
+    ``common_alone``, also that no object moves into ``common.pt`` (it is then the common
+    state given, as given)."""
+    if options.extra.get("raw_save", True) is False:
+        return False
+    object_keys, others = _object_keys(SimpleNamespace(meta=meta))
+    return (raw_save_applies(planned_items(list(meta.tensors.values()), object_keys))
+            and not (common_alone and others))
+
+
 #: The directories written through the raw path in this process, newest last (tests check
 #: that a run did not fall back to DCP's save silently).
 RAW_SAVES: list[str] = []
 
 
-def _object_keys(request: WriteRequest) -> tuple[list[str], list[str]]:
-    """The objects' keys: ShardedObjects (stored as bytes items), then the others (which
-    Megatron-Core cannot parse as a ShardedObject's: they go into ``common.pt``)."""
+def _object_keys(request: Any) -> tuple[list[str], list[str]]:
+    """The objects' keys of ``request`` (a ``WriteRequest``, or anything with the target
+    ``meta``): ShardedObjects (stored as bytes items), then the others (which Megatron-Core
+    cannot parse as a ShardedObject's: they go into ``common.pt``)."""
     keys = list(dict.fromkeys(o.unique_key for o in request.meta.objects))
     return ([k for k in keys if _SHARDED_OBJECT_KEY.fullmatch(k)],
             [k for k in keys if not _SHARDED_OBJECT_KEY.fullmatch(k)])
