@@ -49,7 +49,6 @@ from ckpt_tool.formats.dcp_raw_save import (
 )
 from ckpt_tool.formats.mcore_dist.config import CheckpointingConfig, save_config
 from ckpt_tool.formats.torch_save_object import save_object
-from ckpt_tool.formats.write_guard import torch_save_file
 from ckpt_tool.formats.writer import WriteRequest, Writer, WriterOptions
 from ckpt_tool.model import CheckpointMeta
 
@@ -82,8 +81,8 @@ class TorchDistWriter(Writer):
 
         object_keys, others = _object_keys(request)
         common = _common_with_objects(request, others, notes)
-        if is_main_rank(request):
-            torch_save_file(common, self.directory / COMMON_FILE)
+        if is_main_rank(request):  # torch.save's bytes (without torch where it can)
+            save_object(common, self.directory / COMMON_FILE)
         items = tensor_items(request) + [bytes_write_item(k) for k in object_keys]
         run_dcp_save(self, request, items, planner_data=None, keep_local_plans=True,
                       tensor=request.source.read,
