@@ -99,8 +99,9 @@ class TorchDistWriter(Writer):
         ``extra["raw_save"]`` is not False; False (nothing written) otherwise.
 
         ``common.pt`` is the source's file copied as it is when the request passes one and
-        no object moves into it (``convert`` of a torch_dist source), else ``torch.save``
-        of the common state as the DCP path writes it (``reshard``: its args change).
+        no object moves into it (``convert`` of a torch_dist source), else ``torch.save``'s
+        bytes of the common state as the DCP path writes them (``reshard``: its args change;
+        without torch where ``torch_save_object`` can).
         Objects are their stored bytes items when the source has them, else
         ``torch.save([payload])`` as the DCP path writes them."""
         if not writes_raw(request.meta, self.options):
