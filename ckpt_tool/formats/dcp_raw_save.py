@@ -36,8 +36,8 @@ from ckpt_tool.formats.dcp_raw_metadata import (
     rank_plans,
 )
 from ckpt_tool.formats.torch_zip_write import TensorArchive, supported
-from ckpt_tool.formats.writer import WriteRequest, Writer
-from ckpt_tool.model import dtype_itemsize
+from ckpt_tool.formats.writer import WriteRequest, Writer, WriterOptions
+from ckpt_tool.model import CheckpointMeta, dtype_itemsize
 
 __all__ = ["raw_save_applies", "raw_dcp_save", "chunk_buffer", "file_count", "is_main_rank",
            "stored_shape_note", "raw_path_applies", "raw_write", "RAW_SAVES"]
@@ -206,12 +206,13 @@ def _write_metadata(directory: Path, items: Sequence[PlannedItem],
 RAW_SAVES: list[str] = []
 
 
-def raw_path_applies(writer: Writer, request: WriteRequest) -> bool:
-    """True when ``writer`` should write ``request`` through :func:`raw_dcp_save`: every
-    target chunk suits the raw archive writer and ``extra["raw_save"]`` is not False."""
-    if writer.options.extra.get("raw_save", True) is False:
+def raw_path_applies(meta: CheckpointMeta, options: WriterOptions) -> bool:
+    """True when a writer with ``options`` should write the target ``meta`` through
+    :func:`raw_dcp_save`: every target chunk suits the raw archive writer and
+    ``extra["raw_save"]`` is not False."""
+    if options.extra.get("raw_save", True) is False:
         return False
-    return raw_save_applies(planned_items(list(request.meta.tensors.values()), []))
+    return raw_save_applies(planned_items(list(meta.tensors.values()), []))
 
 
 def raw_write(writer: Writer, request: WriteRequest, bytes_keys: Sequence[str],

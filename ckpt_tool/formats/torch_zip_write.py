@@ -34,7 +34,7 @@ from typing import Any, Callable, Sequence
 
 from ckpt_tool._crc import crc32
 
-__all__ = ["STORAGE_TYPES", "supported", "tensor_pickle", "TensorArchive", "pickle_archive",
+__all__ = ["STORAGE_TYPES", "supported", "tensor_pickle", "TensorArchive", "object_archive",
            "records_archive"]
 
 #: dtype name -> the storage class ``torch.save`` names in ``data.pkl``
@@ -61,8 +61,7 @@ _VERSION = b"3\n"
 # torch derives the first half of serialization_id from the names of the records it wrote
 # (the same names for every tensor archive), the second half from their CRCs (below)
 _NAMES_ID = "15728199511854643026"
-# ... and of an archive without storages (``torch.save`` of a value holding no tensor)
-_PLAIN_NAMES_ID = "02908468677762923104"
+_OBJECT_NAMES_ID = "02908468677762923104"  # the same without data/0 (an object, no tensors)
 _MASK = (1 << 64) - 1
 
 
@@ -129,16 +128,17 @@ def _combine(seed: int, value: int) -> int:
     return (seed ^ ((value + 0x9E3779B9 + (seed << 6) + (seed >> 2)) & _MASK)) & _MASK
 
 
-class _Zip:
-    """The records of one ``torch.save`` archive as torch's stream writer lays them out."""
+class _Records:
+    """The zip records of one archive under ``prefix/``: local headers (64-byte aligned data,
+    sizes in data descriptors), then the central directory and the ZIP64 end records."""
 
-    def __init__(self) -> None:
-        self._records: list[tuple[bytes, int, int, int]] = []  # name, header at, size, crc
+    def __init__(self, prefix: str):
+        self.prefix = prefix
+        self.records: list[tuple[bytes, int, int, int]] = []  # name, header at, size, crc
 
-    @staticmethod
-    def _local(out: bytearray, base: int, name: str, size: int) -> int:
+    def local(self, out: bytearray, base: int, name: str, size: int) -> int:
         """Append a local header at archive offset ``base + len(out)``; return that offset."""
-        full = (_PREFIX + name).encode()
+        full = (self.prefix + name).encode()
         at = base + len(out)
         pad = -(at + _LOCAL.size + len(full) + 4) % _ALIGN
         out += _LOCAL.pack(b"PK\x03\x04", 0, _flags(size), 0, 0, 0, 0, 0, 0, len(full),
@@ -146,37 +146,59 @@ class _Zip:
         out += full + b"FB" + struct.pack("<H", pad) + b"Z" * pad
         return at
 
-    def _record(self, out: bytearray, base: int, name: str, data: bytes) -> None:
-        at = self._local(out, base, name, len(data))
+    def record(self, out: bytearray, base: int, name: str, data: bytes) -> None:
+        at = self.local(out, base, name, len(data))
         crc = crc32(data) & 0xFFFFFFFF
         out += data
         if data:  # an empty record has no data descriptor
             out += _DESCRIPTOR.pack(b"PK\x07\x08", crc, len(data), len(data))
-        self._records.append(((_PREFIX + name).encode(), at, len(data), crc))
+        self.records.append(((self.prefix + name).encode(), at, len(data), crc))
 
-    def _end(self, out: bytearray, base: int, names_id: str) -> None:
-        """Append ``version``, ``.data/serialization_id``, the central directory and the end
-        records (``out`` starts at archive offset ``base``)."""
-        self._record(out, base, "version", _VERSION)
+    def finish(self, out: bytearray, base: int, names_id: str) -> None:
+        """``version``, ``.data/serialization_id``, the central directory and end records."""
+        self.record(out, base, "version", _VERSION)
         combined = 0
-        for _, _, size, c in self._records:
+        for _, _, size, c in self.records:
             if size:  # torch combines the CRCs of non-empty records only
                 combined = _combine(combined, c)
-        self._record(out, base, ".data/serialization_id",
-                     f"{names_id}{combined:020d}".encode())
+        self.record(out, base, ".data/serialization_id", f"{names_id}{combined:020d}".encode())
         cd_start = base + len(out)
-        for full, at, size, c in self._records:
-            out += _CDIR.pack(b"PK\x01\x02", 0, 0, _flags(size), 0, 0, 0, c, size, size, len(full),
-                              0, 0, 0, 0, 0, at) + full
+        for full, at, size, c in self.records:
+            out += _CDIR.pack(b"PK\x01\x02", 0, 0, _flags(size), 0, 0, 0, c, size, size,
+                              len(full), 0, 0, 0, 0, 0, at) + full
         end = base + len(out)
-        n = len(self._records)
+        n = len(self.records)
         out += _EOCD64.pack(b"PK\x06\x06", 44, 0x031E, 0x002D, 0, 0, n, n, end - cd_start,
                             cd_start)
         out += _LOC64.pack(b"PK\x06\x07", 0, end, 1)
         out += _EOCD.pack(b"PK\x05\x06", 0, 0, n, n, end - cd_start, cd_start, 0)
 
 
-class TensorArchive(_Zip):
+def object_archive(pkl: bytes, prefix: str = "archive") -> bytes:
+    """The ``torch.save`` archive of an object without tensors whose ``data.pkl`` is ``pkl``
+    (the records are named ``prefix/...``: ``torch.save`` names them after the file, up to
+    its first dot, or ``archive`` for a stream)."""
+    return records_archive([("data.pkl", pkl), *_SMALL], _OBJECT_NAMES_ID, prefix)
+
+
+def records_archive(records: Sequence[tuple[str, bytes]], names_id: str,
+                    prefix: str = "archive") -> bytes:
+    """A ``torch.save`` archive of ``records`` (names under ``prefix/``, in torch's order:
+    ``data.pkl``, ``.format_version``, ``.storage_alignment``, ``byteorder``, ``data/*``;
+    ``version`` and ``.data/serialization_id`` are added), ``names_id`` the first half of
+    its serialization id (a hash of the record names, taken from an archive of the same
+    records)."""
+    if sum(len(data) for _, data in records) >= _LIMIT:
+        raise ValueError("no raw torch.save archive of 4 GiB or more")
+    zf = _Records(prefix + "/")
+    out = bytearray()
+    for name, data in records:
+        zf.record(out, 0, name, data)
+    zf.finish(out, 0, names_id)
+    return bytes(out)
+
+
+class TensorArchive:
     """The ``torch.save`` archive of one tensor (archive offsets start at 0).
 
     ``head()`` is every byte before the tensor's data (it does not depend on the data);
@@ -186,13 +208,13 @@ class TensorArchive(_Zip):
     def __init__(self, dtype: str, shape: Sequence[int], nbytes: int):
         if not supported(dtype, nbytes):
             raise ValueError(f"no raw torch.save archive for {dtype} of {nbytes} bytes")
-        super().__init__()
         self.nbytes = nbytes
         head = bytearray()
+        zf = _Records(_PREFIX)
         for name, data in (("data.pkl", tensor_pickle(dtype, shape)), *_SMALL):
-            self._record(head, 0, name, data)
-        self._head_records = list(self._records)
-        self._data_at = self._local(head, 0, "data/0", nbytes)
+            zf.record(head, 0, name, data)
+        self._head_records = list(zf.records)
+        self._data_at = zf.local(head, 0, "data/0", nbytes)
         self._head = bytes(head)
 
     def head(self) -> bytes:
@@ -202,11 +224,12 @@ class TensorArchive(_Zip):
     def tail(self, crc: int) -> bytes:
         """The bytes after the data (``crc``: CRC-32 of the data)."""
         base = len(self._head) + self.nbytes  # the archive offset of what follows
-        self._records = list(self._head_records)
-        self._records.append(((_PREFIX + "data/0").encode(), self._data_at, self.nbytes, crc))
+        zf = _Records(_PREFIX)
+        zf.records = [*self._head_records, ((_PREFIX + "data/0").encode(), self._data_at,
+                                            self.nbytes, crc)]
         out = bytearray(_DESCRIPTOR.pack(b"PK\x07\x08", crc, self.nbytes, self.nbytes)
                         if self.nbytes else b"")  # an empty record has no descriptor
-        self._end(out, base, _NAMES_ID)
+        zf.finish(out, base, _NAMES_ID)
         return bytes(out)
 
     def write(self, write: Callable[[Any], Any], data: Any) -> int:
@@ -222,23 +245,3 @@ class TensorArchive(_Zip):
         tail = self.tail(crc32(view) & 0xFFFFFFFF)
         write(tail)
         return len(self._head) + view.nbytes + len(tail)
-
-
-def pickle_archive(data_pkl: bytes) -> bytes:
-    """The ``torch.save`` archive (into a stream) of a value holding no tensor, given its
-    ``data.pkl`` (the protocol 2 pickle torch's pickler writes for the value)."""
-    return records_archive([("data.pkl", data_pkl), *_SMALL], _PLAIN_NAMES_ID)
-
-
-def records_archive(records: Sequence[tuple[str, bytes]], names_id: str) -> bytes:
-    """A ``torch.save`` archive of ``records`` (names under ``archive/``, in torch's order:
-    ``data.pkl``, ``.format_version``, ``.storage_alignment``, ``byteorder``, ``data/*``;
-    ``version`` and ``.data/serialization_id`` are added), ``names_id`` the first half of
-    its serialization id (a hash of the record names, taken from an archive of the same
-    records)."""
-    z = _Zip()
-    out = bytearray()
-    for name, data in records:
-        z._record(out, 0, name, data)
-    z._end(out, 0, names_id)
-    return bytes(out)

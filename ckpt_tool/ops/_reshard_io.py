@@ -18,7 +18,7 @@ from ckpt_tool.formats.legacy.layout import LOCAL_TO_DIST_NAMES
 from ckpt_tool.formats.base import Reader
 from ckpt_tool.model import CheckpointMeta, TensorMeta
 
-__all__ = ["StackedView", "PaddedSource", "stacked_view_if_legacy"]
+__all__ = ["StackedView", "PaddedSource", "stacked_view_if_legacy", "reshard_source"]
 
 _PER_LAYER = re.compile(r"^((?:.*\.)?(?:decoder|encoder)\.layers\.)(\d+)\.(.*)$")
 _STACKED = re.compile(r"^((?:.*\.)?(?:decoder|encoder)\.layers\.)([^0-9].*)$")
@@ -116,41 +116,70 @@ def _dist_name(rest: str, *, moe: bool) -> str:
 
 class PaddedSource:
     """Reads target keys from ``reader``; rows of re-padded vocab tensors beyond the source's
-    rows are zeros (``fill="zero"``) or copies of the last stored row (``"copy"``)."""
+    rows are zeros (``fill="zero"``) or copies of the last stored row (``"copy"``).
+
+    With ``raw`` (a :class:`ckpt_tool.ops._raw_source.RawSource` over the same reader) the
+    pieces are numpy arrays of the elements' bytes, read without torch, and copied rows are
+    byte copies (``raw_bytes``: the torch_dist writer takes them as they are); ``"zero"``
+    fill goes through torch (its zeros are ``row * 0``: signed, NaN for non-finite values)."""
 
     def __init__(self, reader: Reader, target: CheckpointMeta, fill: str = "copy",
-                 progress: Any = None):
+                 progress: Any = None, raw: Any = None):
         self.reader = reader
         self.fill = fill
         src = reader.metadata().tensors
         self.rows = {k: src[k].shape[0] for k, t in target.tensors.items()
                      if k in src and t.shape and src[k].shape and t.shape[0] != src[k].shape[0]}
+        if raw is not None and self.rows and fill != "copy":
+            raise ValueError("raw pieces re-pad by copying rows only")
+        self.raw = raw
+        self.raw_bytes = raw is not None
         self.largest_piece = 0
 
     def read(self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Any:
-        import torch
-
         rows = self.rows.get(key)
         if rows is None or offsets[0] + sizes[0] <= rows:
             out = self._read(key, offsets, sizes)
+            if self.raw is None:
+                out = out.contiguous()
+        elif self.raw is not None:
+            out = self._padded_raw(key, offsets, sizes, rows)
         else:
-            have = max(0, rows - offsets[0])
-            parts = []
-            if have:
-                parts.append(self._read(key, offsets, (have, *sizes[1:])))
-            extra = sizes[0] - have
-            if self.fill == "zero":
-                parts.append(self._read(key, (rows - 1, *offsets[1:]), (1, *sizes[1:]))
-                             .mul(0).expand(extra, *sizes[1:]))
-            else:
-                parts.append(self._read(key, (rows - 1, *offsets[1:]), (1, *sizes[1:]))
-                             .expand(extra, *sizes[1:]))
-            out = torch.cat(parts)
-        out = out.contiguous()
-        self.largest_piece = max(self.largest_piece, out.numel() * out.element_size())
+            out = self._padded(key, offsets, sizes, rows)
+        n = out.nbytes if self.raw is not None else out.numel() * out.element_size()
+        self.largest_piece = max(self.largest_piece, n)
+        return out
+
+    def _padded(self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...],
+                rows: int) -> Any:
+        import torch
+
+        have = max(0, rows - offsets[0])
+        parts = []
+        if have:
+            parts.append(self._read(key, offsets, (have, *sizes[1:])))
+        extra = sizes[0] - have
+        last = self._read(key, (rows - 1, *offsets[1:]), (1, *sizes[1:]))
+        if self.fill == "zero":
+            last = last.mul(0)
+        parts.append(last.expand(extra, *sizes[1:]))
+        return torch.cat(parts).contiguous()
+
+    def _padded_raw(self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...],
+                    rows: int) -> Any:
+        import numpy as np
+
+        have = max(0, rows - offsets[0])
+        last = self._read(key, (rows - 1, *offsets[1:]), (1, *sizes[1:]))
+        out = np.empty(sizes, dtype=last.dtype)
+        if have:
+            out[:have] = self._read(key, offsets, (have, *sizes[1:]))
+        out[have:] = last  # the last stored row, copied into every new row
         return out
 
     def _read(self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Any:
+        if self.raw is not None:
+            return self.raw.read(key, offsets, sizes)
         slices = tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
         return self.reader.read(key, slices or None)
 
@@ -160,4 +189,24 @@ def stacked_view_if_legacy(reader: Reader, target_format: str) -> Reader:
     if reader.metadata().format == "legacy" and target_format != "legacy":
         return StackedView(reader)
     return reader
+
+
+def reshard_source(reader: Reader, target: CheckpointMeta, fill: str, to: str) -> PaddedSource:
+    """The source a reshard's writer pulls from: torch-free numpy pieces
+    (:class:`ckpt_tool.ops._raw_source.RawSource`) for a torch_dist target when every target
+    tensor is a source tensor of the same dtype whose chunks are plain items and whose dtype
+    our archive writer takes, and a re-padded vocabulary copies rows; else torch tensors."""
+    from ckpt_tool.formats.torch_zip_write import STORAGE_TYPES
+    from ckpt_tool.ops._raw_source import RawSource, raw_source_applies
+
+    src = reader.metadata().tensors
+    key_map = {k: k for k in target.tensors}
+    raw = (to == "torch_dist" and all(k in src and src[k].dtype == t.dtype
+                                      and t.dtype in STORAGE_TYPES
+                                      for k, t in target.tensors.items())
+           and raw_source_applies(reader, key_map, {}))
+    source = PaddedSource(reader, target, fill=fill)
+    if raw and (fill == "copy" or not source.rows):
+        source = PaddedSource(reader, target, fill=fill, raw=RawSource(reader, key_map, {}))
+    return source
 

@@ -19,8 +19,10 @@ from ckpt_tool.errors import UsageError
 from ckpt_tool.formats.base import open_checkpoint
 from ckpt_tool.formats.writer import WriteRequest, WriterOptions, writer_for
 from ckpt_tool.formats.legacy.writer import updated_args, write_legacy_ranks
+from ckpt_tool.formats.mcore_dist.torch_dist_writer import writes_raw
+from ckpt_tool.formats.torch_save_object import torch_free_pickle
 from ckpt_tool.ops._optim_unflatten import unflatten_bucketed_optimizer
-from ckpt_tool.ops._reshard_io import PaddedSource, stacked_view_if_legacy
+from ckpt_tool.ops._reshard_io import reshard_source, stacked_view_if_legacy
 from ckpt_tool.ops._staging import (check_output_target, output_estimate, staged_output_ranks,
                                     verify_output)
 from ckpt_tool.parallel import JobProgress
@@ -104,7 +106,7 @@ def reshard(src: str | Path, dst: str | Path | None, req: ReshardRequest, *,
         reader = unflatten_bucketed_optimizer(reader, load_rules(req.rules))
     with reader:
         meta = reader.metadata()
-        common = reader.common()
+        common, light = _source_common(reader)
         layout, target_origins = _target_layout(req, meta, common)
         options = ReshardOptions(target_format=to, drop_optimizer=req.drop_optimizer,
                                  make_vocab_size_divisible_by=req.make_vocab_size_divisible_by,
@@ -124,19 +126,23 @@ def reshard(src: str | Path, dst: str | Path | None, req: ReshardRequest, *,
             result.seconds = time.perf_counter() - start
             return result
         target = plan.target_meta
-        source = PaddedSource(reader, target, fill=req.vocab_fill)
+        source = reshard_source(reader, target, req.vocab_fill, to)
         job_progress = JobProgress(progress, r)
         on_bytes = job_progress.update
 
         if progress is not None:
             progress.start(target.total_bytes, len(target.tensors))
-        new_common = dict(common)
-        new_common["args"] = updated_args(common.get("args"),
-                                          {**plan.args_updates, **_world_size(common, layout)})
-        if hasattr(reader, "common_for_target"):  # a ChainedOptimizer's entries at the target
-            new_common = reader.common_for_target(new_common, layout)
+        new_common = _new_common(reader, common, plan, layout)
         if to != "legacy":
             target = _dist_objects_only(target, new_common, result.notes)
+        wopts = WriterOptions(extra={"threads": max(1, workers)})
+        if light and not (
+                to == "torch_dist" and writes_raw(target, wopts, common_alone=True)
+                and torch_free_pickle(new_common) is not None):
+            # it will be torch.save'd: the common state as torch loads it
+            new_common = _new_common(reader, reader.common(), plan, layout)
+            if to != "legacy":
+                _dist_objects_only(target, new_common, [])
         with staged_output_ranks(out, r, overwrite=overwrite, notes=result.notes,
                                  need_bytes=output_estimate(target)) as staging:
             if to == "legacy":  # every rank writes its share of the rank files
@@ -152,9 +158,9 @@ def reshard(src: str | Path, dst: str | Path | None, req: ReshardRequest, *,
                 request = WriteRequest(
                     meta=target, source=source, common=new_common,
                     objects=lambda unique_key: reader.read_object(unique_key),
+                    raw_object=getattr(reader, "object_item_torch_free", lambda key: None),
                     progress=on_bytes, ranks=r if r.world > 1 else None,
                     source_description=f"ckpt reshard of {meta.root}")
-                wopts = WriterOptions(extra={"threads": max(1, workers)})
                 result.notes += writer_for("torch_dist")(staging, wopts).write(request)
             r.barrier()
             job_progress.catch_up()
@@ -165,6 +171,26 @@ def reshard(src: str | Path, dst: str | Path | None, req: ReshardRequest, *,
     result.nbytes = r.broadcast(sum(r.gather(mine) or [0])) if r.world > 1 else mine
     result.seconds = time.perf_counter() - start
     return result
+
+
+def _source_common(reader: Any) -> tuple[dict[str, Any], bool]:
+    """The source's common state and whether it was loaded without torch (where the reader
+    can: a torch_dist ``common.pt`` holding plain values and dtypes, these as ``TorchRef``;
+    used for planning, and written without torch when the target's writer can, else loaded
+    again with torch)."""
+    light = getattr(reader, "common_torch_free", None)
+    common = light() if light is not None else None
+    return (reader.common(), False) if common is None else (common, True)
+
+
+def _new_common(reader: Any, common: dict[str, Any], plan: Any, layout: Any) -> dict[str, Any]:
+    """The target's common state: the source's with the new sizes in ``args``."""
+    new_common = dict(common)
+    new_common["args"] = updated_args(common.get("args"),
+                                      {**plan.args_updates, **_world_size(common, layout)})
+    if hasattr(reader, "common_for_target"):  # a ChainedOptimizer's entries at the target
+        new_common = reader.common_for_target(new_common, layout)
+    return new_common
 
 
 def _norm_names(req: ReshardRequest, common: dict[str, Any]) -> tuple[bool, str]:

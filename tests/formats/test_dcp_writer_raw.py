@@ -4,7 +4,7 @@ The same conversion is run twice: through ``torch.distributed.checkpoint.save`` 
 ``raw_path_applies`` refused) and through our plan, archives and ``.metadata`` (the raw path,
 ``dcp.save`` refused). The data files must be byte for byte the same, ``.metadata`` an equal
 ``Metadata``, and torch's own loaders must read the output. The bytes items' archives made
-without torch (``torch_save_plain``) are compared with ``torch.save``'s.
+without torch (``torch_save_object``, ``dcp_bytes_items``) are compared with ``torch.save``'s.
 """
 
 from __future__ import annotations
@@ -21,13 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from ckpt_tool.formats.torch_save_plain import (
-    flatten_state,
-    load_plain,
-    plain_archive,
-    unwrapped_archive,
-)
-from ckpt_tool.formats.torch_stand_ins import NeedsTorch
+from ckpt_tool.formats.dcp_bytes_items import flatten_state, unwrapped_archive
+from ckpt_tool.formats.torch_save_object import load_exact, object_archive_of
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")]
@@ -55,15 +50,14 @@ def test_plain_values_and_unwrapped_objects_are_torch_saves_bytes():
 
     ns = argparse.Namespace(params_dtype=torch.bfloat16, main=torch.float32, half=torch.half,
                             seed=np.int64(3), lrs=[0.5] * 300, names=[f"n{i}" for i in range(300)],
-                            again=torch.bfloat16, blob=b"\x00\xff", t=(1, "a"),
-                            od=collections.OrderedDict(x=1))
+                            again=torch.bfloat16, blob=b"\x00\xff", t=(1, "a"))
     for value in (ns, {"a": {"b": [1, 2.5, None, True]}}, "x" * 70000, [ns, ns], None, 2**70):
-        loaded = load_plain(_torch_save(value))  # torch dtypes as stand-ins
-        assert plain_archive(loaded) == _torch_save(value)
-    with pytest.raises(NeedsTorch):  # a tensor needs torch
-        load_plain(_torch_save({"t": torch.zeros(2)}))
-    with pytest.raises(NeedsTorch):
-        load_plain(_torch_save(torch.device("cpu")))
+        loaded = load_exact(_torch_save(value))  # torch dtypes as stand-ins
+        assert object_archive_of(loaded) == _torch_save(value)
+    assert load_exact(_torch_save({"t": torch.zeros(2)})) is None  # a tensor needs torch
+    assert load_exact(_torch_save(torch.device("cpu"))) is None
+    # a type off the allowlist: the writer torch.saves it
+    assert object_archive_of(collections.OrderedDict(x=1)) is None
     payloads = [None, ns, {"rng": torch.get_rng_state(), "cuda": [torch.zeros(0)],
                            "np": ("MT19937", np.arange(5, dtype=np.uint32), 1, 0.0)},
                 [torch.arange(3)] * 300 + [torch.ones(2, dtype=torch.bfloat16)]]

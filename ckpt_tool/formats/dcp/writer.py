@@ -2,7 +2,7 @@
 
 Objects and the common state become bytes items (``torch.save(value)``, as ``dcp.save`` stores
 non-tensors); the common state is flattened the way ``dcp.save`` flattens a state dict
-(``optimizer.param_groups.0.lr``: :func:`ckpt_tool.formats.torch_save_plain.flatten_state`),
+(``optimizer.param_groups.0.lr``: :func:`ckpt_tool.formats.dcp_bytes_items.flatten_state`),
 each value a bytes item (its tensors too, so that a reader tells the model's tensors from the
 common state's), and ``planner_data`` maps each key to its nested path, so ``dcp.load`` and
 ``dcp_to_torch_save`` give the values back.
@@ -12,9 +12,10 @@ chunk suits our ``torch.save`` archive writer, :mod:`ckpt_tool.formats.dcp_raw_s
 files and ``.metadata`` (the same bytes and an equal ``Metadata`` as DCP's save), in one
 process and on every rank of a torchrun job. The bytes items are then written without torch
 where the source was read without it: a torch_dist source passes its ``common.pt`` and its
-objects' stored bytes (``WriteRequest.common_file``/``raw_object``), which are loaded with
-torch dtypes as stand-ins and pickled as ``torch.save`` would
-(:mod:`ckpt_tool.formats.torch_save_plain`); a value holding a tensor or another torch object
+objects' stored bytes (``WriteRequest.common_file``/``raw_object``): the common state is
+loaded with torch dtypes as stand-ins and each value pickled as ``torch.save`` would
+(:mod:`ckpt_tool.formats.torch_save_object`, values of an allowlist of types), each object
+loses its list at the byte level (:mod:`ckpt_tool.formats.dcp_bytes_items`); any other value
 is ``torch.save``d. Otherwise (another dtype, or ``extra["raw_save"]`` False)
 ``torch.distributed.checkpoint.save`` runs with the planner and file writer of
 :mod:`ckpt_tool.formats.dcp_streaming`.
@@ -31,7 +32,7 @@ import threading
 from typing import Any, Callable
 
 from ckpt_tool.formats.dcp_raw_save import raw_path_applies, raw_write, stored_shape_note
-from ckpt_tool.formats.torch_save_plain import flatten_state
+from ckpt_tool.formats.dcp_bytes_items import flatten_state
 from ckpt_tool.formats.writer import WriteRequest, Writer
 
 __all__ = ["DcpWriter"]
@@ -46,7 +47,7 @@ class DcpWriter(Writer):
     def write(self, request: WriteRequest) -> list[str]:
         """The DCP items and ``.metadata``; objects and common values as bytes items."""
         notes = stored_shape_note(request)
-        raw = raw_path_applies(self, request)
+        raw = raw_path_applies(request.meta, self.options)
         light = _light_common(request) if raw else None
         common = light if light is not None else dict(request.full_common() or {})
         planner_data, flat, objects = self._plan(request, common, notes)
@@ -106,14 +107,11 @@ def _light_common(request: WriteRequest) -> dict | None:
     ``common.pt`` when the request passes one and that needs no torch, else None."""
     if request.common_file is None:
         return None
-    from ckpt_tool.errors import CkptError
-    from ckpt_tool.formats.torch_save_plain import load_plain
-    from ckpt_tool.formats.torch_stand_ins import NeedsTorch
+    from ckpt_tool.formats.torch_save_object import load_exact
 
-    try:
-        common = load_plain(request.common_file)
-    except (NeedsTorch, CkptError):  # (a global the allowlist refuses: the reader decides,
-        return None                  # with its --trust, through ``full_common``)
+    # None also for a global the allowlist refuses: the reader decides, with its --trust,
+    # through ``full_common``
+    common = load_exact(request.common_file)
     return common if isinstance(common, dict) else None
 
 
@@ -131,7 +129,8 @@ class _Payloads:
         self._torch_flat: dict[str, Any] | None = None
 
     def archive(self, fqn: str) -> bytes:
-        from ckpt_tool.formats.torch_save_plain import plain_archive, unwrapped_archive
+        from ckpt_tool.formats.dcp_bytes_items import unwrapped_archive
+        from ckpt_tool.formats.torch_save_object import object_archive_of
 
         data = None
         if fqn in self._objects:
@@ -140,7 +139,7 @@ class _Payloads:
             if data is None:
                 return self._torch_save(lambda: self._request.objects(fqn))
         elif self._light:
-            data = plain_archive(self._flat[fqn])
+            data = object_archive_of(self._flat[fqn])
         if data is not None:
             return data
         return self._torch_save(lambda: self._torch_common()[fqn])

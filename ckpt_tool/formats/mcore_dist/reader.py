@@ -227,6 +227,31 @@ class TorchDistReader(McoreDistReader):
             return None
         return f if isinstance(_light_or_none(f, self.trust, f), dict) else None
 
+    def common_torch_free(self) -> dict[str, Any] | None:
+        """:meth:`common` without torch when ``common.pt`` holds no more of torch than dtypes
+        (they come as ``torch_save_object.TorchRef``; ``torch.save`` of the result gives the
+        same bytes as of :meth:`common`'s), else None."""
+        from ckpt_tool.formats.torch_save_object import load_exact
+
+        f = self.root / COMMON_FILE
+        state = load_exact(f, trust=self.trust) if f.is_file() else None
+        return state if isinstance(state, dict) else None
+
+    def object_item_torch_free(self, unique_key: str) -> bytes | None:
+        """``torch.save([read_object(unique_key)])``'s bytes (what a torch_dist writer
+        stores for it) made without torch when its payload holds no more of torch than dtypes
+        (``torch_save_object``), else None."""
+        from ckpt_tool.formats.dcp_items import read_item_bytes
+        from ckpt_tool.formats.torch_save_object import load_exact, object_item
+
+        o = self._object_meta(unique_key)
+        data = read_item_bytes(self.root, o.file, o.byte_offset, o.byte_length)
+        payload = load_exact(data, trust=self.trust)
+        if payload is None:
+            return None
+        return object_item(payload[0] if isinstance(payload, list) and len(payload) == 1
+                           else payload)
+
     def read(self, key: str, slices: tuple[slice, ...] | None = None) -> Any:
         """The global tensor ``key`` (or ``slices`` of it), assembled from its stored chunks."""
         from ckpt_tool.formats.dcp_items import assemble, load_chunk_view

@@ -7,7 +7,9 @@ process and on every rank of a torchrun job (each rank its ``__{rank}_{i}.distcp
 the ``.metadata``), for ``convert`` and ``reshard`` alike. ``common.pt`` is the source's file
 copied when the request passes one (``WriteRequest.common_file``: a torch_dist source
 converted as is; nothing then imports torch when the objects' stored bytes items can be
-copied too), else ``torch.save`` of the common state (``reshard``: its args change).
+copied too), else ``torch.save``'s bytes of the common state (``reshard``: its args change),
+written without torch when it holds only plain values and dtypes
+(:mod:`ckpt_tool.formats.torch_save_object`).
 Otherwise (another dtype, or ``extra["raw_save"]`` False):
 
 ``torch.distributed.checkpoint.save`` runs in this one process (no process group) with the
@@ -31,10 +33,11 @@ more than 1 calls ``source.read``/``objects`` from several threads, which they m
 
 from __future__ import annotations
 
-import re
-
 import os
+import re
 import shutil
+from types import SimpleNamespace
+from typing import Any
 
 from ckpt_tool.formats.dcp_raw_save import (  # noqa: F401 - RAW_SAVES: tests count raw saves
     RAW_SAVES,
@@ -44,10 +47,11 @@ from ckpt_tool.formats.dcp_raw_save import (  # noqa: F401 - RAW_SAVES: tests co
     stored_shape_note,
 )
 from ckpt_tool.formats.mcore_dist.config import CheckpointingConfig, save_config
-from ckpt_tool.formats.write_guard import torch_save_file
-from ckpt_tool.formats.writer import WriteRequest, Writer
+from ckpt_tool.formats.torch_save_object import save_object
+from ckpt_tool.formats.writer import WriteRequest, Writer, WriterOptions
+from ckpt_tool.model import CheckpointMeta
 
-__all__ = ["TorchDistWriter"]
+__all__ = ["TorchDistWriter", "writes_raw"]
 
 COMMON_FILE = "common.pt"
 # What Megatron-Core's ShardedObject.empty_from_unique_key can parse back.
@@ -76,8 +80,8 @@ class TorchDistWriter(Writer):
 
         object_keys, others = _object_keys(request)
         common = _common_with_objects(request, others, notes)
-        if is_main_rank(request):
-            torch_save_file(common, self.directory / COMMON_FILE)
+        if is_main_rank(request):  # torch.save's bytes (without torch where it can)
+            save_object(common, self.directory / COMMON_FILE)
         items = tensor_items(request) + [bytes_write_item(k) for k in object_keys]
         run_dcp_save(self, request, items, planner_data=None, keep_local_plans=True,
                       tensor=request.source.read,
@@ -94,11 +98,12 @@ class TorchDistWriter(Writer):
         ``extra["raw_save"]`` is not False; False (nothing written) otherwise.
 
         ``common.pt`` is the source's file copied as it is when the request passes one and
-        no object moves into it (``convert`` of a torch_dist source), else ``torch.save``
-        of the common state as the DCP path writes it (``reshard``: its args change).
+        no object moves into it (``convert`` of a torch_dist source), else ``torch.save``'s
+        bytes of the common state as the DCP path writes them (``reshard``: its args change;
+        without torch where ``torch_save_object`` can).
         Objects are their stored bytes items when the source has them, else
         ``torch.save([payload])`` as the DCP path writes them."""
-        if not raw_path_applies(self, request):
+        if not writes_raw(request.meta, self.options):
             return False
         object_keys, others = _object_keys(request)
 
@@ -115,9 +120,9 @@ class TorchDistWriter(Writer):
                 return
             if request.common_file is not None and not others:
                 _copy_file(request.common_file, self.directory / COMMON_FILE)
-            else:
-                torch_save_file(_common_with_objects(request, others, notes),
-                                self.directory / COMMON_FILE)
+            else:  # without torch when the common state allows (torch_save_object)
+                save_object(_common_with_objects(request, others, notes),
+                            self.directory / COMMON_FILE)
 
         # the integrity manifest's algorithm: sha256 (Megatron-Core's)
         raw_write(self, request, object_keys, payload, planner_data=None,
@@ -129,9 +134,20 @@ class TorchDistWriter(Writer):
         return True
 
 
-def _object_keys(request: WriteRequest) -> tuple[list[str], list[str]]:
-    """The objects' keys: ShardedObjects (stored as bytes items), then the others (which
-    Megatron-Core cannot parse as a ShardedObject's: they go into ``common.pt``)."""
+def writes_raw(meta: CheckpointMeta, options: WriterOptions, *,
+               common_alone: bool = False) -> bool:
+    """True when :meth:`TorchDistWriter.write` takes the raw path for the target ``meta``
+    (:func:`~ckpt_tool.formats.dcp_raw_save.raw_path_applies`); with ``common_alone``, also
+    that no object moves into ``common.pt`` (it is then the common state given, as given)."""
+    if not raw_path_applies(meta, options):
+        return False
+    return not (common_alone and _object_keys(SimpleNamespace(meta=meta))[1])
+
+
+def _object_keys(request: Any) -> tuple[list[str], list[str]]:
+    """The objects' keys of ``request`` (a ``WriteRequest``, or anything with the target
+    ``meta``): ShardedObjects (stored as bytes items), then the others (which Megatron-Core
+    cannot parse as a ShardedObject's: they go into ``common.pt``)."""
     keys = list(dict.fromkeys(o.unique_key for o in request.meta.objects))
     return ([k for k in keys if _SHARDED_OBJECT_KEY.fullmatch(k)],
             [k for k in keys if not _SHARDED_OBJECT_KEY.fullmatch(k)])

@@ -1,112 +1,26 @@
-"""``torch.save`` of plain values without torch, and DCP's flattening of a state dict.
+"""The bytes items of a plain DCP checkpoint, without torch.
 
 A plain DCP checkpoint stores each non-tensor value of the state (the common state, each
-object) as ``torch.save(value)`` in a bytes item. For a value that holds no tensor that
-archive is a protocol 2 pickle of the value in torch's zip layout
-(:func:`ckpt_tool.formats.torch_zip_write.pickle_archive`), so a conversion whose source was
-read without torch can write it without torch too:
+object) as ``torch.save(value)`` in a bytes item, under the key DCP's flattening gives it:
 
-* :func:`load_plain` loads a ``torch.save`` archive (a torch_dist ``common.pt``, an object's
-  bytes item) through the allowlisting unpickler, torch dtypes as :class:`TorchDtype`
-  stand-ins; any other torch global, or a tensor, raises ``NeedsTorch``;
-* :func:`plain_archive` pickles such a value as torch's pickler does (Python's own pickler,
-  the stand-ins written as the ``torch.<dtype>`` globals they stand for) and returns the
-  archive, byte for byte ``torch.save``'s (``tests/formats/test_dcp_writer_raw.py``), or
-  None when the value holds something only torch can pickle;
 * :func:`flatten_state` is ``torch.distributed.checkpoint``'s ``flatten_state_dict`` (keys
-  joined by dots, the path of each) as DCP's save applies it.
+  joined by dots, the path of each) as DCP's save applies it;
+* :func:`unwrapped_archive` turns a Megatron-Core ShardedObject's stored
+  ``torch.save([payload])`` into ``torch.save(payload)``, tensors included, at the byte level.
+
+Plain values (the common state's) are pickled by :mod:`ckpt_tool.formats.torch_save_object`.
 """
 
 from __future__ import annotations
 
 import io
-import os
-import pickle
 import sys
 import zipfile
-from pathlib import Path
 from typing import Any
 
 from ckpt_tool.errors import UnsupportedError
-from ckpt_tool.formats.torch_stand_ins import NeedsTorch
-from ckpt_tool.formats.torch_zip_write import pickle_archive
 
-__all__ = ["TorchDtype", "load_plain", "plain_archive", "flatten_state"]
-
-
-class TorchDtype:
-    """A torch dtype read without torch (one object per name, as torch's are singletons)."""
-
-    _by_name: dict[str, TorchDtype] = {}
-
-    def __new__(cls, name: str) -> TorchDtype:
-        if name not in cls._by_name:
-            obj = object.__new__(cls)
-            obj.name = name
-            cls._by_name[name] = obj
-        return cls._by_name[name]
-
-    def __repr__(self) -> str:
-        return f"torch.{self.name}"
-
-
-class _Signal(BaseException):  # through the unpickler's own error handling
-    pass
-
-
-def load_plain(source: bytes | os.PathLike, *, trust: bool = False) -> Any:
-    """The value of a ``torch.save`` archive that holds no tensor, torch dtypes as
-    :class:`TorchDtype`; raises ``NeedsTorch`` for anything else of torch's."""
-    from ckpt_tool.formats.safe_pickle import safe_load
-    from ckpt_tool.formats.torch_stand_ins import _DTYPE_ALIASES, _DTYPE_NAMES
-
-    where = None if isinstance(source, (bytes, bytearray)) else Path(source)
-    blob: Any = io.BytesIO(source) if where is None else where
-    try:
-        with zipfile.ZipFile(blob) as zf:
-            names = sorted((n for n in zf.namelist() if n.endswith("data.pkl")), key=len)
-            if not names:
-                raise NeedsTorch("no data.pkl in the archive")
-            data = zf.read(names[0])
-    except (zipfile.BadZipFile, OSError, EOFError) as exc:
-        raise NeedsTorch(f"not a readable torch.save zip archive ({exc})") from None
-
-    def fallback(module: str, name: str) -> Any:
-        if module == "torch" and name in _DTYPE_NAMES:
-            return TorchDtype(_DTYPE_ALIASES.get(name, name))
-        if module == "torch" or module.startswith("torch."):
-            raise _Signal(f"{module}.{name}")
-        return None
-
-    def persistent_load(pid: Any) -> Any:
-        raise _Signal("a tensor")
-
-    try:
-        return safe_load(io.BytesIO(data), trust=trust, where=where, fallback=fallback,
-                         persistent_load=persistent_load, encoding="utf-8")
-    except _Signal as exc:
-        raise NeedsTorch(f"the value holds {exc}") from None
-
-
-class _Pickler(pickle._Pickler):  # the Python pickler: its dispatch table can be extended
-    dispatch = dict(pickle._Pickler.dispatch)
-
-    def _save_dtype(self, obj: TorchDtype) -> None:
-        self.write(pickle.GLOBAL + b"torch\n" + obj.name.encode() + b"\n")
-        self.memoize(obj)
-
-    dispatch[TorchDtype] = _save_dtype
-
-
-def plain_archive(value: Any) -> bytes | None:
-    """``torch.save(value)`` into a stream, byte for byte, for a value without tensors (torch
-    dtypes as :class:`TorchDtype`); None when only torch can pickle it."""
-    buf = io.BytesIO()
-    try:
-        _Pickler(buf, protocol=2).dump(value)
-    except (pickle.PicklingError, TypeError, AttributeError, ImportError, RecursionError):
-        return None
-    return pickle_archive(buf.getvalue())
+__all__ = ["flatten_state", "unwrapped_archive"]
 
 
 def _is_tensor(value: Any) -> bool:
