@@ -40,7 +40,7 @@ from ckpt_tool.formats.writer import WriteRequest, Writer, WriterOptions
 from ckpt_tool.model import CheckpointMeta, dtype_itemsize
 
 __all__ = ["raw_save_applies", "raw_dcp_save", "chunk_buffer", "file_count", "is_main_rank",
-           "stored_shape_note", "raw_path_applies", "raw_write", "RAW_SAVES"]
+           "stored_shape_note", "raw_path_applies", "raw_write"]
 
 METADATA_FILE = ".metadata"
 
@@ -201,11 +201,6 @@ def _write_metadata(directory: Path, items: Sequence[PlannedItem],
 
 # -- a writer's request on the raw path (torch_dist and dcp writers) -----------------
 
-#: The directories written through the raw path in this process, newest last (tests check
-#: that a run did not fall back to DCP's save silently).
-RAW_SAVES: list[str] = []
-
-
 def raw_path_applies(meta: CheckpointMeta, options: WriterOptions) -> bool:
     """True when a writer with ``options`` should write the target ``meta`` through
     :func:`raw_dcp_save`: every target chunk suits the raw archive writer and
@@ -234,7 +229,6 @@ def raw_write(writer: Writer, request: WriteRequest, bytes_keys: Sequence[str],
         file_of=(lambda i: chunk_files.get((i.fqn, i.offsets))) if chunk_files else None,
         on_written=request.progress, planner_data=planner_data,
         keep_local_plans=keep_local_plans, digest=digest, ranks=ranks, prepare=prepare)
-    RAW_SAVES.append(str(writer.directory))
 
 
 # -- shared with the DCP path (dcp_streaming) ----------------------------------------

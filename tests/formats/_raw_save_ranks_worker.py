@@ -55,6 +55,8 @@ def main() -> None:
     src, out = Path(sys.argv[1]), Path(sys.argv[2])
     r = ranks()
     real = torch_dist_writer.TorchDistWriter._write_raw, dcp_writer.raw_path_applies
+    saves, raw_dcp_save = [], dcp_raw_save.raw_dcp_save
+    dcp_raw_save.raw_dcp_save = lambda d, *a, **k: saves.append(d) or raw_dcp_save(d, *a, **k)
     runs = {"convert": lambda d: convert(src, d, ConvertOptions(to="torch_dist")),
             "reshard": lambda d: reshard(src, d, ReshardRequest(tp=1, pp=1)),
             "convert_dcp": lambda d: convert(src, d, ConvertOptions(to="dcp"))}
@@ -64,9 +66,9 @@ def main() -> None:
         dcp_writer.raw_path_applies = lambda *a: False
         run(out / f"{name}_dcp")
         torch_dist_writer.TorchDistWriter._write_raw, dcp_writer.raw_path_applies = real
-        before = len(dcp_raw_save.RAW_SAVES)
+        before = len(saves)
         run(out / f"{name}_raw")
-        raw_taken = r.gather(len(dcp_raw_save.RAW_SAVES) == before + 1)
+        raw_taken = r.gather(len(saves) == before + 1)
         if r.is_main:
             verdict[name] = {**compare(out / f"{name}_raw", out / f"{name}_dcp"),
                              "raw_on_every_rank": all(raw_taken)}

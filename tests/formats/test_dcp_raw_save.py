@@ -174,9 +174,9 @@ def _same_output(raw: Path, dcp: Path) -> None:
     assert (raw / "integrity.json").is_file() and (raw / "metadata.json").is_file()
 
 
-def test_reshard_takes_the_raw_path_and_writes_what_dcp_writes(tmp_path, monkeypatch):
+def test_reshard_takes_the_raw_path_and_writes_what_dcp_writes(tmp_path, monkeypatch, raw_saves):
     """``reshard`` of a torch_dist source (one process, 2 I/O threads): the raw path (not
-    DCP's save: ``RAW_SAVES`` counts it, ``dcp.save`` would raise), output equal to the DCP
+    DCP's save: ``raw_saves`` counts it, ``dcp.save`` would raise), output equal to the DCP
     path's; its args are the target's (tp 1, pp 1)."""
     import torch.distributed.checkpoint as dcp
 
@@ -187,14 +187,14 @@ def test_reshard_takes_the_raw_path_and_writes_what_dcp_writes(tmp_path, monkeyp
     with monkeypatch.context() as m:
         m.setattr(torch_dist_writer.TorchDistWriter, "_write_raw", lambda *a: False)
         reshard(src, tmp_path / "dcp", ReshardRequest(tp=1, pp=1), workers=2)
-    before = len(torch_dist_writer.RAW_SAVES)
+    assert raw_saves == []
 
     def refuse(*a, **k):
         raise AssertionError("DCP's save was called")
 
     monkeypatch.setattr(dcp, "save", refuse)
     assert reshard(src, tmp_path / "raw", ReshardRequest(tp=1, pp=1), workers=2).written
-    assert len(torch_dist_writer.RAW_SAVES) == before + 1
+    assert len(raw_saves) == 1
     _same_output(tmp_path / "raw", tmp_path / "dcp")
     import torch
 

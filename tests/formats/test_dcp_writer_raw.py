@@ -87,15 +87,14 @@ def test_flatten_state_is_dcps():
 
 
 # -- the raw path against DCP's save -------------------------------------------------------
-def _convert(src: Path, out: Path, monkeypatch, *, raw: bool, workers: int):
+def _convert(src: Path, out: Path, monkeypatch, raw_saves, *, raw: bool, workers: int):
     import torch.distributed.checkpoint as dcp
 
-    from ckpt_tool.formats import dcp_raw_save
     from ckpt_tool.formats.dcp import writer as dcp_writer
     from ckpt_tool.ops._convert_plan import ConvertOptions
     from ckpt_tool.ops.convert import convert
 
-    before = len(dcp_raw_save.RAW_SAVES)
+    before = len(raw_saves)
     with monkeypatch.context() as m:
         if raw:
             m.setattr(dcp, "save", lambda *a, **k: pytest.fail("DCP's save was called"))
@@ -103,7 +102,7 @@ def _convert(src: Path, out: Path, monkeypatch, *, raw: bool, workers: int):
             m.setattr(dcp_writer, "raw_path_applies", lambda *a: False)
         result = convert(src, out, ConvertOptions(to="dcp"), workers=workers)
     assert result.verified
-    assert len(dcp_raw_save.RAW_SAVES) == before + raw
+    assert len(raw_saves) == before + raw
     return result
 
 
@@ -142,7 +141,8 @@ def _same_output(raw: Path, dcp: Path) -> None:
 
 @pytest.mark.parametrize("name,workers", [("mcore016_gpt_tp2pp2_bf16_optim", 1),
                                           ("dcp_plain", 2)])
-def test_convert_to_dcp_raw_writes_what_dcp_save_writes(name, workers, tmp_path, monkeypatch):
+def test_convert_to_dcp_raw_writes_what_dcp_save_writes(name, workers, tmp_path, monkeypatch,
+                                                        raw_saves):
     """torch_dist source (common state and objects, rng_state tensors included, pickled
     without torch) and a plain DCP source (2 I/O threads): the same files as DCP's save;
     ``dcp.load`` and ``dcp_to_torch_save`` read them; ``validate --deep`` finds nothing."""
@@ -154,8 +154,8 @@ def test_convert_to_dcp_raw_writes_what_dcp_save_writes(name, workers, tmp_path,
     from ckpt_tool.ops.validate import validate
 
     src = _fixture(name)
-    _convert(src, tmp_path / "dcp", monkeypatch, raw=False, workers=workers)
-    _convert(src, tmp_path / "raw", monkeypatch, raw=True, workers=workers)
+    _convert(src, tmp_path / "dcp", monkeypatch, raw_saves, raw=False, workers=workers)
+    _convert(src, tmp_path / "raw", monkeypatch, raw_saves, raw=True, workers=workers)
     _same_output(tmp_path / "raw", tmp_path / "dcp")
     for d in ("raw", "dcp"):
         dcp_to_torch_save(tmp_path / d, tmp_path / f"{d}.pt")
@@ -183,9 +183,10 @@ def test_convert_torch_dist_to_dcp_never_imports_torch(tmp_path):
     src = _fixture("mcore016_gpt_tp2pp2_bf16_optim") / "iter_0000010"
     code = ("import sys, json; from ckpt_tool.ops.convert import convert; "
             "from ckpt_tool.ops._convert_plan import ConvertOptions; "
-            "from ckpt_tool.formats import dcp_raw_save; "
+            "from ckpt_tool.formats import dcp_raw_save; saves = []; real = dcp_raw_save.raw_dcp_save; "
+            "dcp_raw_save.raw_dcp_save = lambda d, *a, **k: saves.append(d) or real(d, *a, **k); "
             f"r = convert({str(src)!r}, {str(tmp_path / 'out')!r}, ConvertOptions(to='dcp'));"
-            "print(json.dumps(['torch' in sys.modules, r.verified, len(dcp_raw_save.RAW_SAVES)]))")
+            "print(json.dumps(['torch' in sys.modules, r.verified, len(saves)]))")
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                          timeout=300)
@@ -196,14 +197,13 @@ def test_convert_torch_dist_to_dcp_never_imports_torch(tmp_path):
 
 
 @pytest.mark.parametrize("case", ["raw", "raw_save_false", "float8"])
-def test_dcp_writer_chooses_the_raw_path_as_torch_dist_does(case, tmp_path, monkeypatch):
+def test_dcp_writer_chooses_the_raw_path_as_torch_dist_does(case, tmp_path, raw_saves):
     """The DCP writer takes the raw path unless ``extra["raw_save"]`` is False or a chunk is
     one the raw archive writer leaves to ``torch.save`` (float8); the output reads back the
     same either way (tensors, nested common state, an object)."""
     import torch
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    from ckpt_tool.formats import dcp_raw_save
     from ckpt_tool.formats.writer import WriteRequest, WriterOptions, writer_for
     from ckpt_tool.model import CheckpointMeta, ChunkRef, ObjectMeta, TensorMeta
 
@@ -222,9 +222,8 @@ def test_dcp_writer_chooses_the_raw_path_as_torch_dist_does(case, tmp_path, monk
     req = WriteRequest(meta=CheckpointMeta("x", "", tensors, (ObjectMeta("obj", "obj"),)),
                        source=Source(), common=common, objects=lambda key: {"k": [1, 2]})
     extra = {"raw_save": False} if case == "raw_save_false" else {}
-    before = len(dcp_raw_save.RAW_SAVES)
     writer_for("dcp")(tmp_path / "out", WriterOptions(extra=extra)).write(req)
-    assert len(dcp_raw_save.RAW_SAVES) == before + (case == "raw")
+    assert len(raw_saves) == (case == "raw")
     dcp_to_torch_save(tmp_path / "out", tmp_path / "out.pt")
     loaded = torch.load(tmp_path / "out.pt", weights_only=False)
     assert _equal(loaded["w"], data["w"]) and _equal(loaded["b"], data["b"])

@@ -21,16 +21,14 @@ WORKER = Path(__file__).resolve().parent / "_reshard_worker.py"
 
 
 @pytest.mark.parametrize("tp,pp", [(1, 2), (2, 1)])
-def test_megatron_core_loads_resharded_dist_and_legacy(tmp_path, tp, pp):
-    from ckpt_tool.formats.mcore_dist import torch_dist_writer
-
+def test_megatron_core_loads_resharded_dist_and_legacy(tmp_path, tp, pp, raw_saves):
     pytest.importorskip("megatron.core")
     outs = []
     for name, src, to in (("from_dist", DIST, None), ("from_legacy", LEGACY, "torch_dist")):
         out = tmp_path / name
-        before = len(torch_dist_writer.RAW_SAVES)
+        before = len(raw_saves)
         reshard(src, out, ReshardRequest(tp=tp, pp=pp, to=to))
-        assert len(torch_dist_writer.RAW_SAVES) == before + 1  # our raw save, not DCP's
+        assert len(raw_saves) == before + 1  # our raw save, not DCP's
         outs.append(str(out))
     ref = str(next(DIST.glob("iter_*")))
     log = torchrun(str(WORKER), tp * pp, str(tp), str(pp), ref, *outs, timeout=600)

@@ -39,8 +39,7 @@ import shutil
 from types import SimpleNamespace
 from typing import Any
 
-from ckpt_tool.formats.dcp_raw_save import (  # noqa: F401 - RAW_SAVES: tests count raw saves
-    RAW_SAVES,
+from ckpt_tool.formats.dcp_raw_save import (
     is_main_rank,
     raw_path_applies,
     raw_write,
