@@ -141,7 +141,7 @@ def reshard(src: str | Path, dst: str | Path | None, req: ReshardRequest, *,
                 and torch_free_pickle(new_common) is not None):
             # it will be torch.save'd: the common state as torch loads it
             new_common = _new_common(reader, reader.common(), plan, layout)
-            if to != "legacy":
+            if to != "legacy":  # the same legacy state dropped again (target and notes: above)
                 _dist_objects_only(target, new_common, [])
         with staged_output_ranks(out, r, overwrite=overwrite, notes=result.notes,
                                  need_bytes=output_estimate(target)) as staging:

@@ -25,15 +25,9 @@ from ckpt_tool.formats.dcp_raw_metadata import PlannedItem, assign_files, check_
 from ckpt_tool.formats.pickle_refs import Call, dumps, instance, ref
 from ckpt_tool.model import ChunkRef, TensorMeta
 
-FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
+from _fixtures import fixture as _fixture
+
 pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")]
-
-
-def _fixture(name: str) -> Path:
-    p = FIXTURES / name
-    if not p.is_dir() or not any(p.iterdir()):
-        pytest.skip(f"fixture {name} is missing")
-    return p
 
 
 # -- pickle_refs: references without importing them ------------------------------------------

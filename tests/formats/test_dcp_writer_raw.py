@@ -24,15 +24,9 @@ import pytest
 from ckpt_tool.formats.dcp_bytes_items import flatten_state, unwrapped_archive
 from ckpt_tool.formats.torch_save_object import load_exact, object_archive_of
 
-FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
+from _fixtures import fixture as _fixture
+
 pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")]
-
-
-def _fixture(name: str) -> Path:
-    p = FIXTURES / name
-    if not p.is_dir() or not any(p.iterdir()):
-        pytest.skip(f"fixture {name} is missing")
-    return p
 
 
 def _torch_save(value) -> bytes:

@@ -31,18 +31,12 @@ from ckpt_tool.formats import open_checkpoint
 from ckpt_tool.formats.writer import WriteRequest, WriterOptions, writer_for
 from ckpt_tool.model import ChunkRef, CheckpointMeta, TensorMeta
 
-FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
+from _fixtures import fixture as _fixture
+
 ALL = ["mcore016_gpt_tp2pp2_fp32", "mcore016_gpt_tp2pp2_bf16_optim", "dcp_plain",
        "mcore015_zarr_gpt_tp2pp2", "mcore015_gpt_flattened_optim", "megatron_legacy_tp2pp2",
        "megatron_legacy_tp2_release"]
 pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")]
-
-
-def _fixture(name: str) -> Path:
-    p = FIXTURES / name
-    if not p.is_dir() or not any(p.iterdir()):
-        pytest.skip(f"fixture {name} is missing")
-    return p
 
 
 class Source:
