@@ -60,7 +60,8 @@ class LegacyWriter(Writer):
                              hint=errors[0].fix)
         write_legacy_ranks(self.directory, plan, request.source, request.common,
                            progress=request.progress, ranks=request.ranks,
-                           local_spec=bool(self.options.extra.get("local_spec")))
+                           local_spec=bool(self.options.extra.get("local_spec")),
+                           iteration_dir=self.options.extra.get("iteration_dir"))
         return _notes(plan, request)
 
     def _layout(self, source: Any, summary: dict[str, Any]) -> Any:
@@ -111,8 +112,10 @@ def updated_args(args: Any, updates: dict[str, Any]) -> Any:
 
 def write_legacy_ranks(directory: Path, plan: Any, source: Any,
                        common: dict[str, Any], progress: Any = None, ranks: Any = None,
-                       local_spec: bool = False) -> list[str]:
-    """One ``model_optim_rng.pt`` per target rank, as Megatron-LM writes them, from ``plan``.
+                       local_spec: bool = False, iteration_dir: str | None = None) -> list[str]:
+    """One ``model_optim_rng.pt`` per target rank, as Megatron-LM writes them, from ``plan``,
+    in the save directory ``directory``: ``iteration_dir`` (default: ``iter_NNNNNNN`` of the
+    common state's iteration, else ``release``) and the tracker file naming it.
     Under torchrun (``ranks``) each process writes its share of the rank files (balanced by
     the bytes they read) and rank 0 the tracker file. ``local_spec``: name the layer norms as
     a local-spec (``--transformer-impl local``) model holds them (``input_layernorm.*``,
@@ -128,7 +131,8 @@ def write_legacy_ranks(directory: Path, plan: Any, source: Any,
     meta = plan.target_meta
     lm = LayerMap(plan.sizes.num_layers, plan.target)
     iteration = common.get("iteration")
-    iter_dir = directory / ("release" if iteration is None else f"iter_{int(iteration):07d}")
+    iter_dir = directory / (iteration_dir or (
+        "release" if iteration is None else f"iter_{int(iteration):07d}"))
     iter_dir.mkdir(parents=True, exist_ok=True)
     args = updated_args(common.get("args"), plan.args_updates)
     same_layout = all(getattr(plan.source, f) == getattr(plan.target, f)
@@ -183,7 +187,8 @@ def write_legacy_ranks(directory: Path, plan: Any, source: Any,
         path.parent.mkdir(parents=True, exist_ok=True)
         torch_save_file(state, path)
     if ranks is None or ranks.is_main:
-        tracker = "release" if iteration is None else str(int(iteration))
+        name = iter_dir.name
+        tracker = "release" if name == "release" else str(int(name[5:]))
         (directory / "latest_checkpointed_iteration.txt").write_text(tracker)
     return sorted(skipped)
 
