@@ -47,7 +47,7 @@ def test_chain_through_dist_and_legacy_ends_bit_identical(tmp_path):
     assert rank0["model"]["embedding.word_embeddings.weight"].shape == (64, 64)
     reshard(b, c, ReshardRequest(tp=2, pp=2, to="torch_dist"))
     _same(_tensors(DIST), _tensors(c))
-    files = sorted(p.name for p in c.glob("__*.distcp"))
+    files = sorted(p.name for p in c.glob("iter_0000010/__*.distcp"))  # a save directory
     assert files == [f"__{r}_0.distcp" for r in range(4)]  # one file per target rank
 
 
@@ -175,7 +175,7 @@ def test_workers_write_rank_files_in_parallel(tmp_path):
     reshard(OPTIM, tmp_path / "one", ReshardRequest(tp=4, pp=1))
     reshard(OPTIM, tmp_path / "many", ReshardRequest(tp=4, pp=1), workers=3)
     _same(_tensors(tmp_path / "one"), _tensors(tmp_path / "many"))
-    assert sorted(p.name for p in (tmp_path / "many").glob("*.distcp")) == \
+    assert sorted(p.name for p in (tmp_path / "many").glob("iter_*/*.distcp")) == \
         [f"__{r}_0.distcp" for r in range(4)]
 
 
