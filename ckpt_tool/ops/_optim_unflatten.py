@@ -23,7 +23,7 @@ from ckpt_tool.formats.base import Reader
 from ckpt_tool.model import CheckpointMeta, ChunkRef, TensorMeta, split_chained
 from ckpt_tool.ops._optim_model_space import _MAIN_0_15, ModelSpaceDistOptimizerView
 from ckpt_tool.planning.source_model import model_sizes_from
-from ckpt_tool.planning.source_layout import args_of, source_layout_from
+from ckpt_tool.planning.source_layout import args_of, optimizer_domains, source_layout_from
 from ckpt_tool.planning.layout import RuleSet
 from ckpt_tool.planning.bucket_choices import (LayoutChoice, dp_candidates, layout_choices,
                                               spec_from_args, stored_bucket_sizes)
@@ -187,16 +187,17 @@ class UnflattenedOptimizerView(Reader):
                 "(args.transformer_impl)", hint="pass --local-spec or --te-spec, as the model "
                 "was trained")
         choice, buckets = proven[0]
-        return buckets, choice, self._how(args, hints, configured, proven)
+        return buckets, choice, self._how(args, hints, configured, proven, bool(stored))
 
     def _how(self, args: dict[str, Any], hints: BucketLayoutHints, configured: int | None,
-             proven: list[tuple[LayoutChoice, list[Bucket]]]) -> str:
+             proven: list[tuple[LayoutChoice, list[Bucket]]], stored: bool) -> str:
         """Where the layout came from, in a few words."""
         choice = proven[0][0]
         parts = [("bucket boundaries from --ddp-bucket-size" if hints.bucket_size is not None
                   else "bucket boundaries from the configuration"
                   if bucket_size_configured(args) else
-                  "bucket boundaries from per_bucket_numel_unpadded")]
+                  "bucket boundaries from per_bucket_numel_unpadded" if stored else
+                  "bucket boundaries not needed: no parameter start is padded")]
         parts.append(f"{choice.spec_name} parameter order"
                      + (" (--local-spec/--te-spec)" if hints.spec else
                         "" if spec_from_args(args) else " (the only one that fits)"))
@@ -262,6 +263,7 @@ class UnflattenedOptimizerView(Reader):
         extras = dict(meta.extras)
         extras["optimizer_sharding"] = {"type": "fully_reshardable", "source": self.summary,
                                         "declared": self.form}
+        extras["optimizer_domains"] = optimizer_domains(meta)
         common = dict(meta.common)
         common["content_metadata"] = self._content_metadata(common.get("content_metadata"))
         return replace(meta, tensors=tensors, objects=objects, extras=extras, common=common)

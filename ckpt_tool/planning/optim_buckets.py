@@ -121,6 +121,9 @@ def bucket_size_configured(args: Mapping[str, Any]) -> bool:
     return "overlap_grad_reduce" in args
 
 
+_PARAM_ALIGN = 64  # DDP starts each parameter at a multiple of 64 elements
+
+
 @dataclass(frozen=True)
 class _Closing:
     """Where one buffer's buckets close: after ``size`` elements (None: never, a single
@@ -145,12 +148,21 @@ class _Closing:
 
 
 def _closing(args: Mapping[str, Any], dp: int, pp_rank: int, bucketed: bool,
-             stored: Sequence[int] | None) -> _Closing:
+             stored: Sequence[int] | None, numels: Sequence[int]) -> _Closing:
+    """How one buffer's buckets close; ``numels``: its parameters' sizes in layout order.
+    Without a configured bucket size nor ``stored`` sizes, the buckets' unpadded ranges back
+    to back (``dp_zero_gather_scatter``) place every parameter alike wherever the buckets
+    close as long as no parameter start is padded (each size but the last a multiple of 64):
+    one bucket then; else BucketSizeUnknown."""
     if not bucket_size_configured(args):
-        if stored is None:
+        if stored is not None:
+            return _Closing(stored=tuple(int(n) for n in stored))
+        if any(n % _PARAM_ALIGN for n in numels[:-1]):
             raise BucketSizeUnknown("the DDP bucket size is not in the checkpoint's "
-                                    "configuration and this form stores no bucket sizes")
-        return _Closing(stored=tuple(int(n) for n in stored))
+                                    "configuration, this form stores no bucket sizes, and "
+                                    "where buckets close moves the parameters (sizes not "
+                                    f"multiples of {_PARAM_ALIGN})")
+        return _Closing()
     if not bucketed or pp_rank > 0 or not args.get("overlap_grad_reduce"):
         return _Closing()
     size = args.get("ddp_bucket_size")
@@ -247,10 +259,10 @@ def optimizer_bucket_layout(meta: CheckpointMeta, sizes: ModelSizes, source: Lay
         for vp in range(vpp):
             out += _chunk_buckets(meta, sizes, ps, spec, rules, lm, experts, pp_rank, vp, vpp,
                                   has_experts, dtype, tied, gbufs,
-                                  lambda dp_, gbuf, domain, vp=vp, pp_rank=pp_rank: _closing(
-                                      args, dp_, pp_rank, vp == 0,
-                                      None if stored is None else _stored_of(stored, domain,
-                                                                             gbuf)))
+                                  lambda dp_, gbuf, domain, numels, vp=vp, pp_rank=pp_rank:
+                                  _closing(args, dp_, pp_rank, vp == 0,
+                                           None if stored is None else _stored_of(
+                                               stored, domain, gbuf), numels))
     return out
 
 
@@ -263,7 +275,8 @@ def _chunk_buckets(meta: CheckpointMeta, sizes: ModelSizes, ps: _Sizes, spec: st
                    rules: RuleSet, lm: LayerMap, experts: list[list[int]], pp_rank: int, vp: int,
                    vpp: int, has_experts: bool, dtype: str, tied: bool,
                    gbufs: dict[tuple[str, int], int],
-                   closing: Callable[[int, int, tuple[str, int]], _Closing]) -> list[Bucket]:
+                   closing: Callable[[int, int, tuple[str, int], list[int]], _Closing]
+                   ) -> list[Bucket]:
     """The buckets of one model chunk's buffers on every rank of pipeline stage ``pp_rank``
     (Megatron-LM buckets only each stage's first chunk: ``disable_bucketing`` for the
     others)."""
@@ -277,8 +290,10 @@ def _chunk_buckets(meta: CheckpointMeta, sizes: ModelSizes, ps: _Sizes, spec: st
             return
         gbuf = gbufs.get(template.domain, 0)
         gbufs[template.domain] = gbuf + 1
+        numels = [math.prod(local.local_shape) for _k, local in reversed(locals_)]
         out.extend(_lay_out(replace(template, gbuf_idx=gbuf), locals_,
-                            closing(ps.dp, gbuf, template.domain), ps.divisor(dp), tied))
+                            closing(ps.dp, gbuf, template.domain, numels), ps.divisor(dp),
+                            tied))
 
     dense = [p for p in stage_params(model_keys, spec, layers, first, last, experts[0])
              if not (has_experts and p[2] is not None)]
@@ -362,7 +377,7 @@ def _lay_out(template: Bucket, params: list[tuple[str, LocalTensor]], closing: _
 
     for key, local in reversed(params):
         numel = math.prod(local.local_shape)
-        start = pad(start, 64)
+        start = pad(start, _PARAM_ALIGN)
         shared = tied and key in ("embedding.word_embeddings.weight", "output_layer.weight")
         if current.params and closing.before(len(buckets), start - bucket_start, shared):
             start = close(start)

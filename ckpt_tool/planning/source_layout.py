@@ -1,26 +1,34 @@
 """What a checkpoint says about the layout it was saved with: ``args`` (or the readers'
-``parallel`` summary) first; without them the global shape ``(pp, tp)`` of Megatron-LM's
-``rng_state`` ShardedObjects, then the tensor-parallel size from the chunk grids of the weights
-the layout rules split (vocab-parallel along dim 0, row-parallel along the last dim). A size
-nothing tells is reported as ``unknown``, never guessed."""
+``parallel`` summary, or the training configuration a reader found beside the checkpoint) first;
+without them the global shape ``(pp, tp)`` of Megatron-LM's ``rng_state`` ShardedObjects, then
+the tensor-parallel size from the chunk grids of the weights the layout rules split
+(vocab-parallel along dim 0, row-parallel along the last dim), then the pipeline-parallel size
+from the DistributedOptimizer's model-parallel domains (``dp_group_idx`` counts tp x pp). A
+size nothing tells is reported as ``unknown``, never guessed."""
 
 from __future__ import annotations
 
+import re
 from typing import Any, Mapping
 
 from ckpt_tool.model import CheckpointMeta, is_optimizer_key
 from ckpt_tool.planning.sizes import Layout
 
-__all__ = ["args_of", "source_layout_from", "source_layout_origins"]
+__all__ = ["args_of", "source_layout_from", "source_layout_origins", "optimizer_domains"]
 
 
 def args_of(meta: CheckpointMeta, common: Mapping[str, Any] | None) -> dict[str, Any]:
-    """The checkpoint's Megatron-LM ``args`` as a dict (empty without them)."""
+    """The checkpoint's Megatron-LM ``args`` as a dict: the common state's, else the legacy
+    reader's, else the training configuration a reader found beside the checkpoint
+    (``extras["training_config"]["args"]``: Megatron-Bridge's ``run_config.yaml``, NeMo's
+    context, in Megatron-LM's argument names); empty without any."""
     args: Any = None
     if common is not None:
         args = common.get("args")
     if args is None:
         args = meta.extras.get("args")
+    if args is None:
+        args = (meta.extras.get("training_config") or {}).get("args")
     if args is None:
         return {}
     if isinstance(args, Mapping):
@@ -76,10 +84,25 @@ def _source_layout(meta: CheckpointMeta, common: Mapping[str, Any] | None
         grid = _tp_from_chunk_grids(meta)
         if grid is not None:
             values["tp"], origins["tp"] = grid, "chunk grid"
+    domains = optimizer_domains(meta)
+    if values["pp"] is None and values["tp"] and domains and domains % int(values["tp"]) == 0:
+        values["pp"], origins["pp"] = domains // int(values["tp"]), "optimizer domains"
     if values["ep"] is None and not any(".experts." in k or "local_experts" in k
                                         for k in meta.tensors):
         origins["ep"] = "no experts"
     return values, origins
+
+
+_DENSE_DOMAIN = re.compile(r"^(?:chained_0\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.")
+
+
+def optimizer_domains(meta: CheckpointMeta) -> int | None:
+    """How many model-parallel domains (tp x pp) the DistributedOptimizer's dense state names
+    (``dp_group_idx_*`` of its per-bucket tensors or objects; a view that rewrote them keeps
+    the count in ``extras["optimizer_domains"]``); None without such state."""
+    found = {int(m.group(1)) for k in [*meta.tensors, *(o.key for o in meta.objects)]
+             if (m := _DENSE_DOMAIN.match(k))}
+    return len(found) or meta.extras.get("optimizer_domains")
 
 
 _ROW_SPLIT = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
