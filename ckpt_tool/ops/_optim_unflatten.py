@@ -23,7 +23,8 @@ from ckpt_tool.formats.base import Reader
 from ckpt_tool.model import CheckpointMeta, ChunkRef, TensorMeta, split_chained
 from ckpt_tool.ops._optim_model_space import _MAIN_0_15, ModelSpaceDistOptimizerView
 from ckpt_tool.planning.source_model import model_sizes_from
-from ckpt_tool.planning.source_layout import args_of, optimizer_domains, source_layout_from
+from ckpt_tool.planning.source_layout import (configured_args, optimizer_domains,
+                                              source_layout_from)
 from ckpt_tool.planning.layout import RuleSet
 from ckpt_tool.planning.bucket_choices import (LayoutChoice, dp_candidates, layout_choices,
                                               spec_from_args, stored_bucket_sizes)
@@ -122,7 +123,7 @@ class UnflattenedOptimizerView(Reader):
         meta = reader.metadata()
         self._common = reader.common()
         hints = hints or BucketLayoutHints()
-        args = hints.args(args_of(meta, self._common))
+        args = hints.args(configured_args(meta, self._common)[0])
         sizes = model_sizes_from(meta, self._common)
         source = source_layout_from(meta, self._common)
         per_bucket, self._groups = self._group_objects(meta)

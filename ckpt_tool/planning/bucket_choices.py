@@ -84,7 +84,8 @@ def dp_candidates(meta: CheckpointMeta, per_bucket: Mapping[Any, tuple[Any, Any]
                   ) -> list[int]:
     """The data-parallel sizes the stored dense buckets allow, smallest first: ``d`` divides
     every bucket's padded size and each DP rank's share starts where a stored piece starts
-    (below the bucket's unpadded size). Empty when no piece tells (no buckets stored)."""
+    (below the bucket's unpadded size). A necessary condition only: the proof of a layout
+    built with ``d`` decides. Empty when no buckets are stored."""
     padded = stored_bucket_sizes(per_bucket, 0)
     unpadded = stored_bucket_sizes(per_bucket, 1)
     starts: dict[tuple[str, int, int, int], set[int]] = {}

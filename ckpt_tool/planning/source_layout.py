@@ -14,26 +14,36 @@ from typing import Any, Mapping
 from ckpt_tool.model import CheckpointMeta, is_optimizer_key
 from ckpt_tool.planning.sizes import Layout
 
-__all__ = ["args_of", "source_layout_from", "source_layout_origins", "optimizer_domains"]
+__all__ = ["args_of", "configured_args", "source_layout_from", "source_layout_origins",
+           "optimizer_domains"]
 
 
 def args_of(meta: CheckpointMeta, common: Mapping[str, Any] | None) -> dict[str, Any]:
-    """The checkpoint's Megatron-LM ``args`` as a dict: the common state's, else the legacy
-    reader's, else the training configuration a reader found beside the checkpoint
-    (``extras["training_config"]["args"]``: Megatron-Bridge's ``run_config.yaml``, NeMo's
-    context, in Megatron-LM's argument names); empty without any."""
+    """The checkpoint's Megatron-LM ``args`` as a dict (empty without them)."""
     args: Any = None
     if common is not None:
         args = common.get("args")
     if args is None:
         args = meta.extras.get("args")
     if args is None:
-        args = (meta.extras.get("training_config") or {}).get("args")
-    if args is None:
         return {}
     if isinstance(args, Mapping):
         return dict(args)
     return dict(vars(args)) if hasattr(args, "__dict__") else {}
+
+
+def configured_args(meta: CheckpointMeta, common: Mapping[str, Any] | None
+                    ) -> tuple[dict[str, Any], str]:
+    """The training configuration a checkpoint carries, in Megatron-LM's argument names, and
+    where it came from: its ``args``, else what a reader found beside it
+    (``extras["training_config"]``: Megatron-Bridge's ``run_config.yaml``, NeMo's context);
+    ``({}, "")`` without any. Only the parallel layout and the DistributedOptimizer's buffers
+    are taken from the latter: it is not a complete ``args``."""
+    args = args_of(meta, common)
+    if args:
+        return args, "args"
+    found = meta.extras.get("training_config") or {}
+    return dict(found.get("args") or {}), str(found.get("source") or "")
 
 
 def source_layout_from(meta: CheckpointMeta, common: Mapping[str, Any] | None = None) -> Layout:
@@ -55,7 +65,7 @@ def source_layout_origins(meta: CheckpointMeta, common: Mapping[str, Any] | None
 
 def _source_layout(meta: CheckpointMeta, common: Mapping[str, Any] | None
                    ) -> tuple[dict[str, Any], dict[str, str]]:
-    args = args_of(meta, common)
+    args, where = configured_args(meta, common)
     par = meta.common.get("parallel", {}) if isinstance(meta.common, Mapping) else {}
 
     def get(long: str, short: str) -> Any:
@@ -73,7 +83,8 @@ def _source_layout(meta: CheckpointMeta, common: Mapping[str, Any] | None
               "vpp": get("virtual_pipeline_model_parallel_size", "vpp"),
               "first": args.get("decoder_first_pipeline_num_layers"),
               "last": args.get("decoder_last_pipeline_num_layers")}
-    origins = {k: "args" if values[k] is not None else "unknown" for k in ("tp", "pp", "ep")}
+    origins = {k: (where or "args") if values[k] is not None else "unknown"
+               for k in ("tp", "pp", "ep")}
     rng = [o.global_shape for o in meta.objects
            if o.key == "rng_state" and len(o.global_shape) == 2]
     if rng and len(set(rng)) == 1:  # Megatron-LM's rng_state: global shape (pp, tp)
