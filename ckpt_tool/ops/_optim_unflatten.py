@@ -152,7 +152,9 @@ class UnflattenedOptimizerView(Reader):
         stored = stored_bucket_sizes(per_bucket) if per_bucket else None
         proven: list[tuple[LayoutChoice, list[Bucket]]] = []
         failed: list[tuple[LayoutChoice, list[str]]] = []
-        for choice in layout_choices(args, dps, hints.spec):
+        padded = [n for buffers in stored_bucket_sizes(per_bucket, 0).values()
+                  for sizes_ in buffers for n in sizes_]
+        for choice in layout_choices(args, dps, hints.spec, padded):
             try:
                 buckets = optimizer_bucket_layout(meta, sizes, source, choice.args(args),
                                                   rules, spec=choice.spec,

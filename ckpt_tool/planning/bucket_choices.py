@@ -56,14 +56,18 @@ def spec_from_args(args: Mapping[str, Any]) -> str | None:
     return "transformer_engine" if impl == "transformer_engine" else None
 
 
-def layout_choices(args: Mapping[str, Any], dps: Sequence[int],
-                   spec: str | None = None) -> list[LayoutChoice]:
+def layout_choices(args: Mapping[str, Any], dps: Sequence[int], spec: str | None = None,
+                   padded: Iterable[int] = ()) -> list[LayoutChoice]:
     """Every choice to try: ``spec`` (else the configuration's, else each known spec), each
-    of ``dps``, the configuration's bucket padding (else both)."""
+    of ``dps``, the configuration's bucket padding (else both; the bus-bandwidth padding only
+    when every stored ``padded`` bucket size is a multiple of 2**16: none stored, it moves
+    nothing)."""
     specs = [spec] if spec else ([spec_from_args(args)] if spec_from_args(args) else
                                  list(SPECS))
     key = "ddp_pad_buckets_for_high_nccl_busbw"
-    busbws = [bool(args[key])] if key in args else [False, True]
+    padded = list(padded)
+    busbws = ([bool(args[key])] if key in args else
+              [False] + ([True] if padded and all(n % 2 ** 16 == 0 for n in padded) else []))
     return [LayoutChoice(s, d, b) for s in specs for d in dps for b in busbws]
 
 

@@ -67,9 +67,10 @@ def test_the_stored_pieces_bound_the_data_parallel_size():
 
 
 def test_what_the_configuration_leaves_open_is_tried():
-    assert layout_choices({}, [2]) == [LayoutChoice(s, 2, b) for s in ("transformer_engine",
-                                                                       "local")
-                                       for b in (False, True)]
+    assert layout_choices({}, [2], padded=[2 ** 16]) == [
+        LayoutChoice(s, 2, b) for s in ("transformer_engine", "local") for b in (False, True)]
+    # stored buckets not padded to 2**16: not the bus-bandwidth padding
+    assert {c.busbw for c in layout_choices({}, [2], padded=[8448, 2 ** 16])} == {False}
     assert layout_choices({"transformer_impl": "local",
                            "ddp_pad_buckets_for_high_nccl_busbw": False}, [1, 2]) == [
         LayoutChoice("local", 1, False), LayoutChoice("local", 2, False)]
