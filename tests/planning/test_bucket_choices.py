@@ -75,5 +75,4 @@ def test_what_the_configuration_leaves_open_is_tried():
                            "ddp_pad_buckets_for_high_nccl_busbw": False}, [1, 2]) == [
         LayoutChoice("local", 1, False), LayoutChoice("local", 2, False)]
     assert [c.spec for c in layout_choices({"transformer_impl": "local"}, [1],
-                                           spec="transformer_engine")] == [
-        "transformer_engine"] * 2
+                                           spec="transformer_engine")] == ["transformer_engine"]
