@@ -24,7 +24,7 @@
 # before it ends. Lower it when less device time is left.)
 #
 # Knobs (environment): SIZE_GB, SAVES, MODES (gpu); SIZE_MB, BUILD_RANKS, COUNTS, TARGETS,
-# REPEAT, BUDGET, FLOOR_MB, RUN_TIMEOUT (scaling); WHEELS, SITE, DEVICE=cpu (a dry run of the
+# REPEAT, BUDGET, FLOOR_MB, RUN_TIMEOUT, HIDDEN (scaling); WHEELS, SITE, DEVICE=cpu (a dry run of the
 # gpu step without a GPU: the figures then mean nothing).
 set -u
 what=${1:-}
@@ -80,7 +80,7 @@ else
     --build-ranks "${BUILD_RANKS:-8}" --counts ${COUNTS:-1 2 4 8} \
     --targets ${TARGETS:-torch_dist safetensors reshard dcp} --modes workers torchrun \
     --repeat "${REPEAT:-1}" --budget-s "$left" --floor-mb "${FLOOR_MB:-3000}" \
-    --run-timeout "$rt" --work bench/out/scaling_work
+    --run-timeout "$rt" --work bench/out/scaling_work ${HIDDEN:+--hidden "$HIDDEN"}
   rm -rf bench/out/scaling_work
   echo; echo "== summary (scaling), $((SECONDS - T0)) s"; cat "$OUT/steps.txt"
   grep -E "^(failed|timed out|budget)|Traceback|Error" "$OUT/scaling.log" | head -20
