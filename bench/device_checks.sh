@@ -2,10 +2,10 @@
 # The checks that need the lent GPU machine (one GPU, 16 cores), one call each:
 #
 #   bash bench/device_checks.sh gpu       the CUDA tests (pytest -m cuda over the whole suite)
-#                                         and bench/bench_async_gpu.py, every mode; ~4 min
+#                                         and bench/bench_async_gpu.py, every mode
 #   bash bench/device_checks.sh scaling   bench/bench_scaling.py --size-mb 6000
 #                                         --build-ranks 8 --counts 1 2 4 8, workers and
-#                                         torchrun; stops starting runs at $BUDGET s; ~8-9 min
+#                                         torchrun; no run starts after $BUDGET s
 #
 # Run from the repository root. Packages the machine's image lacks travel as wheels in .whl/
 # (isal, megatron-core 0.16.1, typer 0.28; cp312 manylinux, git-ignored):
@@ -14,22 +14,26 @@
 #     --platform manylinux_2_17_x86_64 --platform any -d .whl \
 #     isal==1.9.1 megatron-core==0.16.1 typer==0.28.0
 # and are installed into $SITE (default /tmp/site) first. Each step runs under `timeout`, a
-# failing step does not stop the next; logs go to $OUT (default ./device_out), a summary with
+# failing step does not stop the next; logs go to $OUT (default bench/out/device), a summary with
 # the result tables is printed last.
 #
-# The device tool's calls (carry the wheels; each step's limit is below the call's timeout_s):
-#   run(command="OUT=$OUT bash bench/device_checks.sh gpu", carry=[".whl"], timeout_s=300)
-#   run(command="BUDGET=420 bash bench/device_checks.sh scaling", carry=[".whl"], timeout_s=540)
-# (BUDGET: seconds after which the scaling bench starts no further run; about 60 s more pass
-# before it ends. Lower it when less device time is left.)
+# The device tool's calls, back to back (the machine stays warm only ~30 s between calls;
+# 15 min of device time cover its start, ~1-2 min, and both):
+#   run(command="bash bench/device_checks.sh gpu", carry=[".whl"], timeout_s=300)
+#     ~4 min: install + env ~10 s, CUDA tests ~30-60 s, then modes until BUDGET (210 s from
+#     the start) at most 60 s each, 2 GiB x 3 saves
+#   run(command="BUDGET=400 bash bench/device_checks.sh scaling", carry=[".whl"], timeout_s=540)
+#     build (real Megatron-Core writer, 8 ranks) + disk floor + runs until BUDGET s from the
+#     start, the last run at most RUN_TIMEOUT (90) s more, then the table: <= BUDGET + 130 s.
+#     Set BUDGET to the device time left after the first call minus ~150 s (at most 400).
 #
-# Knobs (environment): SIZE_GB, SAVES, MODES (gpu); SIZE_MB, BUILD_RANKS, COUNTS, TARGETS,
-# REPEAT, BUDGET, FLOOR_MB, RUN_TIMEOUT, HIDDEN (scaling); WHEELS, SITE, DEVICE=cpu (a dry run of the
-# gpu step without a GPU: the figures then mean nothing).
+# Knobs (environment): SIZE_GB, SAVES, MODES, BUDGET (gpu); SIZE_MB, BUILD_RANKS, COUNTS,
+# TARGETS, REPEAT, BUDGET, FLOOR_MB, RUN_TIMEOUT, HIDDEN (scaling); WHEELS, SITE; DEVICE=cpu
+# runs the gpu step without a GPU (a dry run: the figures then mean nothing).
 set -u
 what=${1:-}
 case "$what" in gpu|scaling) ;; *) echo "usage: $0 gpu|scaling" >&2; exit 2;; esac
-OUT=${OUT:-device_out}; mkdir -p "$OUT"
+OUT=${OUT:-bench/out/device}; mkdir -p "$OUT"
 WHEELS=${WHEELS:-.whl}; SITE=${SITE:-/tmp/site}
 T0=$SECONDS
 if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
