@@ -28,10 +28,10 @@ from ckpt_tool.planning.source_layout import (configured_args, optimizer_domains
 from ckpt_tool.planning.layout import RuleSet
 from ckpt_tool.planning.bucket_choices import (LayoutChoice, dp_candidates, layout_choices,
                                               spec_from_args, stored_bucket_sizes)
+from ckpt_tool.planning.bucket_proof import prove_bucket_layout
 from ckpt_tool.planning.optim_buckets import (STATES, Bucket, BucketLayoutError, BucketParam,
                                               BucketSizeUnknown, bucket_size_configured,
-                                              configured_dp, optimizer_bucket_layout,
-                                              prove_bucket_layout)
+                                              configured_dp, optimizer_bucket_layout)
 from ckpt_tool.planning.param_order import moe_expert_keys
 from ckpt_tool.planning.pieces import Piece
 

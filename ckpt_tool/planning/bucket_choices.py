@@ -14,11 +14,11 @@ data-parallel sizes the stored pieces allow.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
 from ckpt_tool.model import CheckpointMeta
+from ckpt_tool.planning.optim_buckets import BUCKET_KEY
 
 __all__ = ["LayoutChoice", "layout_choices", "dp_candidates", "stored_bucket_sizes", "SPECS",
            "spec_from_args"]
@@ -26,8 +26,6 @@ __all__ = ["LayoutChoice", "layout_choices", "dp_candidates", "stored_bucket_siz
 #: The layer specs whose parameter order is known (planning.param_order), in the order tried.
 SPECS = ("transformer_engine", "local")
 _SPEC_NAMES = {"transformer_engine": "Transformer-Engine", "local": "local"}
-_BUCKET = re.compile(r"^(chained_\d+\.)?optimizer\.distributed\.dp_group_idx_(\d+)\."
-                     r"gbuf_idx_(\d+)\.dtype_.+\.bucket_idx_(\d+)\.param$")
 
 
 @dataclass(frozen=True)
@@ -94,9 +92,9 @@ def dp_candidates(meta: CheckpointMeta, per_bucket: Mapping[Any, tuple[Any, Any]
     unpadded = stored_bucket_sizes(per_bucket, 1)
     starts: dict[tuple[str, int, int, int], set[int]] = {}
     for k, t in meta.tensors.items():
-        m = _BUCKET.match(k)
-        if m and (m.group(1) or "chained_0.") == "chained_0.":
-            starts[(m.group(1) or "", int(m.group(2)), int(m.group(3)), int(m.group(4)))] = {
+        m = BUCKET_KEY.match(k)
+        if m and m.group(6) == "param" and (m.group(1) or "chained_0.") == "chained_0.":
+            starts[(m.group(1) or "", int(m.group(2)), int(m.group(3)), int(m.group(5)))] = {
                 c.offsets[0] for c in t.chunks}
     buckets = [(starts[(p, i, g, b)], n, unpadded[(p, i)][g][b])
                for (p, i), buffers in padded.items() for g, sizes in enumerate(buffers)

@@ -22,7 +22,8 @@ chunk (``gbuf_idx`` counts them in chunk order) and, as Megatron-LM builds DDP
 (``disable_bucketing`` for every chunk but the first), only each stage's first chunk is
 bucketed. A rebuilt layout is accepted only when it reproduces
 the stored ``per_bucket_numel`` / ``per_bucket_numel_unpadded`` and the boundaries of every
-stored piece (each parameter's part on each DP rank, and each padding, is its own chunk).
+stored piece (each parameter's part on each DP rank, and each padding, is its own chunk):
+:mod:`ckpt_tool.planning.bucket_proof`.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, Sequence
 
-from ckpt_tool.errors import plural
 from ckpt_tool.model import CheckpointMeta, is_optimizer_key
 from ckpt_tool.planning.layout import RuleSet, rule_for
 from ckpt_tool.planning.param_order import (GPT_PARAMETER_ORDER, MOE_MLP_ORDER, moe_expert_keys,
@@ -41,11 +41,11 @@ from ckpt_tool.planning.pieces import LocalTensor, rank_pieces
 from ckpt_tool.planning.sizes import Layout, LayerMap, ModelSizes
 
 __all__ = ["GPT_PARAMETER_ORDER", "MOE_MLP_ORDER", "BucketParam", "Bucket", "BucketLayoutError",
-           "BucketSizeUnknown", "optimizer_bucket_layout", "prove_bucket_layout", "bucket_key",
-           "bucket_size_configured", "STATES", "StoredBuckets"]
+           "BucketSizeUnknown", "optimizer_bucket_layout", "bucket_key", "bucket_size_configured",
+           "configured_dp", "STATES", "StoredBuckets", "BUCKET_KEY"]
 
 STATES = ("param", "exp_avg", "exp_avg_sq")
-_BUCKET_RE = re.compile(r"^(chained_\d+\.)?optimizer\.distributed\.dp_group_idx_(\d+)\."
+BUCKET_KEY = re.compile(r"^(chained_\d+\.)?optimizer\.distributed\.dp_group_idx_(\d+)\."
                         r"gbuf_idx_(\d+)\.dtype_(.+)\.bucket_idx_(\d+)\.([a-z_0-9]+)$")
 
 
@@ -338,7 +338,7 @@ def _expert_split(meta: CheckpointMeta, sizes: ModelSizes, ps: _Sizes,
 
 def _buffer_dtype(meta: CheckpointMeta) -> str:
     for k in meta.tensors:
-        m = _BUCKET_RE.match(k)
+        m = BUCKET_KEY.match(k)
         if m:
             return m.group(4)
     raise BucketLayoutError("no per-bucket optimizer tensors")
@@ -390,70 +390,3 @@ def _lay_out(template: Bucket, params: list[tuple[str, LocalTensor]], closing: _
     if current.params:
         close(end)
     return buckets
-
-
-def prove_bucket_layout(buckets: Sequence[Bucket], meta: CheckpointMeta,
-                        per_bucket: Mapping[Any, tuple[Any, Any]], dp: int) -> list[str]:
-    """Every disagreement between the rebuilt ``buckets`` and the checkpoint: the stored
-    ``per_bucket_numel`` / ``per_bucket_numel_unpadded`` (``per_bucket[(prefix,
-    dp_group_idx)]``, or ``per_bucket[dp_group_idx]`` without a chained prefix; as saved: a list
-    over buffers of ``{(param dtype, grad dtype): [numel, ...]}``), the bucket tensors' keys and
-    lengths, and the chunk boundaries of each bucket tensor. ``dp``: the data-parallel size of
-    buckets that do not carry their own."""
-    problems: list[str] = []
-    by_group: dict[tuple[str, int], list[Bucket]] = {}
-    for b in buckets:
-        by_group.setdefault(b.domain, []).append(b)
-    stored_keys = {k for k in meta.tensors if _BUCKET_RE.match(k)}
-    expected_keys = {b.key(s) for b in buckets for s in STATES}
-    if stored_keys - expected_keys:
-        problems.append(f"{plural(len(stored_keys - expected_keys), 'stored bucket tensor')} "
-                        "not in the "
-                        f"rebuilt layout, e.g. {sorted(stored_keys - expected_keys)[0]}")
-    for (prefix, idx), group in sorted(by_group.items()):
-        where = f"{prefix}dp_group_idx_{idx}"
-        stored = per_bucket.get((prefix, idx), per_bucket.get(idx) if not prefix else None)
-        if stored is None:
-            problems.append(f"{where}: per_bucket_numel is missing")
-            continue
-        numel, unpadded = (_flat_numels(v) for v in stored)
-        want = [b.numel for b in group], [b.numel_unpadded for b in group]
-        if (numel, unpadded) != want:
-            problems.append(f"{where}: rebuilt buckets of {want[0]} elements "
-                            f"({want[1]} unpadded), stored per_bucket_numel {numel} "
-                            f"({unpadded} unpadded)")
-            continue
-        for b in group:
-            problems += _prove_chunks(b, meta, b.dp or dp)
-    return problems
-
-
-def _flat_numels(value: Any) -> list[int]:
-    out: list[int] = []
-    for per_dtype in value or []:
-        for numels in dict(per_dtype).values():
-            out += [int(n) for n in numels]
-    return out
-
-
-def _prove_chunks(b: Bucket, meta: CheckpointMeta, dp: int) -> list[str]:
-    local = b.numel // dp
-    points = {0} | {r * local for r in range(dp)}
-    for p in b.params:
-        points |= {p.start, p.start + p.numel}
-    want = sorted(x for x in points if x < b.numel_unpadded)
-    out = []
-    for state in STATES:
-        t = meta.tensors.get(b.key(state))
-        if t is None:
-            out.append(f"{b.key(state)}: missing")
-            continue
-        if tuple(t.shape) != (b.numel_unpadded,):
-            out.append(f"{b.key(state)}: {list(t.shape)} stored, {b.numel_unpadded} rebuilt")
-            continue
-        got = sorted(c.offsets[0] for c in t.chunks)
-        if got != want:
-            diff = sorted(set(got) ^ set(want))
-            out.append(f"{b.key(state)}: stored pieces start at {len(got)} offsets, the rebuilt "
-                       f"layout at {len(want)} (first difference at element {diff[0]})")
-    return out

@@ -10,7 +10,8 @@ from pathlib import Path
 from ckpt_tool.formats.base import open_checkpoint
 from ckpt_tool.planning.bucket_choices import (LayoutChoice, dp_candidates, layout_choices,
                                                stored_bucket_sizes)
-from ckpt_tool.planning.optim_buckets import optimizer_bucket_layout, prove_bucket_layout
+from ckpt_tool.planning.bucket_proof import prove_bucket_layout
+from ckpt_tool.planning.optim_buckets import optimizer_bucket_layout
 from ckpt_tool.planning.source_layout import args_of, source_layout_from
 from ckpt_tool.planning.source_model import model_sizes_from
 
