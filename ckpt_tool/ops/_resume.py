@@ -19,6 +19,7 @@ What Megatron-LM 0.16.1's ``load_checkpoint`` does, which the recipe follows fro
 
 from __future__ import annotations
 
+import math
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -185,8 +186,10 @@ def _layout(new: dict[str, Any], old: dict[str, Any], flags: list[str],
             flags += [flag, str(new[key])]
         elif old.get(key) is not None:
             notes.append(f"leave out {flag}: the target splits the layers evenly")
-    notes.append(f"ranks: a multiple of tp x pp = {new['tp'] * new['pp']} (any data-parallel "
-                 "size)")
+    ranks, what = new["tp"] * new["pp"], "tp x pp"
+    if new.get("ep", 1) > 1:  # the experts' data-parallel group divides the world too
+        ranks, what = math.lcm(ranks, new["etp"] * new["ep"] * new["pp"]), what + ", etp x ep x pp"
+    notes.append(f"ranks: a multiple of {ranks} ({what}); any data-parallel size")
 
 
 def _sharding(facts: ResumeFacts, notes: list[str]) -> None:

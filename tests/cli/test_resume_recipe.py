@@ -153,3 +153,43 @@ def test_overwrite_replaces_the_whole_save_directory(tmp_path, to):
     _ok("reshard", MODEL_ONLY, out, "--tp", "1", "--to", to, "--overwrite", "-q")
     assert (out / LATEST_FILE).read_text() == "10"
     assert not (out / "iter_0000005").exists()  # DST is replaced as a whole
+
+
+def test_recipe_variants():
+    """The recipe as a library result for what the commands above do not write."""
+    from ckpt_tool.formats.save_dir import Container
+    from ckpt_tool.ops._resume import ResumeFacts, resume_recipe
+
+    def layout(tp, pp, ep=1, etp=None, vpp=None, first=None):
+        return {"tp": tp, "pp": pp, "ep": ep, "etp": etp or tp, "vpp": vpp,
+                "first_stage_layers": first, "last_stage_layers": None}
+
+    out, save = Path("/ckpt/o"), Container("save_dir", "iter_0000010")
+    moe = resume_recipe(ResumeFacts(out, save, "torch_dist", "torch_dist", True, True,
+                                    "fully_reshardable", 10, layout(2, 2, 4, 1),
+                                    layout(1, 1, 2, vpp=2, first=3)))
+    assert moe.megatron_lm == ["--load", "/ckpt/o", "--tensor-model-parallel-size", "2",
+                               "--pipeline-model-parallel-size", "2",
+                               "--expert-model-parallel-size", "4",
+                               "--expert-tensor-parallel-size", "1"]
+    notes = " | ".join(moe.notes)
+    assert "2 virtual pipeline stages" in notes and "--decoder-first-pipeline-num-layers" in notes
+    assert "a multiple of 8" in notes
+    vpp = resume_recipe(ResumeFacts(out, save, "legacy", "legacy", False, True, None, 10,
+                                    layout(1, 2, vpp=2), layout(1, 2, vpp=2)))
+    assert vpp.megatron_lm[-3:] == ["--num-virtual-stages-per-pipeline-rank", "2",
+                                    "--no-load-optim"]
+    assert vpp.dist_checkpointing is None
+    release = resume_recipe(ResumeFacts(out, Container("iteration_dir", "release"), "torch_dist",
+                                        "torch_dist", True, True, "dp_zero_gather_scatter"))
+    assert release.megatron_lm == []  # a tracker file is needed first: the note says it
+    assert "echo release > /ckpt/o/latest_checkpointed_iteration.txt" in release.notes[0]
+    assert "--ckpt-fully-parallel-load" in release.notes[1]
+    kept = resume_recipe(ResumeFacts(out, Container("save_dir", "release"), "zarr", "zarr",
+                                     True, True, "dp_reshardable"))
+    assert kept.megatron_lm == ["--load", "/ckpt/o"]
+    assert [n.split(":")[0] for n in kept.notes] == [
+        "a release checkpoint", "optimizer state dp_reshardable",
+        "Megatron-Core 0.16 and later cannot load zarr (0.15 and earlier, with zarr installed, can)"]
+    assert resume_recipe(ResumeFacts(out, Container(), "torch_dist", "safetensors", True,
+                                     True)) is None
