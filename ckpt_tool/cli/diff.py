@@ -11,7 +11,7 @@ import typer
 from ckpt_tool.cli._errors import handle_errors, state
 from ckpt_tool.cli._options import (DebugFlag, IterationOption, JsonFlag, NoProgressFlag,
                                     QuietFlag, TrustFlag, at_iteration)
-from ckpt_tool.cli._output import message, print_json, stdout
+from ckpt_tool.cli._output import message, print_json, print_text
 from ckpt_tool.errors import plural
 
 # Rows per section of the table (the JSON document always has every difference).
@@ -115,26 +115,16 @@ def verdict(result: Any) -> str:
     return line
 
 
-def _esc(v: Any) -> str:
-    from rich.markup import escape
-
-    return escape(str(v))
-
-
 def _table(title: str, columns: tuple[str, ...], rows: list[tuple[Any, ...]]) -> None:
     if not rows:
         return
-    from rich.table import Table
+    from ckpt_tool.cli._tables import Column, print_table
 
     more = len(rows) - _ROWS
-    table = Table(title=f"{title} ({len(rows)})", title_justify="left")
-    for c in columns:
-        table.add_column(c, overflow="fold")
-    for r in rows[:_ROWS]:
-        table.add_row(*(_esc(x) for x in r))
-    stdout.print(table)
+    print_table(f"{title} ({len(rows)})",
+                [Column(c, name=i == 0) for i, c in enumerate(columns)], rows[:_ROWS])
     if more > 0:
-        stdout.print(f"... {more} more (--json lists all)")
+        print_text(f"... {more} more (--json lists all)")
 
 
 def _num(x: Any) -> str:
