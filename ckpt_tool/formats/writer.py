@@ -107,6 +107,10 @@ class Writer(abc.ABC):
     def __init__(self, directory: Path, options: WriterOptions | None = None):
         self.directory = Path(directory)
         self.options = options or WriterOptions()
+        #: Set by ``write`` when the output holds fewer of the request's tensors or objects
+        #: than it was given (what the format has no place for); None: all of them.
+        self.tensors_written: int | None = None
+        self.objects_written: int | None = None
 
     @abc.abstractmethod
     def write(self, request: WriteRequest) -> list[str]:

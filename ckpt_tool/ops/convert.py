@@ -141,8 +141,9 @@ def convert(src: str | Path, dst: str | Path, options: ConvertOptions, *, trust:
         writer_cls = writer_for(options.to)
         with staged_output_ranks(out, r, overwrite=overwrite, file_name=file_name,
                                  notes=notes, need_bytes=output_estimate(plan.target)) as staging:
+            writer = writer_cls(staging, wopts)
             if r.is_main or writer_cls.supports_ranks:
-                notes += writer_cls(staging, wopts).write(request)
+                notes += writer.write(request)
             r.barrier()
             job_progress.catch_up(source.tensors_done)
             if verify:
@@ -153,9 +154,16 @@ def convert(src: str | Path, dst: str | Path, options: ConvertOptions, *, trust:
     total = r.broadcast(sum(r.gather(mine) or [0])) if r.world > 1 else mine
     return ConvertResult(
         source=str(meta.root), source_format=meta.format, target=str(out), format=options.to,
-        tensors=len(plan.target.tensors), objects=len(plan.target.objects), nbytes=total,
+        tensors=_count(writer.tensors_written, plan.target.tensors),
+        objects=_count(writer.objects_written, plan.target.objects), nbytes=total,
         seconds=time.perf_counter() - start, verified=verify,
         largest_piece=source.largest_piece, notes=notes)
+
+
+def _count(written: int | None, given: Any) -> int:
+    """What the output holds: the writer's count when it left some out, else all it was
+    given."""
+    return len(given) if written is None else written
 
 
 def _single_file_name(out: Path, to: str) -> str | None:

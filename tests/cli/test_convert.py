@@ -28,6 +28,20 @@ def test_json_summary_and_notes(tmp_path):
     assert (out / "latest_checkpointed_iteration.txt").exists()
 
 
+def test_the_summary_counts_what_was_written(tmp_path):
+    """Objects the target has no place for (safetensors, torch) and optimizer tensors legacy
+    files leave out are not counted as written."""
+    src = FIX / "mcore016_gpt_tp2pp2_bf16_optim"  # 64 tensors (48 optimizer), 20 objects
+    for to, dst, tensors, objects in (("safetensors", "st", 64, 0), ("torch", "m.pt", 64, 0),
+                                      ("legacy", "leg", 16, 20), ("torch_dist", "td", 64, 20)):
+        result = runner.invoke(app, ["convert", str(src), str(tmp_path / dst), "--to", to,
+                                     "--json"])
+        assert result.exit_code == 0, result.output
+        doc = json.loads(result.stdout)
+        assert (doc["tensors"], doc["objects"]) == (tensors, objects), to
+        assert f"{tensors} tensors, {objects} objects" in result.stderr.splitlines()[-1]
+
+
 def test_refuses_existing_output_and_output_inside_source(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
