@@ -221,7 +221,7 @@ def _one_process(group: Any, ctx: Any, nproc: int) -> bool:
     except typer.TyperException:  # a usage error
         return True
     reason = one_process_reason(name, params, nproc)
-    if reason and not params.get("quiet") and not params.get("json_"):
+    if reason and not params.get("quiet"):
         print(f"ckpt: note: {reason}", file=sys.stderr)
     return reason is not None
 
