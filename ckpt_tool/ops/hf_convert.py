@@ -75,7 +75,8 @@ def _export(reader: Reader, meta: CheckpointMeta, options: Any
                                                        if v is not None}}
     vocab = int(base.get("vocab_size") or args.get("vocab_size")
                 or args.get("padded_vocab_size"))
-    recipes = plan_export(meta, args, rule, vocab=vocab)
+    recipes = plan_export(meta, args, rule, vocab=vocab, settings=(
+        "--hf-config and the checkpoint's args" if base else "the checkpoint's args"))
     dtype = next((r.dtype for r in recipes if r.key == rule.embed), recipes[0].dtype)
     notes = []
     if rule.name == "gpt2" and not {"bos_token_id", "eos_token_id"} & base.keys():

@@ -152,3 +152,15 @@ def test_one_safetensors_file_with_shards_asked_is_one_line_exit_2(tmp_path):
                                  "--max-shard-size", "1000"])
     assert result.exit_code == 2 and "names one safetensors file" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and not out.exists()
+
+
+def test_an_export_the_weights_do_not_fit_names_the_architecture_not_a_config(tmp_path):
+    """No config.json was given: the error names the architecture the args picked and the
+    options that change it, never "fix config.json"."""
+    src = FIX / "mcore016_moe_ep2_distopt_buckets"  # a shared expert without its gate
+    result = runner.invoke(app, ["convert", str(src), str(tmp_path / "hf"), "--to", "hf"])
+    assert result.exit_code == 2 and not (tmp_path / "hf").exists()
+    [line] = result.stderr.splitlines()
+    assert "the weights do not fit Qwen2MoeForCausalLM as the checkpoint's args describe " \
+           "them: no mlp.shared_experts.gate_weight for layer 0" in line
+    assert "--hf-arch" in line and "config.json" not in line
