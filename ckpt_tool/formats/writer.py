@@ -116,6 +116,12 @@ class Writer(abc.ABC):
     def write(self, request: WriteRequest) -> list[str]:
         """Write everything in ``request``; return notes on what the format could not hold."""
 
+    def written(self, meta: CheckpointMeta) -> tuple[int, int]:
+        """``(tensors, objects)`` of the request's ``meta`` that the output holds (after
+        ``write``)."""
+        return (len(meta.tensors) if self.tensors_written is None else self.tensors_written,
+                len(meta.objects) if self.objects_written is None else self.objects_written)
+
 
 def dropped_objects_note(request: WriteRequest, why: str) -> list[str]:
     """The note a writer returns when its format has no place for ShardedObjects."""

@@ -150,20 +150,14 @@ def convert(src: str | Path, dst: str | Path, options: ConvertOptions, *, trust:
                 single = file_name or ("model.pt" if options.to == "torch" else "")
                 verify_output(staging / single if single else staging, trust=trust,
                               what="converted", ranks=r)
+    tensors, objects = writer.written(plan.target)
     mine = job_progress.local
     total = r.broadcast(sum(r.gather(mine) or [0])) if r.world > 1 else mine
     return ConvertResult(
         source=str(meta.root), source_format=meta.format, target=str(out), format=options.to,
-        tensors=_count(writer.tensors_written, plan.target.tensors),
-        objects=_count(writer.objects_written, plan.target.objects), nbytes=total,
+        tensors=tensors, objects=objects, nbytes=total,
         seconds=time.perf_counter() - start, verified=verify,
         largest_piece=source.largest_piece, notes=notes)
-
-
-def _count(written: int | None, given: Any) -> int:
-    """What the output holds: the writer's count when it left some out, else all it was
-    given."""
-    return len(given) if written is None else written
 
 
 def _single_file_name(out: Path, to: str) -> str | None:

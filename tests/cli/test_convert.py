@@ -164,3 +164,13 @@ def test_an_export_the_weights_do_not_fit_names_the_architecture_not_a_config(tm
     assert "the weights do not fit Qwen2MoeForCausalLM as the checkpoint's args describe " \
            "them: no mlp.shared_experts.gate_weight for layer 0" in line
     assert "--hf-arch" in line and "config.json" not in line
+
+
+def test_key_selection_is_refused_for_an_hf_conversion(tmp_path):
+    """--exclude 'bias$' used to be ignored silently (the same refusal as without it)."""
+    src = FIX / "mcore016_gpt_tp2pp2_bf16_optim"
+    result = runner.invoke(app, ["convert", str(src), str(tmp_path / "hf"), "--to", "hf",
+                                 "--exclude", "bias$"])
+    assert result.exit_code == 2 and not (tmp_path / "hf").exists()
+    [line] = result.stderr.splitlines()
+    assert "--filter, --exclude and --rename do not apply to an HF conversion" in line
