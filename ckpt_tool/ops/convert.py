@@ -162,8 +162,9 @@ def convert(src: str | Path | SourcePlace, dst: str | Path, options: ConvertOpti
                                  notes=notes, need_bytes=output_estimate(plan.target),
                                  inner=None if legacy else container.iteration_dir) as staging:
             where = staging if legacy else place_container(staging, container, r)
+            writer = writer_cls(where, wopts)
             if r.is_main or writer_cls.supports_ranks:
-                notes += writer_cls(where, wopts).write(request)
+                notes += writer.write(request)
             r.barrier()
             job_progress.catch_up(source.tensors_done)
             if verify:
@@ -172,11 +173,12 @@ def convert(src: str | Path | SourcePlace, dst: str | Path, options: ConvertOpti
                               trust=trust, what="converted", ranks=r)
             resume = resume_for(container.checkpoint_in(staging), out, container, meta.format,
                                 options.to)
+    tensors, objects = writer.written(plan.target)
     mine = job_progress.local
     total = r.broadcast(sum(r.gather(mine) or [0])) if r.world > 1 else mine
     return ConvertResult(
         source=str(meta.root), source_format=meta.format, target=str(out), format=options.to,
-        tensors=len(plan.target.tensors), objects=len(plan.target.objects), nbytes=total,
+        tensors=tensors, objects=objects, nbytes=total,
         seconds=time.perf_counter() - start, verified=verify,
         largest_piece=source.largest_piece, notes=notes, container=container, resume=resume)
 
