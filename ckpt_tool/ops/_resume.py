@@ -104,7 +104,7 @@ class ResumeRecipe:
         """For people (stderr), last: how to resume."""
         out = [f"resume with Megatron-LM: {shlex.join(self.megatron_lm)}"] \
             if self.megatron_lm else []
-        out += [f"  note: {n}" for n in self.notes]
+        out += [f"  - {n}" for n in self.notes]
         if self.dist_checkpointing:
             out.append(f"resume with dist_checkpointing: {self.dist_checkpointing}")
         return out

@@ -45,7 +45,12 @@ def test_chain_through_dist_and_legacy_ends_bit_identical(tmp_path):
     assert rank0["args"].tensor_model_parallel_size == 4
     assert rank0["args"].padded_vocab_size == 256
     assert rank0["model"]["embedding.word_embeddings.weight"].shape == (64, 64)
-    reshard(b, c, ReshardRequest(tp=2, pp=2, to="torch_dist"))
+    # the fixture's args were written by hand (NullTokenizer of 128 in 128 rows: Megatron-LM
+    # counts its end-of-document token, 129 rows); re-padded to 256 they read as Megatron-LM's
+    # own, whose token 128 a reshard keeps (256 rows at tp 2) unless told the vocab
+    kept = reshard(b, None, ReshardRequest(tp=2, pp=2, to="torch_dist"), check=True)
+    assert kept.plan["args_updates"]["padded_vocab_size"] == 256
+    reshard(b, c, ReshardRequest(tp=2, pp=2, to="torch_dist", vocab_size=128))
     _same(_tensors(DIST), _tensors(c))
     files = sorted(p.name for p in c.glob("iter_0000010/__*.distcp"))  # a save directory
     assert files == [f"__{r}_0.distcp" for r in range(4)]  # one file per target rank
