@@ -33,30 +33,12 @@ def _generator():
     return mod
 
 
-def tp_local(p, full):
-    """The part of the TP1 tensor ``full`` that tensor-parallel rank r holds of ``p``, by
-    Megatron-Core's own attributes (``tensor_model_parallel``, ``partition_dim``); a gated
-    ``linear_fc1`` holds its rank's part of each GLU half."""
-    import torch
-
-    if not getattr(p, "tensor_model_parallel", False) or p.shape == full.shape:
-        return full
-    dim = p.partition_dim
-    n = p.shape[dim]
-    tp = full.shape[dim] // n
-    r = p._tp_rank
-    if p._glu:
-        halves = full.chunk(2, dim=dim)
-        return torch.cat([h.narrow(dim, r * n // 2, n // 2) for h in halves], dim=dim)
-    assert tp * n == full.shape[dim]
-    return full.narrow(dim, r * n, n)
-
-
 def main() -> int:
     import torch
     from safetensors.torch import load_file
 
     import _mcore_resume as R
+    from _expected_state import compare_optimizer, tp_local
 
     tp, pp, ep, ckpt = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     gen = _generator()
@@ -68,35 +50,20 @@ def main() -> int:
     R.load_as_megatron_lm(ckpt, gpt, optimizer)
     from megatron.core import parallel_state as ps
 
-    for p, name in names.items():
-        expert = not getattr(p, "allreduce", True)
-        p._tp_rank = (ps.get_expert_tensor_parallel_rank() if expert
-                      else ps.get_tensor_model_parallel_rank())
-        p._glu = name.endswith("linear_fc1.weight")
+    tp_rank = {p: ps.get_expert_tensor_parallel_rank() if not getattr(p, "allreduce", True)
+               else ps.get_tensor_model_parallel_rank() for p in names}
     full = load_file(os.path.join(FIXTURE, "expected", "optim.safetensors"))
-    expected = {f"{s}.{name}": tp_local(p, full[f"{s}.{name}"]).contiguous()
+    expected = {f"{s}.{name}": tp_local(p, full[f"{s}.{name}"], tp_rank[p],
+                                        name.endswith("linear_fc1.weight")).contiguous()
                 for p, name in names.items() for s in ("fp32_param", "exp_avg", "exp_avg_sq")}
     errors: list[str] = []
     for p, name in names.items():
         want = expected[f"fp32_param.{name}"]
         if p.shape != want.shape or not torch.equal(p.detach(), want.to(p.dtype)):
             errors.append(f"model {name}")
-    checked = 0
     chained = optimizer.chained_optimizers
-    for o in chained:
-        for gbuf_range_maps in o.gbuf_ranges:
-            for maps in gbuf_range_maps.values():
-                for bucket_map in maps:
-                    for model_param, prm in bucket_map["param_map"].items():
-                        r = prm["param"]
-                        got = o._get_main_param_and_optimizer_states(model_param)
-                        for k in ("param", "exp_avg", "exp_avg_sq"):
-                            key = f"{'fp32_param' if k == 'param' else k}.{names[model_param]}"
-                            want = expected[key].reshape(-1)[r.start:r.end]
-                            g = got[k].detach().reshape(-1)
-                            if g.dtype != torch.float32 or not torch.equal(g, want):
-                                errors.append(f"optimizer {key}[{r.start}:{r.end}]")
-                            checked += g.numel()
+    found, checked = compare_optimizer(optimizer, names, lambda key, _p: expected[key])
+    errors += found
     rank = torch.distributed.get_rank()
     if errors or not checked:
         print(f"rank {rank}: {len(errors)} differences: {errors[:6]}", file=sys.stderr)
