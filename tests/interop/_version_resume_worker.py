@@ -24,7 +24,7 @@ def main() -> int:
     import _mcore_cpu as H
 
     if os.environ.get(H.MEGATRON_SRC_ENV):
-        H.megatron_core_from_source("")
+        H.megatron_core_from_source("core_v0.19.0")
     import torch
     from safetensors.torch import load_file
 
