@@ -173,3 +173,30 @@ def test_inspect_shows_the_019_common_state_as_the_common_state(tmp_path):
     assert "common_state" not in {o["key"] for o in doc["objects"]}
     text = runner.invoke(app, ["inspect", str(MCORE019)], env={"COLUMNS": "200"}).output
     assert "common state: the common_state object (the Megatron-Core 0.19 form)" in text
+
+
+@pytest.mark.multiproc
+def test_reshard_of_a_019_checkpoint_under_torchrun_keeps_its_form(tmp_path):
+    """Two ranks, each writing its share: the common_state item is written once, by one rank,
+    and the output equals one process's (but for .metadata's save id)."""
+    import os
+    import subprocess
+    import sys
+
+    from ckpt_tool.ops.diff import diff
+
+    repo = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1",
+               PYTHONPATH=str(repo), PYTHONWARNINGS="ignore")
+    out = tmp_path / "two"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node=2", "-m", "ckpt_tool", "reshard", str(MCORE019),
+                           str(out), "--tp", "1", "--pp", "2"],
+                          env=env, capture_output=True, text=True, timeout=600, cwd=repo)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    _assert_019_form(out)
+    one = tmp_path / "one"
+    reshard(MCORE019, one, ReshardRequest(tp=1, pp=2))
+    d = diff(one, out)
+    assert not (d.values or d.common or d.objects or d.only_in_a or d.only_in_b
+                or d.objects_only_in_a or d.objects_only_in_b), d
