@@ -200,3 +200,28 @@ def test_reshard_of_a_019_checkpoint_under_torchrun_keeps_its_form(tmp_path):
     d = diff(one, out)
     assert not (d.values or d.common or d.objects or d.only_in_a or d.only_in_b
                 or d.objects_only_in_a or d.objects_only_in_b), d
+
+
+def test_a_fresh_process_reshards_a_019_checkpoint_without_torch(tmp_path):
+    """The common_state object read and written back without torch (``torch_save_object``),
+    as common.pt is: the output loads with torch to the common state reshard means."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    code = ("import sys, json; from ckpt_tool.ops.reshard import reshard, ReshardRequest;"
+            f"r = reshard({str(MCORE019)!r}, {str(out)!r},"
+            " ReshardRequest(tp=1, drop_optimizer=True));"
+            "print(json.dumps([r.written, 'torch' in sys.modules]))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": str(
+                              Path(__file__).resolve().parents[2])})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == [True, False]
+    _assert_019_form(out)
+    with open_checkpoint(out) as r, open_checkpoint(MCORE019) as src:
+        common, before = r.common(), src.common()
+    assert common["args"].tensor_model_parallel_size == 1
+    assert common["iteration"] == before["iteration"] == 10
+    assert sorted(common) == sorted(before)
