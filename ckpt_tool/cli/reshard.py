@@ -67,9 +67,15 @@ def reshard(
         "converter) or zero.")] = "copy",
     local_spec: Annotated[Optional[bool], typer.Option(
         "--local-spec/--te-spec", show_default=False,
-        help="Legacy targets: name the layer norms as a local-spec model (--transformer-impl "
-        "local) holds them (input_layernorm.*, pre_mlp_layernorm.*), or by the fused "
-        "Transformer-Engine names (default: from args.transformer_impl).")] = None,
+        help="The model's layer spec (--transformer-impl local or transformer_engine): the "
+        "parameter order of DistributedOptimizer buckets, and for legacy targets the layer "
+        "norm names (input_layernorm.*, pre_mlp_layernorm.* or the fused ones) (default: "
+        "from the checkpoint's configuration).")] = None,
+    ddp_bucket_size: Annotated[_Int, typer.Option(
+        "--ddp-bucket-size", min=0, metavar="N", show_default=False,
+        help="The DDP bucket size in elements the source was trained with (0: "
+        "overlap_grad_reduce off, one bucket per buffer), where its configuration lacks it "
+        "and its optimizer form stores no bucket sizes (dp_zero_gather_scatter).")] = None,
     check: Annotated[bool, typer.Option(
         "--check", help="Only report whether the target layout can work (and why not).")] = False,
     dry_run: Annotated[bool, typer.Option(
@@ -108,7 +114,8 @@ def reshard(
                          rules=tuple(str(r) for r in rules or ()),
                          drop_optimizer=drop_optimizer,
                          make_vocab_size_divisible_by=divisible_by, vocab_size=vocab_size,
-                         vocab_fill=vocab_fill, local_spec=local_spec)
+                         vocab_fill=vocab_fill, local_spec=local_spec,
+                         ddp_bucket_size=ddp_bucket_size)
     with progress_bar("reshard", enabled=not (check or dry_run or quiet or no_progress)) as bar:
         result = run_reshard(src, dst, req, check=check, dry_run=dry_run, trust=trust,
                              overwrite=overwrite, verify=not no_verify, progress=bar,

@@ -34,11 +34,12 @@ def test_reshard_help_at_80_columns():
     assert lines[0].startswith("Usage: ckpt reshard [OPTIONS]")
     assert max(map(len, lines)) <= 80
     for flag in ("--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",
-                 "--make-vocab-size-divisible-by", "--local-spec / --te-spec", "--drop-optimizer"):
+                 "--make-vocab-size-divisible-by", "--local-spec / --te-spec", "--drop-optimizer",
+                 "--ddp-bucket-size N"):
         assert flag in proc.stdout
     # the descriptions are wrapped, never cut off
-    assert "…" not in proc.stdout and "args.transformer_impl)." in proc.stdout
-    assert "pre_mlp_layernorm.*), or by the fused" in " ".join(proc.stdout.split())
+    assert "…" not in proc.stdout and "checkpoint's configuration)." in proc.stdout
+    assert "pre_mlp_layernorm.* or the fused ones)" in " ".join(proc.stdout.split())
     assert "--to FORMAT" in proc.stdout and "torch_dist or legacy" in proc.stdout
 
 

@@ -1,4 +1,4 @@
-"""torchrun worker: the REAL Megatron-Core builds the tiny MoE GPT of FIXTURE (default
+"""torchrun worker: the REAL Megatron-Core builds the tiny (MoE or dense) GPT of FIXTURE (default
 ``mcore016_moe_ep2_distopt_buckets``; bf16, DDP, the chained DistributedOptimizer) at
 a target layout and resumes from CKPT exactly as Megatron-LM does
 (``_mcore_resume.load_as_megatron_lm``). On every rank, every fp32 main parameter, ``exp_avg``
@@ -6,10 +6,14 @@ and ``exp_avg_sq`` slice the optimizers hold (each chained optimizer's own ``gbu
 be bit-identical to the fixture's expected per-parameter state, and every bf16 model parameter
 must equal its expected main parameter rounded to bf16.
 
-    torchrun --nproc-per-node N _moe_resume_worker.py TP PP EP CKPT [FIXTURE]
+    torchrun --nproc-per-node N _moe_resume_worker.py TP PP EP CKPT [FIXTURE] [--verify-integrity]
 
 FIXTURE's ``generate.py`` provides ``init(tp, pp, ep)`` and ``build(tp, pp, ep)`` (no virtual
 pipeline at the target) and its ``expected/optim.safetensors`` the per-parameter state.
+The Megatron-Core is the installed one, or with ``$CKPT_MEGATRON_SRC`` the ``megatron/core``
+source tree it names (0.19's: ``fixtures/_mcore_cpu.megatron_core_from_source``);
+``--verify-integrity`` loads as Megatron-LM 0.18+'s ``--verify-integrity`` does (``integrity.json``
+checked first).
 """
 
 from __future__ import annotations
@@ -20,7 +24,9 @@ import sys
 
 os.environ.setdefault("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-FIXTURE = os.path.join(REPO, "fixtures", sys.argv[5] if len(sys.argv) > 5
+VERIFY_INTEGRITY = "--verify-integrity" in sys.argv
+ARGS = [a for a in sys.argv if a != "--verify-integrity"]
+FIXTURE = os.path.join(REPO, "fixtures", ARGS[5] if len(ARGS) > 5
                        else "mcore016_moe_ep2_distopt_buckets")
 sys.path.insert(0, os.path.join(REPO, "fixtures"))
 
@@ -33,43 +39,82 @@ def _generator():
     return mod
 
 
+def tp_local(p, full):
+    """The part of the TP1 tensor ``full`` that tensor-parallel rank r holds of ``p``, by
+    Megatron-Core's own attributes (``tensor_model_parallel``, ``partition_dim``); a gated
+    ``linear_fc1`` holds its rank's part of each GLU half."""
+    import torch
+
+    if not getattr(p, "tensor_model_parallel", False) or p.shape == full.shape:
+        return full
+    dim = p.partition_dim
+    n = p.shape[dim]
+    tp = full.shape[dim] // n
+    r = p._tp_rank
+    if p._glu:
+        halves = full.chunk(2, dim=dim)
+        return torch.cat([h.narrow(dim, r * n // 2, n // 2) for h in halves], dim=dim)
+    assert tp * n == full.shape[dim]
+    return full.narrow(dim, r * n, n)
+
+
 def main() -> int:
+    import _mcore_cpu as H
+
+    if os.environ.get(H.MEGATRON_SRC_ENV):
+        H.megatron_core_from_source("core_v0.19.0")
     import torch
     from safetensors.torch import load_file
 
     import _mcore_resume as R
-    from _expected_state import compare_optimizer, tp_local
 
-    tp, pp, ep, ckpt = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    tp, pp, ep, ckpt = int(ARGS[1]), int(ARGS[2]), int(ARGS[3]), ARGS[4]
     gen = _generator()
     gen.init(tp, pp, ep)
     gpt, _model, optimizer, names = gen.build(tp, pp, ep)
     with torch.no_grad():
         for p in gpt.parameters():
             p.fill_(float("nan"))
-    R.load_as_megatron_lm(ckpt, gpt, optimizer)
+    R.load_as_megatron_lm(ckpt, gpt, optimizer, verify_integrity=VERIFY_INTEGRITY)
     from megatron.core import parallel_state as ps
 
-    tp_rank = {p: ps.get_expert_tensor_parallel_rank() if not getattr(p, "allreduce", True)
-               else ps.get_tensor_model_parallel_rank() for p in names}
+    for p, name in names.items():
+        expert = not getattr(p, "allreduce", True)
+        p._tp_rank = (ps.get_expert_tensor_parallel_rank() if expert
+                      else ps.get_tensor_model_parallel_rank())
+        p._glu = name.endswith(("linear_fc1.weight", "linear_fc1.bias"))
     full = load_file(os.path.join(FIXTURE, "expected", "optim.safetensors"))
-    expected = {f"{s}.{name}": tp_local(p, full[f"{s}.{name}"], tp_rank[p],
-                                        name.endswith("linear_fc1.weight")).contiguous()
+    expected = {f"{s}.{name}": tp_local(p, full[f"{s}.{name}"]).contiguous()
                 for p, name in names.items() for s in ("fp32_param", "exp_avg", "exp_avg_sq")}
     errors: list[str] = []
     for p, name in names.items():
         want = expected[f"fp32_param.{name}"]
         if p.shape != want.shape or not torch.equal(p.detach(), want.to(p.dtype)):
             errors.append(f"model {name}")
+    checked = 0
     chained = optimizer.chained_optimizers
-    found, checked = compare_optimizer(optimizer, names, lambda key, _p: expected[key])
-    errors += found
+    for o in chained:
+        for gbuf_range_maps in o.gbuf_ranges:
+            for maps in gbuf_range_maps.values():
+                for bucket_map in maps:
+                    for model_param, prm in bucket_map["param_map"].items():
+                        r = prm["param"]
+                        got = o._get_main_param_and_optimizer_states(model_param)
+                        for k in ("param", "exp_avg", "exp_avg_sq"):
+                            key = f"{'fp32_param' if k == 'param' else k}.{names[model_param]}"
+                            want = expected[key].reshape(-1)[r.start:r.end]
+                            g = got[k].detach().reshape(-1)
+                            if g.dtype != torch.float32 or not torch.equal(g, want):
+                                errors.append(f"optimizer {key}[{r.start}:{r.end}]")
+                            checked += g.numel()
     rank = torch.distributed.get_rank()
     if errors or not checked:
         print(f"rank {rank}: {len(errors)} differences: {errors[:6]}", file=sys.stderr)
         return 1
+    from megatron.core import package_info
+
     print(f"rank {rank}: OK {len(names)} parameters, {len(chained)} optimizers, {checked} "
-          "optimizer elements bit-identical")
+          f"optimizer elements bit-identical (megatron-core {package_info.__version__})")
     return 0
 
 
