@@ -3,7 +3,7 @@
 ``load_common_state_dict``, ``load`` (so ``load_plain_tensors``, ``load_content_metadata``)
 read as 0.19's own ``load_common_state_dict`` does (``common.pt`` first when there is one).
 Tensor values are compared with the ground truth the generating run recorded
-(``expected/state.safetensors``); ``tests/interop/test_mcore_versions.py`` compares with 0.19's
+(``expected/optim.safetensors``); ``tests/interop/test_mcore_versions.py`` compares with 0.19's
 own API where its sources can be had."""
 
 from __future__ import annotations
@@ -35,16 +35,18 @@ _NORMS = (("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
 
 
 def _expected_model(fixture: Path) -> dict[str, torch.Tensor]:
-    """The recorded bf16 model parameters under the checkpoint's keys: ``decoder.layers.<i>.X``
-    of the TP1 model is layer ``i`` of the stacked ``decoder.layers.X``."""
+    """The model the generating run held, under the checkpoint's keys: its fp32 main parameters
+    rounded to bf16 (what the DistributedOptimizer copies into the model after a step);
+    ``decoder.layers.<i>.X`` of the TP1 model is layer ``i`` of the stacked
+    ``decoder.layers.X``."""
     from safetensors.torch import load_file
 
     stacked: dict[str, dict[int, torch.Tensor]] = {}
     out = {}
-    for key, value in load_file(fixture / "expected" / "state.safetensors").items():
-        if not key.startswith("model."):
+    for key, value in load_file(fixture / "expected" / "optim.safetensors").items():
+        if not key.startswith("fp32_param."):
             continue
-        name = key[len("model."):]
+        name, value = key[len("fp32_param."):], value.to(torch.bfloat16)
         m = re.match(r"decoder\.layers\.(\d+)\.(.*)", name)
         if m:
             rest = m.group(2)

@@ -1,6 +1,6 @@
 """Checkpoints the REAL Megatron-Core 0.14 and 0.19 wrote (``fixtures/mcore014_*``,
 ``fixtures/mcore019_*``: the tiny GPT with a DistributedOptimizer after two Adam steps, and the
-per-parameter ground truth the generating run recorded in ``expected/state.safetensors``),
+per-parameter ground truth the generating run recorded in ``expected/optim.safetensors``),
 resharded and resumed by the real Megatron-Core: 0.14's default ``fully_sharded_model_space``
 by 0.16.1 (the migration Megatron-Core's docs leave to "a dummy GPU job on 0.15"), 0.19's
 ``dp_reshardable`` by 0.19 itself (from Megatron-LM's source; skipped, saying why, where it or
@@ -28,12 +28,14 @@ pytestmark = [pytest.mark.interop, pytest.mark.multiproc]
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 MCORE014 = FIXTURES / "mcore014_gpt_tp2dp2_distopt_flattened"
 MCORE019 = FIXTURES / "mcore019_gpt_tp2dp2_distopt_buckets"
-RESUME = Path(__file__).resolve().parent / "_version_resume_worker.py"
+RESUME = Path(__file__).resolve().parent / "_moe_resume_worker.py"
 API = Path(__file__).resolve().parent / "_mcore019_api_worker.py"
 
 
 def _resume(out: Path, fixture: Path, tp: int, pp: int, world: int, *extra: str) -> str:
-    log = torchrun(str(RESUME), world, str(tp), str(pp), str(out), str(fixture), *extra,
+    """The real Megatron-Core resumes from ``out`` at TP x PP and compares with the fixture's
+    ground truth (``_moe_resume_worker.py``, the fixture's generate.py ``init``/``build``)."""
+    log = torchrun(str(RESUME), world, str(tp), str(pp), "1", str(out), fixture.name, *extra,
                    timeout=900)
     assert log.count(": OK ") == world, log[-3000:]
     return log
@@ -54,15 +56,15 @@ def test_megatron_core_016_resumes_a_014_checkpoint_resharded(tmp_path, tp, pp, 
     ours = open_checkpoint(out)
     assert ours.metadata().extras["optimizer_sharding"]["type"] == "fully_reshardable"
     assert (out / "common.pt").is_file() and not ours.objects_in_common()  # 0.14's form
-    assert "megatron-core 0.16.1" in _resume(out, MCORE014, tp, pp, world)
+    assert "(megatron-core 0.16.1)" in _resume(out, MCORE014, tp, pp, world)
 
 
 def test_megatron_core_016_refuses_the_014_checkpoint_as_it_is():
     """Why the reshard: 0.16.1 no longer loads 0.14's flattened optimizer state, even at the
     layout that saved it."""
     pytest.importorskip("megatron.core")
-    code, log, _cmd = torchrun_outcome(str(RESUME), 4, "2", "1",
-                                       str(next(MCORE014.glob("iter_*"))), str(MCORE014),
+    code, log, _cmd = torchrun_outcome(str(RESUME), 4, "2", "1", "1",
+                                       str(next(MCORE014.glob("iter_*"))), MCORE014.name,
                                        timeout=900)
     assert code != 0 and "flattened_range is not supported" in log, log[-3000:]
 
@@ -96,7 +98,7 @@ def test_megatron_core_019_resumes_its_checkpoint_resharded_in_its_own_form(
     assert reshard(MCORE019, out, ReshardRequest(tp=tp, pp=pp)).written
     _assert_019_form(out, tp)
     log = _resume(out, MCORE019, tp, pp, world, "--verify-integrity")
-    assert "megatron-core 0.19" in log
+    assert "(megatron-core 0.19" in log
 
 
 def test_library_api_reads_what_megatron_core_019_reads(tmp_path, monkeypatch):
