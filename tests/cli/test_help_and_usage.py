@@ -80,6 +80,22 @@ def test_convert_to_lists_every_target_format():
         assert re.search(rf"\b{name}\b", listed), name
 
 
+@pytest.mark.parametrize("command", COMMANDS)
+def test_examples_heading_counts_the_examples(command):
+    text = runner.invoke(app, [command, "--help"], env={"COLUMNS": "80"}).stdout
+    heading = "Examples:" if "Examples:" in text else "Example:"
+    block = text.split(heading)[1].split("\n\n")[0]
+    examples = [ln for ln in block.splitlines() if ln.strip().startswith("ckpt ")]
+    assert heading == ("Examples:" if len(examples) > 1 else "Example:"), text
+
+
+def test_convert_dst_names_both_single_file_targets():
+    text = " ".join(runner.invoke(app, ["convert", "--help"], env={"COLUMNS": "80"})
+                    .stdout.split())
+    dst = text.split("Arguments:")[1].split(" DST ")[1].split("[required]")[0]
+    assert ".safetensors" in dst and ".pt" in dst, dst
+
+
 @pytest.mark.parametrize("argv, line", [
     (["convert", "--frob"], "no such option: --frob (try 'ckpt convert --help')"),
     (["convert", "a", "b", "--frob"], "no such option: --frob (try 'ckpt convert --help')"),

@@ -304,7 +304,8 @@ def test_cli_reshards_the_moe_buckets_to_ep1(tmp_path):
     out = tmp_path / "ep1"
     result = CliRunner().invoke(app, ["reshard", str(MOE), str(out), "--ep", "1"])
     assert result.exit_code == 0, result.output
-    assert "16 buckets" in " ".join(result.stdout.replace("│", " ").split())
+    # a reshard that goes through says what it did in notes on stderr
+    assert "16 buckets" in " ".join(result.stderr.split())
     reader = open_checkpoint(out)
     meta, common = reader.metadata(), reader.common()
     assert not any(k.startswith("chained_") for k in meta.tensors)
