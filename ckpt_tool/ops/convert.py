@@ -1,6 +1,7 @@
 """``convert``: rewrite a checkpoint in another format, streaming, into an atomic output.
 
-Call order: open the source -> ``plan_convert`` (pure: target keys, dtypes, chunk grid) ->
+Call order: open the source (a legacy source is seen with Megatron-Core's stacked keys for a
+dist target: :mod:`ckpt_tool.ops._stacked_view`) -> ``plan_convert`` (pure: target keys, dtypes, chunk grid) ->
 ``staged_output`` (a staging directory beside the target) -> the target format's ``Writer``
 pulls chunk after chunk from a ``ReaderSource`` -> ``validate`` of what was written (unless
 ``verify=False``) -> fsync and rename into place. The source is only read.
@@ -21,6 +22,7 @@ from ckpt_tool.model import is_optimizer_key
 from ckpt_tool.ops._convert_plan import ConvertOptions, ConvertPlan, plan_convert
 from ckpt_tool.ops._raw_source import RawSource, raw_source_applies
 from ckpt_tool.ops._source import ReaderSource
+from ckpt_tool.ops._stacked_view import stacked_view
 from ckpt_tool.ops._staging import (check_output_target, output_estimate, staged_output_ranks,
                                     verify_output)
 from ckpt_tool.parallel import JobProgress
@@ -89,6 +91,8 @@ def convert(src: str | Path, dst: str | Path, options: ConvertOptions, *, trust:
     r = current_ranks()
     out = check_output_target(dst, sources=(src,), overwrite=overwrite)
     reader = open_checkpoint(src, trust=trust)
+    view = stacked_view(reader, options.to)  # legacy -> dist: Megatron-Core's stacked keys
+    reader = view or reader
     with reader:
         meta = reader.metadata()
         file_name = _single_file_name(out, options.to)
@@ -111,7 +115,7 @@ def convert(src: str | Path, dst: str | Path, options: ConvertOptions, *, trust:
                                                                  plan.dtypes)
         source: Any = (RawSource(reader, plan.key_map, sizes) if raw else
                        ReaderSource(reader, plan.key_map, plan.dtypes, sizes=sizes))
-        notes = list(plan.notes)
+        notes = list(plan.notes) + (view.notes() if view is not None else [])
         if progress is not None:
             progress.start(plan.target.total_bytes, len(plan.target.tensors))
         job_progress = JobProgress(progress, r)

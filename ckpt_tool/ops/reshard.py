@@ -22,7 +22,8 @@ from ckpt_tool.formats.legacy.writer import updated_args, write_legacy_ranks
 from ckpt_tool.formats.mcore_dist.torch_dist_writer import writes_raw
 from ckpt_tool.formats.torch_save_object import torch_free_pickle
 from ckpt_tool.ops._optim_unflatten import unflatten_bucketed_optimizer
-from ckpt_tool.ops._reshard_io import reshard_source, stacked_view_if_legacy
+from ckpt_tool.ops._reshard_io import reshard_source
+from ckpt_tool.ops._stacked_view import stacked_view
 from ckpt_tool.ops._staging import (check_output_target, output_estimate, staged_output_ranks,
                                     verify_output)
 from ckpt_tool.parallel import JobProgress
@@ -101,7 +102,8 @@ def reshard(src: str | Path, dst: str | Path | None, req: ReshardRequest, *,
     if to not in ("torch_dist", "legacy"):
         raise UsageError(f"reshard writes torch_dist or legacy, not {to!r}",
                          hint="reshard, then 'ckpt convert' the result")
-    reader = stacked_view_if_legacy(base, to)
+    view = stacked_view(base, to)  # a legacy source with Megatron-Core's stacked keys
+    reader = view or base
     if to != "legacy" and not req.drop_optimizer:
         reader = unflatten_bucketed_optimizer(reader, load_rules(req.rules))
     with reader:
@@ -117,6 +119,8 @@ def reshard(src: str | Path, dst: str | Path | None, req: ReshardRequest, *,
                                plan=plan.to_dict(ranks=dry_run))
         result.plan["target"]["origins"] = target_origins
         result.notes = [f"dropped {k}" for k in plan.dropped]
+        if view is not None:
+            result.notes += view.notes()
         local_spec, why = _norm_names(req, common)
         if to == "legacy":
             result.plan["target"]["norm_names"] = (
