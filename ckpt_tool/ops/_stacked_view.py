@@ -13,7 +13,9 @@ into the model. :class:`StackedView` presents a legacy reader that way, so ``con
   (``input_layernorm.*`` -> ``self_attention.linear_qkv.layer_norm_*``, ``pre_mlp_layernorm.*``
   -> ``mlp.linear_fc1.layer_norm_*``, docs/formats.md §5); a Transformer-Engine model's names
   are already the dist names;
-* the ``_extra_state`` ShardedObjects the model saves (:mod:`ckpt_tool.ops._extra_state`).
+* the ``_extra_state`` ShardedObjects the model saves (:mod:`ckpt_tool.ops._extra_state`);
+* each rank file's ``rng_state`` as the ``rng_state/shard_{pp}.{tp}_{PP}.{TP}`` ShardedObject
+  Megatron-LM saves (without expert parallelism), so a resume at the same layout finds it.
 
 The layer spec comes from the legacy keys (a separate ``input_layernorm`` is the local spec),
 else ``args.transformer_impl``.
@@ -28,8 +30,8 @@ from typing import Any
 
 from ckpt_tool.errors import plural
 from ckpt_tool.formats.base import Reader
-from ckpt_tool.formats.legacy.layout import LOCAL_TO_DIST_NAMES
-from ckpt_tool.model import CheckpointMeta, TensorMeta, is_optimizer_key
+from ckpt_tool.formats.legacy.layout import LOCAL_TO_DIST_NAMES, parse_rank_dir
+from ckpt_tool.model import CheckpointMeta, ObjectMeta, TensorMeta, is_optimizer_key
 from ckpt_tool.ops._extra_state import ExtraStates
 from ckpt_tool.planning.extra_state import LOCAL, legacy_layer_spec
 
@@ -53,6 +55,8 @@ class StackedView(Reader):
         self._meta: CheckpointMeta | None = None
         self._parts: dict[str, dict[tuple[int, ...], str]] = {}
         self._extra: ExtraStates | None = None
+        self._rng: dict[str, str] = {}  # rng_state/shard_… -> the rank file's rng_state/<dir>
+        self.dropped: list[str] = []
         self.spec = LOCAL
         self.stacked = 0  # per-layer keys folded into stacked ones
 
@@ -90,8 +94,37 @@ class StackedView(Reader):
             self._parts[key] = {i: t.key for i, t in parts.items()}
             self.stacked += len(parts)
         self._extra = ExtraStates(tensors, self.spec)
-        self._meta = replace(meta, tensors=tensors, objects=meta.objects + self._extra.objects)
+        objects = self._rng_objects(meta) + self._extra.objects
+        self._meta = replace(meta, tensors=tensors, objects=objects)
         return self._meta
+
+    def _rng_objects(self, meta: CheckpointMeta) -> tuple[ObjectMeta, ...]:
+        """The source's objects, each rank file's ``rng_state`` as the ShardedObject
+        Megatron-LM saves it under (``rng_state/shard_{pp}.{tp}_{PP}.{TP}``, the same list
+        of per-data-parallel-rank states) and without the rank files' copies of
+        ``opt_param_scheduler``, when there is no expert parallelism (which keys the states by
+        data-parallel rank as well) and every rank file has an ``rng_state``."""
+        tp, pp, ep = (int(meta.extras.get(k) or 1) for k in ("tp", "pp", "ep"))
+        rng = {o.unique_key: o for o in meta.objects if o.key == "rng_state"}
+        places = {}
+        for o in rng.values():
+            where = parse_rank_dir(o.unique_key.split("/", 1)[1], pp)
+            if where is not None:
+                places[o.unique_key] = where
+        if ep != 1 or len(places) != tp * pp or len(places) != len(rng):
+            return meta.objects
+        out = []
+        for o in meta.objects:
+            if o.key == "opt_param_scheduler" and "/" in o.unique_key:
+                self.dropped.append(o.unique_key)  # each rank file's copy of the common one
+                continue
+            if o.unique_key in places:
+                t, p, _e = places[o.unique_key]
+                o = ObjectMeta(key="rng_state", unique_key=f"rng_state/shard_{p}.{t}_{pp}.{tp}",
+                               file=o.file, global_shape=(pp, tp), global_offset=(p, t))
+                self._rng[o.unique_key] = next(k for k, w in places.items() if w == (t, p, 0))
+            out.append(o)
+        return tuple(out)
 
     def _dist_name(self, rest: str) -> str:
         if self.spec == LOCAL:
@@ -113,6 +146,12 @@ class StackedView(Reader):
                           if self.spec == LOCAL else "")
                        + (f"; optimizer state alike: {self.stacked - n_model} keys"
                           if self.stacked > n_model else "") + ")")
+        if self.dropped:
+            out.append(f"left out the rank files' {len(self.dropped)} copies of "
+                       "opt_param_scheduler (the common state holds it)")
+        if self._rng:
+            out.append(f"stored each rank file's rng_state as Megatron-Core's "
+                       f"rng_state/shard_<pp>.<tp>_<PP>.<TP> objects ({len(self._rng)})")
         if self._extra is not None and self._extra.objects:
             n = len(self._extra.objects)
             out.append(f"added {plural(n, '_extra_state object')} as Megatron-Core saves them "
@@ -143,10 +182,16 @@ class StackedView(Reader):
         self.metadata()
         if self._extra is not None and unique_key in self._extra:
             return self._extra.payload(unique_key)
-        return self.inner.read_object(unique_key)
+        return self.inner.read_object(self._rng.get(unique_key, unique_key))
 
     def common(self) -> dict[str, Any]:
-        return self.inner.common()
+        """The source's common state; without its per-rank-file ``rng_state`` when those
+        are objects now."""
+        self.metadata()
+        common = self.inner.common()
+        if self._rng:
+            common = {k: v for k, v in common.items() if k != "rng_state"}
+        return common
 
     def objects_in_common(self) -> frozenset[str]:
         return self.inner.objects_in_common()

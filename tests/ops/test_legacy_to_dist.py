@@ -4,7 +4,8 @@
 
 The reference: ``fixtures/megatron_legacy_tp2pp2`` and ``fixtures/mcore016_gpt_tp2pp2_fp32``
 hold the same global tensors, the second saved by the real Megatron-Core 0.16.1 from the model
-(local spec); ``tests/peer/test_legacy_convert.py`` runs Megatron-LM's own conversion."""
+(local spec); ``tests/peer/test_legacy_convert.py`` compares with Megatron-LM's own
+conversion."""
 
 from __future__ import annotations
 
@@ -49,9 +50,23 @@ def assert_model_as_megatron_core_saves(ours: Path, theirs: Path) -> None:
         assert a.read_object(FINAL_NORM).dtype == torch.uint8  # TE's, without FP8 state
 
 
+def assert_rng_objects(path: Path) -> None:
+    """Each rank file's ``rng_state`` as the object Megatron-LM's resume at the same layout
+    asks for; none left in the common state."""
+    with open_checkpoint(path) as out, open_checkpoint(LEGACY) as src:
+        rng = {o.unique_key for o in out.metadata().objects if o.key == "rng_state"}
+        assert rng == {f"rng_state/shard_{p}.{t}_2.2" for p in range(2) for t in range(2)}
+        want = src.read_object("rng_state/mp_rank_01_000")  # tp 1, pp 0
+        got = out.read_object("rng_state/shard_0.1_2.2")
+        assert isinstance(got, list) and torch.equal(got[0]["torch_rng_state"],
+                                                     want[0]["torch_rng_state"])
+        assert "rng_state" not in out.common()
+
+
 def test_convert_gives_megatron_cores_names_objects_and_values(tmp_path):
     result = convert(LEGACY, tmp_path / "o", ConvertOptions(to="torch_dist"))
     assert_model_as_megatron_core_saves(tmp_path / "o", DIST)
+    assert_rng_objects(tmp_path / "o")
     assert "renamed 48 per-layer keys to Megatron-Core's stacked names (12 keys, layer axis " \
            "first, local-spec norms as linear_qkv/linear_fc1.layer_norm_*)" in result.notes
     assert "added 17 _extra_state objects as Megatron-Core saves them for the local layer " \
@@ -62,6 +77,7 @@ def test_reshard_to_dist_gives_them_too(tmp_path):
     result = reshard(LEGACY, tmp_path / "o", ReshardRequest(to="torch_dist"))
     assert result.written
     assert_model_as_megatron_core_saves(tmp_path / "o", DIST)
+    assert_rng_objects(tmp_path / "o")  # the layout is kept
     assert any(n.startswith("renamed 48 per-layer keys") for n in result.notes)
 
 

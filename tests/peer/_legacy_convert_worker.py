@@ -43,7 +43,7 @@ def megatron_argv(legacy: str, out: str) -> list[str]:
             "--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-swiglu-fusion",
             "--no-bias-dropout-fusion", "--no-persist-layer-norm", "--attention-backend",
             "local", "--spec", "local", "--distributed-backend", "gloo", "--seed", "1234",
-            "--load", legacy, "--ckpt-format", "torch", "--no-load-optim", "--no-load-rng",
+            "--load", legacy, "--ckpt-format", "torch", "--no-load-optim",
             "--ckpt-convert-format", "torch_dist", "--ckpt-convert-save", out]
 
 

@@ -16,41 +16,23 @@ Skipped, saying why, when Megatron-LM's files are neither cached nor fetchable
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parent.parent
 sys.path.insert(0, str(HERE))
 import fetch_megatron  # noqa: E402
+from _megatron_lm import run_worker  # noqa: E402
 
 pytestmark = [pytest.mark.interop, pytest.mark.multiproc]
 WORKER = HERE / "_training_ckpt_worker.py"
 NPROC = 2
 
 
-def _run(root: Path, impl: str, *args: str, timeout: float = 900) -> str:
-    """The worker on ``NPROC`` ranks with ``impl``'s dist_checkpointing; fails on rc != 0."""
-    env = dict(os.environ, CKPT_PEER_IMPL=impl, CKPT_PEER_ROOT=str(root), CUDA_VISIBLE_DEVICES="",
-               OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
-               PYTHONPATH=os.pathsep.join([str(HERE), str(REPO), str(root)]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={NPROC}", str(WORKER), *args]
-    proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise AssertionError(f"{impl} {args} timed out after {timeout}s:\n{out[-6000:]}") from None
-    assert proc.returncode == 0, f"{impl} {args} failed ({proc.returncode}):\n{out[-6000:]}"
-    return out
+def _run(root: Path, impl: str, *args: str) -> str:
+    return run_worker(root, impl, WORKER, NPROC, *args)
 
 
 def _oks(out: str, what: str) -> int:
