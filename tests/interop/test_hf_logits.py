@@ -98,6 +98,21 @@ def test_hf_to_torch_dist_gives_transformers_logits(runs, job, model, opts):
     torch.testing.assert_close(got, hf_logits(srcs[model]), rtol=1e-4, atol=1e-5)
 
 
+def test_local_import_holds_the_extra_state_objects_megatron_core_saves(runs):
+    """The ``--local-spec`` import of Mixtral holds exactly the ``_extra_state`` objects the
+    real Megatron-Core saves from a local-spec Mixtral-style GPT of the same structure (2
+    layers, 4 experts; ``mixtral_save_tp2``), each stored byte for byte alike (``None``)."""
+    tmp, _ = runs
+    with open_checkpoint(tmp / "mixtral_tp2") as ours, \
+            open_checkpoint(tmp / "mixtral_save_tp2") as theirs:
+        keys = {o.unique_key for o in ours.metadata().objects}
+        want = {o.unique_key for o in theirs.metadata().objects
+                if o.key.endswith("._extra_state")}
+        assert keys == want and len(want) == 2 * (2 + 2 * 4)
+        for key in want:
+            assert ours.stored_object_bytes(key) == theirs.stored_object_bytes(key), key
+
+
 @pytest.mark.parametrize("job,tp,pp,arch,model", EXPORTS, ids=[j[0] for j in EXPORTS])
 def test_megatron_save_to_hf_gives_megatron_logits(runs, job, tp, pp, arch, model):
     tmp, _ = runs
