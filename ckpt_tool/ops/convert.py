@@ -1,10 +1,10 @@
 """``convert``: rewrite a checkpoint in another format, streaming, into an atomic output.
 
-Call order: open the source (a legacy source is seen with Megatron-Core's stacked keys for a
-dist target: :mod:`ckpt_tool.ops._stacked_view`) -> ``plan_convert`` (pure: target keys, dtypes, chunk grid) ->
-``staged_output`` (a staging directory beside the target) -> the target format's ``Writer``
-pulls chunk after chunk from a ``ReaderSource`` -> ``validate`` of what was written (unless
-``verify=False``) -> fsync and rename into place. The source is only read.
+Call order: open the source (a legacy source is seen as Megatron-Core saves that model for a
+dist target: :mod:`ckpt_tool.ops._stacked_view`) -> ``plan_convert`` (pure: target keys,
+dtypes, chunk grid) -> ``staged_output`` (a staging directory beside the target) -> the target
+format's ``Writer`` pulls chunk after chunk from a ``ReaderSource`` -> ``validate`` of what was
+written (unless ``verify=False``) -> fsync and rename into place. The source is only read.
 """
 
 from __future__ import annotations

@@ -26,8 +26,9 @@ import json
 import pytest
 import torch
 
-from _hf_jobs import (COMMON, assert_export_logits, ckpt, hf_logits, import_job, randomise,
-                      run_jobs, save_jobs, saved_models, tensors)
+from _hf_jobs import (COMMON, assert_export_logits, assert_same_extra_state_objects, ckpt,
+                      hf_logits, import_job, randomise, run_jobs, save_jobs, saved_models,
+                      tensors)
 from ckpt_tool.formats.base import open_checkpoint
 
 transformers = pytest.importorskip("transformers")
@@ -103,14 +104,8 @@ def test_local_import_holds_the_extra_state_objects_megatron_core_saves(runs):
     real Megatron-Core saves from a local-spec Mixtral-style GPT of the same structure (2
     layers, 4 experts; ``mixtral_save_tp2``), each stored byte for byte alike (``None``)."""
     tmp, _ = runs
-    with open_checkpoint(tmp / "mixtral_tp2") as ours, \
-            open_checkpoint(tmp / "mixtral_save_tp2") as theirs:
-        keys = {o.unique_key for o in ours.metadata().objects}
-        want = {o.unique_key for o in theirs.metadata().objects
-                if o.key.endswith("._extra_state")}
-        assert keys == want and len(want) == 2 * (2 + 2 * 4)
-        for key in want:
-            assert ours.stored_object_bytes(key) == theirs.stored_object_bytes(key), key
+    assert_same_extra_state_objects(tmp / "mixtral_tp2", tmp / "mixtral_save_tp2",
+                                    2 * (2 + 2 * 4))
 
 
 @pytest.mark.parametrize("job,tp,pp,arch,model", EXPORTS, ids=[j[0] for j in EXPORTS])

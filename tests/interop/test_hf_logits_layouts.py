@@ -40,8 +40,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _hf_jobs import (COMMON, assert_export_logits, ckpt, hf_logits, import_job, run_jobs,
-                      save_jobs, saved_models)
+from _hf_jobs import (COMMON, assert_export_logits, assert_same_extra_state_objects, ckpt,
+                      hf_logits, import_job, run_jobs, save_jobs, saved_models)
 from ckpt_tool.formats.base import open_checkpoint
 
 transformers = pytest.importorskip("transformers")
@@ -129,15 +129,9 @@ def test_te_import_holds_the_extra_state_objects_megatron_core_saves(runs):
     ``pre_mlp_layernorm``'s and the final norm's, each stored byte for byte alike (TE's empty
     ``uint8`` tensor)."""
     tmp, _ = runs
-    with open_checkpoint(tmp / "qwen2_moe_tp2_te") as ours, \
-            open_checkpoint(tmp / "qwen2_moe_save_pp2_te") as theirs:
-        keys = {o.unique_key for o in ours.metadata().objects}
-        want = {o.unique_key for o in theirs.metadata().objects
-                if o.key.endswith("._extra_state")}
-        assert keys == want and len(want) == 2 * (5 + 2 * 4) + 1
-        assert "decoder.layers.pre_mlp_layernorm._extra_state/shard_1_2" in keys
-        for key in want:
-            assert ours.stored_object_bytes(key) == theirs.stored_object_bytes(key), key
+    keys = assert_same_extra_state_objects(tmp / "qwen2_moe_tp2_te",
+                                           tmp / "qwen2_moe_save_pp2_te", 2 * (5 + 2 * 4) + 1)
+    assert "decoder.layers.pre_mlp_layernorm._extra_state/shard_1_2" in keys
 
 
 @pytest.mark.parametrize("job,tp,pp,arch,model", EXPORTS, ids=[j[0] for j in EXPORTS])

@@ -47,30 +47,12 @@ def megatron_argv(legacy: str, out: str) -> list[str]:
             "--ckpt-convert-format", "torch_dist", "--ckpt-convert-save", out]
 
 
-def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None,
-                   pg_collection=None):
-    """The fixture's GPT: the local layer spec, learned positions, untied output layer."""
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.training import get_args
-    from megatron.training.arguments import core_transformer_config_from_args
-
-    args = get_args()
-    return GPTModel(config=config or core_transformer_config_from_args(args),
-                    transformer_layer_spec=get_gpt_layer_local_spec(),
-                    vocab_size=args.padded_vocab_size,
-                    max_sequence_length=args.max_position_embeddings,
-                    pre_process=pre_process, post_process=post_process,
-                    share_embeddings_and_output_weights=False,
-                    position_embedding_type="learned_absolute", vp_stage=vp_stage)
-
-
 def main(argv: list[str]) -> int:
     legacy, out = argv
     import megatron_plugin  # noqa: F401  (CKPT_PEER_IMPL=real: the real library; CPU patches)
 
     sys.path.insert(0, os.path.join(REPO, "tests", "peer"))
-    from _training_ckpt_worker import patch_streams
+    from _training_ckpt_worker import gpt_provider, patch_streams
 
     patch_streams()
     sys.path.insert(0, os.path.join(REPO, "fixtures"))
@@ -89,7 +71,9 @@ def main(argv: list[str]) -> int:
     # advice); one without that requirement answers on a CPU
     arguments.get_device_arch_version = lambda: 10
     init.initialize_megatron(allow_no_cuda=True)
-    setup_model_and_optimizer(model_provider, ModelType.encoder_or_decoder)  # exits
+    # the fixture's GPT: learned positions, untied output layer
+    provider = gpt_provider(tied=False, position_embedding_type="learned_absolute")
+    setup_model_and_optimizer(provider, ModelType.encoder_or_decoder)  # exits
     raise AssertionError("setup_model_and_optimizer returned: no conversion ran")
 
 
