@@ -4,7 +4,7 @@ A module whose class defines ``get_extra_state`` adds ``<module>._extra_state`` 
 ``state_dict``; Megatron-Core's ``make_sharded_tensors_for_checkpoint`` saves it as a
 ShardedObject whose global shape and offset are the module's stacked axes (the layer axis of
 ``decoder.layers.*``, then the global-expert axis of routed experts), and ``(1,)``/``(0,)`` for
-a module without any (docs/formats.md §12)::
+a module without any (docs/formats.md §13)::
 
     decoder.layers.self_attention.linear_proj._extra_state/shard_{layer}_{num_layers}
     decoder.layers.mlp.experts.experts.linear_fc1._extra_state/shard_{layer}.{expert}_{L}.{E}
