@@ -1,9 +1,10 @@
 """``convert``: rewrite a checkpoint in another format, streaming, into an atomic output.
 
-Call order: open the source -> ``plan_convert`` (pure: target keys, dtypes, chunk grid) ->
-``staged_output`` (a staging directory beside the target; inside it the source's container
-for the formats Megatron-LM resumes from: ``ops._container``) -> the target format's
-``Writer`` pulls chunk after chunk from a ``ReaderSource`` -> ``validate`` of what was
+Call order: open the source (a legacy source is seen as Megatron-Core saves that model for a
+dist target: :mod:`ckpt_tool.ops._stacked_view`) -> ``plan_convert`` (pure: target keys,
+dtypes, chunk grid) -> ``staged_output`` (a staging directory beside the target; inside it the
+source's container for the formats Megatron-LM resumes from: ``ops._container``) -> the target
+format's ``Writer`` pulls chunk after chunk from a ``ReaderSource`` -> ``validate`` of what was
 written (unless ``verify=False``) -> fsync and rename into place -> the recipe to resume from
 it (``ops._resume``). The source is only read.
 """
@@ -27,6 +28,7 @@ from ckpt_tool.ops._convert_plan import ConvertOptions, ConvertPlan, plan_conver
 from ckpt_tool.ops._raw_source import RawSource, raw_source_applies
 from ckpt_tool.ops._resume import ResumeRecipe, resume_for
 from ckpt_tool.ops._source import ReaderSource
+from ckpt_tool.ops._stacked_view import stacked_view
 from ckpt_tool.ops._staging import (check_output_target, output_estimate, staged_output_ranks,
                                     verify_output)
 from ckpt_tool.parallel import JobProgress
@@ -105,6 +107,8 @@ def convert(src: str | Path | SourcePlace, dst: str | Path, options: ConvertOpti
     r = current_ranks()
     out = check_output_target(dst, sources=(place.given,), overwrite=overwrite)
     reader = open_checkpoint(place.checkpoint, trust=trust)
+    view = stacked_view(reader, options.to)  # legacy -> dist: Megatron-Core's stacked keys
+    reader = view or reader
     with reader:
         meta = reader.metadata()
         container = output_container(place.container, options.to, meta.common.get("iteration"))
@@ -129,7 +133,7 @@ def convert(src: str | Path | SourcePlace, dst: str | Path, options: ConvertOpti
                                                                  plan.dtypes)
         source: Any = (RawSource(reader, plan.key_map, sizes) if raw else
                        ReaderSource(reader, plan.key_map, plan.dtypes, sizes=sizes))
-        notes = list(plan.notes)
+        notes = list(plan.notes) + (view.notes() if view is not None else [])
         if progress is not None:
             progress.start(plan.target.total_bytes, len(plan.target.tensors))
         job_progress = JobProgress(progress, r)

@@ -27,8 +27,9 @@ from ckpt_tool.formats.torch_save_object import torch_free_pickle
 from ckpt_tool.ops._container import (check_container_target, output_container,
                                       place_container, to_validate)
 from ckpt_tool.ops._optim_unflatten import BucketLayoutHints, unflatten_bucketed_optimizer
-from ckpt_tool.ops._reshard_io import reshard_source, stacked_view_if_legacy
+from ckpt_tool.ops._reshard_io import reshard_source
 from ckpt_tool.ops._resume import ResumeRecipe, resume_for
+from ckpt_tool.ops._stacked_view import stacked_view
 from ckpt_tool.ops._staging import (check_output_target, output_estimate, staged_output_ranks,
                                     verify_output)
 from ckpt_tool.parallel import JobProgress
@@ -119,7 +120,8 @@ def reshard(src: str | Path | SourcePlace, dst: str | Path | None, req: ReshardR
     container = output_container(place.container, to, base.metadata().common.get("iteration"))
     if out is not None:
         check_container_target(out, container)
-    reader = stacked_view_if_legacy(base, to)
+    view = stacked_view(base, to)  # a legacy source with Megatron-Core's stacked keys
+    reader = view or base
     if to != "legacy" and not req.drop_optimizer:
         spec = None if req.local_spec is None else (
             "local" if req.local_spec else "transformer_engine")
@@ -138,6 +140,8 @@ def reshard(src: str | Path | SourcePlace, dst: str | Path | None, req: ReshardR
                                plan=plan.to_dict(ranks=dry_run), container=container)
         result.plan["target"]["origins"] = target_origins
         result.notes = [f"dropped {k}" for k in plan.dropped]
+        if view is not None:
+            result.notes += view.notes()
         local_spec, why = _norm_names(req, common)
         if to == "legacy":
             result.plan["target"]["norm_names"] = (

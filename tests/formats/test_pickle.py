@@ -8,6 +8,7 @@ import io
 import os
 import pathlib
 import pickle
+import signal
 import sys
 import types
 
@@ -54,7 +55,8 @@ def _megatron_common(path):
             tensor_model_parallel_size=2, pipeline_model_parallel_size=2, world_size=8,
             num_layers=4, hidden_size=64, attention_backend=AttnBackend.auto,
             optimizer_config=OptimizerConfig(lr=3e-4), save=pathlib.PosixPath("/ckpt"),
-            params_dtype=torch.bfloat16, seed=np.int64(1234), loss_scale=np.float32(1.5))
+            params_dtype=torch.bfloat16, seed=np.int64(1234), loss_scale=np.float32(1.5),
+            exit_signal=signal.SIGTERM)  # Megatron-LM's default, in every real common.pt
         torch.save({"args": args, "iteration": 10, "checkpoint_version": 3.0,
                     "rng": np.random.RandomState(0).get_state(), "t": torch.arange(4),
                     "content_metadata": {"distrib_optim_sharding_type": "dp_reshardable"}}, path)
@@ -80,6 +82,7 @@ def test_load_torch_file_megatron_common_without_megatron(common_pt):
     assert args.optimizer_config.lr == 3e-4 and args.optimizer_config.optimizer == "adam"
     assert repr(args.optimizer_config).startswith(f"{OPT}.OptimizerConfig(")
     assert args.save == pathlib.PosixPath("/ckpt") and args.seed == 1234
+    assert args.exit_signal is signal.SIGTERM
     assert torch.equal(state["t"], torch.arange(4))
 
 

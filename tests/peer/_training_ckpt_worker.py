@@ -97,23 +97,32 @@ def initialize(seed: int, extra: list[str]):
     init.initialize_megatron(allow_no_cuda=True)
 
 
-def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None,
-                   pg_collection=None):
-    """The GPT of ``pretrain_gpt.py`` with the local (non-Transformer-Engine) layer spec."""
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.training import get_args
-    from megatron.training.arguments import core_transformer_config_from_args
+def gpt_provider(*, tied: bool | None, position_embedding_type: str):
+    """A model provider for the GPT of ``pretrain_gpt.py`` with the local
+    (non-Transformer-Engine) layer spec, embeddings ``tied`` or not (None: as the run's
+    ``--untie-embeddings-and-output-weights`` says)."""
 
-    args = get_args()
-    return GPTModel(config=config or core_transformer_config_from_args(args),
-                    transformer_layer_spec=get_gpt_layer_local_spec(),
-                    vocab_size=args.padded_vocab_size,
-                    max_sequence_length=args.max_position_embeddings,
-                    pre_process=pre_process, post_process=post_process,
-                    share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-                    position_embedding_type="rope",
-                    vp_stage=vp_stage)
+    def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None,
+                       pg_collection=None):
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.training import get_args
+        from megatron.training.arguments import core_transformer_config_from_args
+
+        args = get_args()
+        share = not args.untie_embeddings_and_output_weights if tied is None else tied
+        return GPTModel(config=config or core_transformer_config_from_args(args),
+                        transformer_layer_spec=get_gpt_layer_local_spec(),
+                        vocab_size=args.padded_vocab_size,
+                        max_sequence_length=args.max_position_embeddings,
+                        pre_process=pre_process, post_process=post_process,
+                        share_embeddings_and_output_weights=share,
+                        position_embedding_type=position_embedding_type, vp_stage=vp_stage)
+
+    return model_provider
+
+
+model_provider = gpt_provider(tied=None, position_embedding_type="rope")
 
 
 def setup(seed: int):

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -42,9 +41,9 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parent.parent
 sys.path.insert(0, str(HERE))
 import fetch_megatron  # noqa: E402
+from _megatron_lm import run_worker  # noqa: E402
 
 pytestmark = [pytest.mark.interop, pytest.mark.multiproc]
 WORKER = HERE / "_training_ckpt_worker.py"
@@ -52,22 +51,7 @@ NPROC = 2
 
 
 def _run(root: Path, impl: str, *args: str, timeout: float = 900, nproc: int = NPROC) -> str:
-    """The worker on ``nproc`` ranks with ``impl``'s dist_checkpointing; fails on rc != 0."""
-    env = dict(os.environ, CKPT_PEER_IMPL=impl, CKPT_PEER_ROOT=str(root), CUDA_VISIBLE_DEVICES="",
-               OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", CUDA_DEVICE_MAX_CONNECTIONS="1",
-               PYTHONPATH=os.pathsep.join([str(HERE), str(REPO), str(root)]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}", str(WORKER), *args]
-    proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise AssertionError(f"{impl} {args} timed out after {timeout}s:\n{out[-6000:]}") from None
-    assert proc.returncode == 0, f"{impl} {args} failed ({proc.returncode}):\n{out[-6000:]}"
-    return out
+    return run_worker(root, impl, WORKER, nproc, *args, timeout=timeout)
 
 
 def _oks(out: str, what: str) -> int:

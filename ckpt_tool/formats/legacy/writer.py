@@ -32,6 +32,8 @@ from ckpt_tool.formats.legacy.layout import LOCAL_TO_DIST_NAMES
 from ckpt_tool.formats.write_guard import torch_save_file
 from ckpt_tool.formats.writer import WriteRequest, Writer
 from ckpt_tool.model import is_optimizer_key
+from ckpt_tool.planning.extra_state import (EXTRA_STATE, NONE, legacy_extra_states,
+                                            legacy_layer_spec)
 
 __all__ = ["LegacyWriter", "write_legacy_ranks", "as_namespace", "updated_args"]
 
@@ -169,9 +171,12 @@ def write_legacy_ranks(directory: Path, plan: Any, source: Any,
                     if progress is not None:
                         progress(data.numel() * data.element_size())
             for chunk, name, value in _legacy_entries(tp, local, lm, rp, plan):
-                if local_spec:
-                    name = _local_spec_name(name)
+                name = _local_spec_name(name) if local_spec else _te_spec_name(name, tp.key,
+                                                                              meta)
                 chunks.setdefault(chunk, OrderedDict())[name] = value
+        names = [n for sd in chunks.values() for n in sd]  # the names tell the layer spec
+        spec = legacy_layer_spec(names, args)
+        chunks = {c: _with_extra_states(sd, spec) for c, sd in chunks.items()}
         state: dict[str, Any] = {"args": args,
                                  "checkpoint_version": common.get("checkpoint_version", 3.0)}
         for k in ("iteration", "num_floating_point_operations_so_far", "opt_param_scheduler"):
@@ -227,3 +232,38 @@ def _local_spec_name(key: str) -> str:
         if fused in key:
             return key.replace(fused, local, 1)
     return key
+
+
+_FC1_NORM = "mlp.linear_fc1.layer_norm_"
+
+
+def _te_spec_name(name: str, key: str, meta: Any) -> str:
+    """A legacy entry ``name`` (of dist key ``key``) as a Transformer-Engine model holds it: a
+    MoE layer's pre-MLP norm, which the local spec saves under the fused name
+    ``mlp.linear_fc1.layer_norm_*`` (there is no ``linear_fc1`` beside the experts), is TE's
+    separate ``pre_mlp_layernorm``."""
+    layer, found, _leaf = key.partition(_FC1_NORM)
+    if found and f"{layer}mlp.router.weight" in meta.tensors:
+        return name.replace(_FC1_NORM, "pre_mlp_layernorm.", 1)
+    return name
+
+
+def _with_extra_states(sd: OrderedDict, spec: str) -> OrderedDict:
+    """``sd`` with the ``<module>._extra_state`` entries Megatron-LM's legacy save writes, each
+    after its module's last parameter (:func:`ckpt_tool.planning.extra_state.legacy_extra_states`:
+    ``None`` for Megatron-Core's linears, Transformer Engine's empty ``uint8`` tensor)."""
+    import torch
+
+    kinds = legacy_extra_states(sd, spec)
+    last = {name.rsplit(".", 1)[0]: i for i, name in enumerate(sd)}
+    out: OrderedDict = OrderedDict()
+    for i, (name, value) in enumerate(sd.items()):
+        out[name] = value
+        module = name.rsplit(".", 1)[0]
+        if module in kinds and last[module] == i:
+            out[f"{module}.{EXTRA_STATE}"] = _payload(kinds[module], torch)
+    return out
+
+
+def _payload(kind: str, torch: Any) -> Any:
+    return None if kind == NONE else torch.empty(0, dtype=torch.uint8)
