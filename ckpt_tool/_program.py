@@ -1,7 +1,15 @@
 """Whether this process is the ``ckpt`` program (the console script, ``python -m ckpt_tool``,
 torchrun) rather than a host that imports ``ckpt_tool`` as a library, and what the program
-does about Ctrl-C before its command starts. Imported first by the package itself, so the
-window in which an interrupt meets Python's own handler is the interpreter's start alone."""
+does about the signals that stop it (Ctrl-C's SIGINT, ``kill``'s SIGTERM) before its command
+starts. Imported first by the package itself, so the window in which a signal meets Python's
+own handling is the interpreter's start alone.
+
+A stop signal gets one line and the shell's exit code for it: ``ckpt: error: interrupted``
+(130) for SIGINT, ``ckpt: error: terminated`` (143) for SIGTERM. During a command both work
+alike (``cli._errors``): a KeyboardInterrupt unwinds the command, which removes its staging
+directory and releases its output's lock; under torchrun a rank stopped by SIGTERM (the
+launcher stops the other ranks that way when one fails) cleans up the same way and then ends
+by that signal, silently, as the launcher expects of it."""
 
 from __future__ import annotations
 
@@ -12,7 +20,46 @@ import threading
 from typing import Iterator
 
 __all__ = ["is_program", "exit_on_interrupt", "interrupts_deferred", "interrupt_deferred",
-           "committing", "output_committed", "reset_interrupts"]
+           "committing", "output_committed", "reset_interrupts", "STOP_SIGNALS", "stop_signals",
+           "stop_line", "end_by_signal", "under_launcher"]
+
+#: The signals that stop the program, with the error line and the exit code each gets.
+STOP_SIGNALS = {"SIGINT": ("interrupted", 130), "SIGTERM": ("terminated", 143)}
+
+
+def stop_signals() -> list[int]:
+    """The stop signals of this platform that the program may handle: those not ignored at
+    start (``nohup``, a shell's background job: the user asked for them to be ignored)."""
+    import signal
+
+    out = []
+    for name in STOP_SIGNALS:
+        num = getattr(signal, name, None)
+        if num is not None and signal.getsignal(num) is not signal.SIG_IGN:
+            out.append(num)
+    return out
+
+
+def stop_line(signum: int) -> tuple[str, int]:
+    """The error line (without ``ckpt: error:``) and the exit code for stop signal ``signum``."""
+    import signal
+
+    try:
+        return STOP_SIGNALS.get(signal.Signals(signum).name, ("interrupted", 128 + signum))
+    except ValueError:
+        return "interrupted", 128 + signum
+
+
+def end_by_signal(signum: int) -> None:
+    """End the process by ``signum`` itself (its default action), as if no handler had been
+    installed: what a launcher that sent it expects to see."""
+    import signal
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+    os._exit(128 + signum)  # (not reached)
 
 
 def is_program() -> bool:
@@ -28,21 +75,31 @@ def is_program() -> bool:
 
 
 def exit_on_interrupt() -> None:
-    """While the program starts (imports: nothing written yet), Ctrl-C ends it at once with
-    the one line and exit 130 every interrupt gets; the command body installs its own
-    handler (``_errors.handle_errors``)."""
+    """While the program starts (imports: nothing written yet), a stop signal ends it at once
+    with the one line and the exit code it always gets (SIGINT: 130, SIGTERM: 143); the
+    command body installs its own handler (``_errors.handle_errors``)."""
     if not is_program():
         return
     import signal
 
-    def on_sigint(signum: int, frame: object) -> None:
-        os.write(2, b"ckpt: error: interrupted\n")
-        os._exit(130)
+    def on_stop(signum: int, frame: object) -> None:
+        line, code = stop_line(signum)
+        if signum != signal.SIGINT and under_launcher():
+            end_by_signal(signum)
+        os.write(2, f"ckpt: error: {line}\n".encode())
+        os._exit(code)
 
-    try:
-        signal.signal(signal.SIGINT, on_sigint)
-    except ValueError:
-        pass
+    for num in stop_signals():
+        try:
+            signal.signal(num, on_stop)
+        except ValueError:
+            pass
+
+
+def under_launcher() -> bool:
+    """A rank of a torchrun job (its launcher reports how each rank ended)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or "RANK" in os.environ and \
+        int(os.environ.get("WORLD_SIZE", "1") or 1) > 1
 
 
 class _Deferral:
