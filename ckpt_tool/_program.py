@@ -7,9 +7,10 @@ own handling is the interpreter's start alone.
 A stop signal gets one line and the shell's exit code for it: ``ckpt: error: interrupted``
 (130) for SIGINT, ``ckpt: error: terminated`` (143) for SIGTERM. During a command both work
 alike (``cli._errors``): a KeyboardInterrupt unwinds the command, which removes its staging
-directory and releases its output's lock; under torchrun a rank stopped by SIGTERM (the
-launcher stops the other ranks that way when one fails) cleans up the same way and then ends
-by that signal, silently, as the launcher expects of it."""
+directory and releases its output's lock. Under torchrun a rank stopped by SIGTERM (the
+launcher stops the other ranks that way when one fails, and passes its own SIGTERM on)
+removes what it created at once (:func:`cleanup_on_stop`) and ends by that signal, silently,
+as the launcher expects of it."""
 
 from __future__ import annotations
 
@@ -17,11 +18,12 @@ import contextlib
 import os
 import sys
 import threading
-from typing import Iterator
+from typing import Callable, Iterator
 
 __all__ = ["is_program", "exit_on_interrupt", "interrupts_deferred", "interrupt_deferred",
            "committing", "output_committed", "reset_interrupts", "STOP_SIGNALS", "stop_signals",
-           "stop_line", "end_by_signal", "under_launcher"]
+           "stop_line", "end_by_signal", "under_launcher", "cleanup_on_stop",
+           "run_cleanups_and_end", "renaming"]
 
 #: The signals that stop the program, with the error line and the exit code each gets.
 STOP_SIGNALS = {"SIGINT": ("interrupted", 130), "SIGTERM": ("terminated", 143)}
@@ -104,8 +106,45 @@ def under_launcher() -> bool:
 
 class _Deferral:
     depth = 0  # open interrupts_deferred blocks (main thread)
+    renaming = 0  # open committing blocks (main thread)
     pending = False  # Ctrl-C came inside one
     committed = False  # an output is in place: the command's work is done
+
+
+_cleanups: dict[int, Callable[[], None]] = {}  # what a stopped rank removes: see cleanup_on_stop
+
+
+@contextlib.contextmanager
+def cleanup_on_stop(fn: Callable[[], None]) -> Iterator[None]:
+    """While the block runs, a rank of a torchrun job that a stop signal ends calls ``fn``
+    (removing a staging directory, a lock file) before it ends by the signal.
+
+    A rank does not unwind on SIGTERM as a single process does: unwinding would meet the
+    collectives of the code it leaves (the ranks agreeing on the outcome of a write), which
+    ranks stopped at different moments, or a peer already gone, never complete. It removes
+    what it created, at once, and ends (:func:`run_cleanups_and_end`)."""
+    key = id(fn)
+    _cleanups[key] = fn
+    try:
+        yield
+    finally:
+        _cleanups.pop(key, None)
+
+
+def run_cleanups_and_end(signum: int) -> None:
+    """Run the registered cleanups (newest first; a failing one does not stop the others),
+    then end the process by ``signum`` (:func:`end_by_signal`)."""
+    for key in reversed(list(_cleanups)):
+        fn = _cleanups.pop(key, None)
+        if fn is not None:
+            with contextlib.suppress(Exception):
+                fn()
+    end_by_signal(signum)
+
+
+def renaming() -> bool:
+    """Inside a ``committing`` block: an output is being put in place."""
+    return _Deferral.renaming > 0
 
 
 @contextlib.contextmanager
@@ -140,13 +179,16 @@ def committing() -> Iterator[None]:
         yield
         return
     _Deferral.depth += 1
+    _Deferral.renaming += 1
     try:
         yield
     except BaseException:
         _Deferral.depth -= 1
+        _Deferral.renaming -= 1
         _Deferral.pending = _Deferral.pending and _Deferral.depth > 0
         raise
     _Deferral.depth -= 1
+    _Deferral.renaming -= 1
     _Deferral.committed = True
     if _Deferral.depth == 0:
         _Deferral.pending = False

@@ -21,6 +21,7 @@ import shutil
 from pathlib import Path
 from typing import Iterator
 
+from ckpt_tool._program import cleanup_on_stop
 from ckpt_tool.errors import UsageError
 
 __all__ = ["STAGING_MARK", "OLD_MARK", "LOCK_SUFFIX", "PARKED_NAME", "leftovers",
@@ -117,7 +118,8 @@ def target_lock(target: str | Path) -> Iterator[None]:
             os.ftruncate(fd, 0)               # by the write itself
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         try:
-            yield
+            with cleanup_on_stop(lambda: os.unlink(path)):
+                yield
         finally:
             with contextlib.suppress(OSError):
                 os.unlink(path)  # still holding the lock

@@ -39,6 +39,9 @@ def describe(exc: BaseException) -> tuple[str, int]:
     return _exit_for(exc)
 
 
+_PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+
+
 def _exit_for(exc: BaseException) -> tuple[str, int]:
     if isinstance(exc, CkptError):
         return exc.one_line(), exc.exit_code
@@ -52,6 +55,11 @@ def _exit_for(exc: BaseException) -> tuple[str, int]:
         return f"{getattr(exc, 'filename', '') or ''}: {exc.strerror or exc} ".strip(), 2
     if isinstance(exc, KeyboardInterrupt):
         return "interrupted", 130
+    if isinstance(exc, RuntimeError) and "gloo" in str(exc) and any(
+            why in str(exc) for why in _PEER_GONE):
+        why = next(w for w in _PEER_GONE if w in str(exc))
+        return (f"another rank of the job ended while this one waited for it (gloo: {why}; "
+                "see that rank's error)"), 2
     if isinstance(exc, MemoryError) or isinstance(exc, RuntimeError) \
             and "can't allocate memory" in str(exc):
         return ("out of memory (a size in the checkpoint's metadata may be absurd: 'ckpt "
@@ -77,9 +85,10 @@ def _watch_interrupts() -> None:
     (143)."""
     import signal
 
-    from ckpt_tool._program import interrupt_deferred, output_committed, reset_interrupts
+    from ckpt_tool._program import (interrupt_deferred, output_committed, renaming,
+                                    reset_interrupts, run_cleanups_and_end, stop_signals,
+                                    under_launcher)
     from ckpt_tool._program import is_program as _is_program
-    from ckpt_tool._program import stop_signals
 
     state.interrupted = 0
     reset_interrupts()
@@ -90,6 +99,8 @@ def _watch_interrupts() -> None:
         if output_committed():  # the work is done: what is left is reporting it
             return
         state.interrupted = state.interrupted or signum
+        if signum != signal.SIGINT and under_launcher() and not renaming():
+            run_cleanups_and_end(signum)  # a torchrun rank: no unwinding through collectives
         if not interrupt_deferred():  # else raised where C code is no longer calling us
             raise KeyboardInterrupt
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from ckpt_tool._pause_points import pause_point
-from ckpt_tool._program import committing
+from ckpt_tool._program import cleanup_on_stop, committing
 from ckpt_tool.errors import OutputError, UsageError, plural
 from ckpt_tool.digests import take as take_digests
 from ckpt_tool.leftovers import OLD_MARK, PARKED_NAME, STAGING_MARK, reclaim, target_lock
@@ -159,14 +159,15 @@ def _out_of_space(exc: BaseException, out: Path) -> bool:
 def _staged(out: Path, overwrite: bool, file_name: str | None) -> Iterator[Path]:
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}{STAGING_MARK}", dir=out.parent))
     try:
-        pause_point("staging")
-        yield staging
-        os.chmod(staging, 0o777 & ~current_umask())  # mkdtemp made it 0700: the output follows umask
-        produced = staging / file_name if file_name else staging
-        side = _add_manifest(staging, file_name, out)
-        take_digests(staging)  # used by the manifest: forget them
-        fsync_tree(staging)
-        pause_point("fsynced")
+        with cleanup_on_stop(lambda: shutil.rmtree(staging, ignore_errors=True)):
+            pause_point("staging")
+            yield staging
+            os.chmod(staging, 0o777 & ~current_umask())  # mkdtemp made it 0700: the output follows umask
+            produced = staging / file_name if file_name else staging
+            side = _add_manifest(staging, file_name, out)
+            take_digests(staging)  # used by the manifest: forget them
+            fsync_tree(staging)
+            pause_point("fsynced")
         with committing():  # Ctrl-C waits for the renames, and is ignored once they are done
             _put_in_place(out, produced, side, overwrite)
         pause_point("renamed")
