@@ -23,7 +23,7 @@ from typing import Callable, Iterator
 __all__ = ["is_program", "exit_on_interrupt", "interrupts_deferred", "interrupt_deferred",
            "committing", "output_committed", "reset_interrupts", "STOP_SIGNALS", "stop_signals",
            "stop_line", "end_by_signal", "under_launcher", "cleanup_on_stop",
-           "run_cleanups_and_end", "renaming"]
+           "run_cleanups_and_end", "renaming", "stop_taken"]
 
 #: The signals that stop the program, with the error line and the exit code each gets.
 STOP_SIGNALS = {"SIGINT": ("interrupted", 130), "SIGTERM": ("terminated", 143)}
@@ -108,6 +108,7 @@ class _Deferral:
     depth = 0  # open interrupts_deferred blocks (main thread)
     renaming = 0  # open committing blocks (main thread)
     pending = False  # Ctrl-C came inside one
+    taken = False  # a stop signal reached the command's handler
     committed = False  # an output is in place: the command's work is done
 
 
@@ -198,6 +199,12 @@ def reset_interrupts() -> None:
     """A command starts: nothing deferred, nothing committed yet."""
     _Deferral.pending = False
     _Deferral.committed = False
+    _Deferral.taken = False
+
+
+def stop_taken() -> bool:
+    """The command's handler took a stop signal (it raised, or deferred it to a block's end)."""
+    return _Deferral.taken
 
 
 def output_committed() -> bool:
@@ -209,6 +216,7 @@ def interrupt_deferred() -> bool:
     """Called by a Ctrl-C handler: inside ``interrupts_deferred`` or ``committing`` the
     interrupt is recorded for the block's end (True); outside them, the handler raises
     (False)."""
+    _Deferral.taken = True
     if _Deferral.depth:
         _Deferral.pending = True
         return True
