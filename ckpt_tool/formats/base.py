@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ckpt_tool.errors import CorruptCheckpointError, InputError, NotACheckpointError
-from ckpt_tool.formats.regular_files import check_regular, check_tree, open_regular
 from ckpt_tool.model import CheckpointMeta, ObjectMeta, TensorMeta
 
 __all__ = ["Reader", "Format", "register", "formats", "detect", "open_checkpoint", "inside_name",
@@ -175,7 +174,10 @@ def inside_name(name: Any, what: str, source: str) -> str:
 
 def check_readable(path: str | Path) -> None:
     """InputError naming the problem when ``path`` cannot be read at all: missing, a symlink
-    loop or broken symlink (the path or a marker file in it), no permission."""
+    loop or broken symlink (the path or a marker file in it), no permission, not a regular
+    file (a FIFO, socket or device: ``regular_files``)."""
+    from ckpt_tool.formats.regular_files import check_regular, open_regular
+
     p = Path(path)
     try:
         st = os.stat(p)
@@ -201,6 +203,7 @@ def detect(path: str | Path) -> Format:
     """The format of ``path``; raises NotACheckpointError listing every format tried and why,
     or an InputError when the path cannot be read at all (missing, symlink loop, permission,
     a tracker file with garbage content)."""
+    from ckpt_tool.formats.regular_files import check_tree
     from ckpt_tool.formats.save_dir import resolve_checkpoint_dir
 
     p = Path(path)

@@ -39,7 +39,11 @@ ALLOWED = {"inspect": {0, 2}, "validate": {0, 1, 2}, "validate-deep": {0, 1, 2},
 LIMIT_AS = 6 << 30  # address space of an isolated command
 MAX_RSS_KB = 1536 << 10  # its peak resident memory (torch itself is ~0.4 GB)
 # Defects the corpus found that are not fixed yet (strict: the test fails once they are)
-KNOWN: dict[tuple[str, str], str] = {}
+KNOWN: dict[tuple[str, str], str] = {
+    ("torch_dist/last-chunk-claims-1e15-rows", "validate"):
+        "plain validate does not compare a DCP item's element count with .metadata (--deep "
+        "and every command that reads the item do); the integrity checks add it",
+}
 TIMEOUT = 300  # only a hang gets near this, even on a loaded machine
 
 
@@ -138,6 +142,7 @@ def test_command_on_bad_input(corpus, verdicts, case_id, cmd, tmp_path, monkeypa
     label = f"{case_id} {cmd} -> {code}\n{stderr}"
     _record(case_id, cmd, code, stderr, _broken(case, case_id, verdicts))
     assert "Traceback" not in stdout + stderr, label
+    assert "internal error" not in stderr, label  # a bad input is the input's error, never ours
     assert code in ALLOWED[cmd], label
     lines = [ln for ln in stderr.splitlines() if ln.strip() and not ln.startswith("note:")]
     if code != 0:
