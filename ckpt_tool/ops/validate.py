@@ -374,8 +374,11 @@ def _stale_data_files(root: Path, meta: CheckpointMeta) -> list[Finding]:
 
 
 def _is_leftover(name: str) -> bool:
+    from ckpt_tool.leftovers import OLD_MARK
+
     low = name.lower()
-    return ".tmp" in low or low.endswith(("~", ".partial")) or "staging" in low
+    return ".tmp" in low or low.endswith(("~", ".partial")) or "staging" in low \
+        or OLD_MARK in low
 
 
 def _leftovers(root: Path) -> list[Finding]:
