@@ -8,7 +8,8 @@ from typing import Annotated, Optional
 import typer
 
 __all__ = ["CheckpointPath", "SourcePath", "JsonFlag", "TrustFlag", "OverwriteFlag", "NoVerifyFlag",
-           "MaxMemoryOption", "DebugFlag", "QuietFlag", "NoProgressFlag", "IterationOption",
+           "MaxMemoryOption", "DebugFlag", "QuietFlag", "VerboseFlag", "NoProgressFlag",
+           "IterationOption",
            "at_iteration", "parse_size", "completer"]
 
 _WHERE = "Checkpoint directory, an iter_* directory, a training save directory or a file."
@@ -55,6 +56,9 @@ QuietFlag = Annotated[bool, typer.Option(
     "--quiet", "-q", callback=_set_quiet,
     help="Nothing on stderr but errors: no progress bar, no notes, and the last line only "
     "when the exit code is not 0.")]
+VerboseFlag = Annotated[bool, typer.Option(
+    "--verbose", "-v", help="Also print what is only worth reading when something looks "
+    "wrong (layouts, the whole feasibility table).")]
 NoProgressFlag = Annotated[bool, typer.Option(
     "--no-progress", help="No progress bar (drawn on stderr only when it is a terminal).")]
 

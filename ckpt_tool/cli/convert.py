@@ -19,7 +19,9 @@ from ckpt_tool.errors import plural
 def convert(
     src: SourcePath,
     dst: Annotated[Path, typer.Argument(metavar="DST", show_default=False,
-                                        help="Output directory (or file, for --to torch).")],
+                                        help="Output directory, or one file: a .safetensors file (--to "
+                                        "safetensors) or a .pt/.pth/.bin/.ckpt file (--to "
+                                        "torch).")],
     to: Annotated[str, typer.Option(
         "--to", metavar="FORMAT", show_default=False, autocompletion=completer(),
         help="Target format: torch_dist, zarr, dcp, legacy, torch, safetensors or hf.")],
@@ -75,7 +77,7 @@ def convert(
     The output appears atomically at DST once written and validated.
 
     \b
-    Example:
+    Examples:
       ckpt convert checkpoints/gpt/iter_0001000 gpt-st --to safetensors \\
           --dtype bf16
       ckpt convert checkpoints/gpt/iter_0001000 gpt-hf --to hf

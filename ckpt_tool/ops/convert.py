@@ -141,19 +141,21 @@ def convert(src: str | Path, dst: str | Path, options: ConvertOptions, *, trust:
         writer_cls = writer_for(options.to)
         with staged_output_ranks(out, r, overwrite=overwrite, file_name=file_name,
                                  notes=notes, need_bytes=output_estimate(plan.target)) as staging:
+            writer = writer_cls(staging, wopts)
             if r.is_main or writer_cls.supports_ranks:
-                notes += writer_cls(staging, wopts).write(request)
+                notes += writer.write(request)
             r.barrier()
             job_progress.catch_up(source.tensors_done)
             if verify:
                 single = file_name or ("model.pt" if options.to == "torch" else "")
                 verify_output(staging / single if single else staging, trust=trust,
                               what="converted", ranks=r)
+    tensors, objects = writer.written(plan.target)
     mine = job_progress.local
     total = r.broadcast(sum(r.gather(mine) or [0])) if r.world > 1 else mine
     return ConvertResult(
         source=str(meta.root), source_format=meta.format, target=str(out), format=options.to,
-        tensors=len(plan.target.tensors), objects=len(plan.target.objects), nbytes=total,
+        tensors=tensors, objects=objects, nbytes=total,
         seconds=time.perf_counter() - start, verified=verify,
         largest_piece=source.largest_piece, notes=notes)
 

@@ -75,7 +75,8 @@ def _export(reader: Reader, meta: CheckpointMeta, options: Any
                                                        if v is not None}}
     vocab = int(base.get("vocab_size") or args.get("vocab_size")
                 or args.get("padded_vocab_size"))
-    recipes = plan_export(meta, args, rule, vocab=vocab)
+    recipes = plan_export(meta, args, rule, vocab=vocab, settings=(
+        "--hf-config and the checkpoint's args" if base else "the checkpoint's args"))
     dtype = next((r.dtype for r in recipes if r.key == rule.embed), recipes[0].dtype)
     notes = []
     if rule.name == "gpt2" and not {"bos_token_id", "eos_token_id"} & base.keys():
@@ -142,6 +143,11 @@ def convert_hf(src: str | Path, dst: str | Path, options: Any, *, trust: bool = 
     """Convert between a Megatron checkpoint and an HF directory (see the module doc);
     returns the fields of ``ops.convert.ConvertResult``."""
     start = time.perf_counter()
+    if options.filter or options.exclude or options.rename:
+        raise UsageError("--filter, --exclude and --rename do not apply to an HF conversion: "
+                         "the architecture rules place every tensor, and one left out would "
+                         "change the model", hint="--to safetensors keeps a subset of the "
+                         "tensors under their own names")
     r = current_ranks()
     out = check_output_target(dst, sources=(src,), overwrite=overwrite)
     with open_checkpoint(src, trust=trust) as reader:
@@ -167,16 +173,18 @@ def convert_hf(src: str | Path, dst: str | Path, options: Any, *, trust: bool = 
                               max_memory=options.max_memory, tp=tp or 1, pp=pp or 1,
                               extra=extra)
         notes: list[str] = list(extra.pop("notes", ()))
-        writer = writer_for(options.to)
+        writer_cls = writer_for(options.to)
         with staged_output_ranks(out, r, overwrite=overwrite, notes=notes) as staging:
-            if r.is_main or writer.supports_ranks:
-                notes += writer(staging, wopts).write(request)
+            writer = writer_cls(staging, wopts)
+            if r.is_main or writer_cls.supports_ranks:
+                notes += writer.write(request)
             r.barrier()
             job.catch_up(source.tensors_done)
             if verify:
                 verify_output(staging, trust=trust, what="converted", ranks=r)
+    tensors, objects = writer.written(target)
     return dict(
         source=str(meta.root), source_format=meta.format, target=str(out), format=options.to,
-        tensors=len(target.tensors), objects=0, nbytes=target.total_bytes,
+        tensors=tensors, objects=objects, nbytes=target.total_bytes,
         seconds=time.perf_counter() - start, verified=verify,
         largest_piece=source.largest_piece, notes=notes)

@@ -21,7 +21,7 @@ from ckpt_tool.formats.writer import WriteRequest, WriterOptions, writer_for
 from ckpt_tool.formats.legacy.writer import updated_args, write_legacy_ranks
 from ckpt_tool.formats.mcore_dist.torch_dist_writer import writes_raw
 from ckpt_tool.formats.torch_save_object import torch_free_pickle
-from ckpt_tool.ops._optim_unflatten import unflatten_bucketed_optimizer
+from ckpt_tool.ops._optim_unflatten import BucketLayoutHints, unflatten_bucketed_optimizer
 from ckpt_tool.ops._reshard_io import reshard_source, stacked_view_if_legacy
 from ckpt_tool.ops._staging import (check_output_target, output_estimate, staged_output_ranks,
                                     verify_output)
@@ -50,6 +50,7 @@ class ReshardRequest:
     vocab_size: int | None = None
     vocab_fill: str = "copy"
     local_spec: bool | None = None  # None: from args.transformer_impl ("local")
+    ddp_bucket_size: int | None = None  # the source's DDP buckets (0: one); None: stored
 
 
 @dataclass
@@ -103,7 +104,10 @@ def reshard(src: str | Path, dst: str | Path | None, req: ReshardRequest, *,
                          hint="reshard, then 'ckpt convert' the result")
     reader = stacked_view_if_legacy(base, to)
     if to != "legacy" and not req.drop_optimizer:
-        reader = unflatten_bucketed_optimizer(reader, load_rules(req.rules))
+        spec = None if req.local_spec is None else (
+            "local" if req.local_spec else "transformer_engine")
+        reader = unflatten_bucketed_optimizer(reader, load_rules(req.rules),
+                                              BucketLayoutHints(req.ddp_bucket_size, spec))
     with reader:
         meta = reader.metadata()
         common, light = _source_common(reader)

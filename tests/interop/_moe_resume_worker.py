@@ -1,4 +1,4 @@
-"""torchrun worker: the REAL Megatron-Core builds the tiny MoE GPT of FIXTURE (default
+"""torchrun worker: the REAL Megatron-Core builds the tiny (MoE or dense) GPT of FIXTURE (default
 ``mcore016_moe_ep2_distopt_buckets``; bf16, DDP, the chained DistributedOptimizer) at
 a target layout and resumes from CKPT exactly as Megatron-LM does
 (``_mcore_resume.load_as_megatron_lm``). On every rank, every fp32 main parameter, ``exp_avg``
@@ -72,7 +72,7 @@ def main() -> int:
         expert = not getattr(p, "allreduce", True)
         p._tp_rank = (ps.get_expert_tensor_parallel_rank() if expert
                       else ps.get_tensor_model_parallel_rank())
-        p._glu = name.endswith("linear_fc1.weight")
+        p._glu = name.endswith(("linear_fc1.weight", "linear_fc1.bias"))
     full = load_file(os.path.join(FIXTURE, "expected", "optim.safetensors"))
     expected = {f"{s}.{name}": tp_local(p, full[f"{s}.{name}"]).contiguous()
                 for p, name in names.items() for s in ("fp32_param", "exp_avg", "exp_avg_sq")}

@@ -61,6 +61,9 @@ class LegacyWriter(Writer):
         write_legacy_ranks(self.directory, plan, request.source, request.common,
                            progress=request.progress, ranks=request.ranks,
                            local_spec=bool(self.options.extra.get("local_spec")))
+        kept = {o.unique_key for o in plan.target_meta.objects} if plan.target_meta else set()
+        self.objects_written = sum(o.unique_key in kept for o in request.meta.objects)
+        self.tensors_written = sum(k not in plan.dropped for k in request.meta.tensors)
         return _notes(plan, request)
 
     def _layout(self, source: Any, summary: dict[str, Any]) -> Any:

@@ -19,6 +19,7 @@ from typing import Any
 from ckpt_tool.errors import CorruptCheckpointError, InputError
 from ckpt_tool.formats.save_dir import resolve_checkpoint_dir
 from ckpt_tool.formats.base import Format, Reader, register
+from ckpt_tool.formats.mcore_dist.training_config import training_config
 from ckpt_tool.model import CheckpointMeta, ObjectMeta, TensorMeta
 
 __all__ = ["read_backend_config", "infer_optimizer_sharding", "McoreDistReader",
@@ -152,6 +153,9 @@ class McoreDistReader(Reader):
                   **extras}
         extras["optimizer_sharding"] = infer_optimizer_sharding(
             tensors, objects, common.get("content_metadata"))
+        config = training_config(self.root)
+        if config is not None:  # Megatron-Bridge's / NeMo's files beside the checkpoint
+            extras["training_config"] = config
         self._meta = CheckpointMeta(
             format=self.format_name, root=str(self.root), tensors=tensors,
             objects=tuple(objects), common=common, extras=extras,
