@@ -32,8 +32,12 @@ def _signalled_at(tmp_path: Path, point: str, sig: int, to: str) -> tuple[int, s
                              "--to", to], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True, env=env)
     mark = pause / f"{point}.{proc.pid}"
+    deadline = time.monotonic() + 900  # a hang guard only: nothing is timed
     while not mark.exists():
         assert proc.poll() is None, f"ended before {point}: {proc.stderr.read()[-3000:]}"
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"never reached {point}")
         time.sleep(0.01)
     proc.send_signal(sig)
     if point == "renamed":
@@ -122,12 +126,17 @@ def _held_job(tmp_path: Path, argv: list[str]) -> tuple[subprocess.Popen, Path, 
     pause = tmp_path / "pause"
     pause.mkdir()
     env = dict(os.environ, CKPT_PAUSE_AT="writing", CKPT_PAUSE_DIR=str(pause),
-               OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+               OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
+               CKPT_NPROC_MIN_BYTES="0")  # ranks even for this small a job
     proc = subprocess.Popen([*argv, "convert", str(FIX), str(out), "--to", "torch_dist"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             env=env, start_new_session=True)
+    deadline = time.monotonic() + 900  # a hang guard only: nothing is timed
     while len([n for n in os.listdir(pause) if n.startswith("writing.")]) < 2:
         assert proc.poll() is None, proc.stderr.read()[-3000:]
+        if time.monotonic() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise AssertionError(f"the ranks never reached writing: {os.listdir(pause)}")
         time.sleep(0.01)
     return proc, pause, out
 

@@ -33,8 +33,12 @@ def _killed_convert(out: Path, pause: Path) -> None:
     proc = subprocess.Popen([sys.executable, "-m", "ckpt_tool", "convert", str(FIX), str(out),
                              "--to", "torch_dist"], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, env=env)
+    deadline = time.monotonic() + 900  # a hang guard only: nothing is timed
     while not (pause / f"writing.{proc.pid}").exists():
         assert proc.poll() is None, "the convert ended before it wrote anything"
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError("the convert never reached writing")
         time.sleep(0.01)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
