@@ -58,11 +58,14 @@ def test_every_command_on_a_path_that_is_not_utf8(tmp_path):
 
     # the loaders get each output under a UTF-8 name (a link): safetensors cannot open a
     # path that is not UTF-8 at all; what is checked is what ckpt wrote inside
+    from ckpt_tool.formats.save_dir import resolve_checkpoint_dir
+
     links = tmp_path / "as-utf8"
     links.mkdir()
-    for entry in todo:
+    for entry in todo:  # (a dist output is a save directory: the loader gets its checkpoint)
         link = links / entry[0]
-        os.symlink(entry[2], link)
+        os.symlink(resolve_checkpoint_dir(entry[2]) if entry[1] == "torch_dist" else entry[2],
+                   link)
         entry[2] = str(link)
     from safetensors import safe_open
 
