@@ -51,8 +51,8 @@ def _load_chunk_raw(path: Path, offset: int, length: int, copy: bool = True) -> 
     a read-only view of the file that keeps its mapping alive until it is dropped); None when
     the raw path does not apply (missing/short file, unusual archive: the caller's fallback
     reports or handles it)."""
-    from ckpt_tool.formats.torch_zip import (NotSimple, as_byte_view, as_tensor,
-                                             frombuffer_u8, raw_item)
+    from ckpt_tool.formats.torch_zip import as_byte_view, as_tensor, frombuffer_u8, raw_item
+    from ckpt_tool.formats.zip_directory import NotSimple
 
     try:
         fd = os.open(path, os.O_RDONLY)

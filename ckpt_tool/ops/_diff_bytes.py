@@ -70,7 +70,8 @@ def _raw_range(base: Path, t: TensorMeta, c: ChunkRef) -> tuple[Path, int, int] 
     try:
         import mmap
 
-        from ckpt_tool.formats.torch_zip import NotSimple, raw_item
+        from ckpt_tool.formats.torch_zip import raw_item
+        from ckpt_tool.formats.zip_directory import NotSimple
     except ImportError:  # the in-place reader is optional here: compare elements instead
         return None
     pad = c.byte_offset % mmap.ALLOCATIONGRANULARITY

@@ -16,7 +16,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from ckpt_tool.formats.torch_zip import NotSimple, raw_item
+from ckpt_tool.formats.torch_zip import raw_item
+from ckpt_tool.formats.zip_directory import NotSimple
 from ckpt_tool.formats.base import Reader
 from ckpt_tool.model import ChunkRef, TensorMeta, dtype_itemsize
 

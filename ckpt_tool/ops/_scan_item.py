@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_tool._crc import crc32
-from ckpt_tool.formats.torch_zip import (NotSimple, TorchRejects, ZipRecord, as_tensor,
-                                        check_zip_item, raw_item, zip_records)
+from ckpt_tool.formats.torch_zip import as_tensor, check_zip_item, raw_item
+from ckpt_tool.formats.zip_directory import NotSimple, TorchRejects, ZipRecord, zip_records
 from ckpt_tool.ops._checks import NonfiniteBatch, count_slabs, crc32_counting, error, nonfinite
 from ckpt_tool.ops._scan_units import Archive, Out, Unit
 

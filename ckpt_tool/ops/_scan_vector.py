@@ -32,7 +32,8 @@ from typing import Any
 import numpy as np
 
 from ckpt_tool._crc import crc32
-from ckpt_tool.formats.torch_zip import NotSimple, RawItem, _describe
+from ckpt_tool.formats.torch_zip import RawItem, _describe
+from ckpt_tool.formats.zip_directory import NotSimple, entry_flags_problem, version_problem
 from ckpt_tool.model import DTYPE_ITEMSIZE
 from ckpt_tool.ops._scan_count import (_BITS, big_tensor, crc_and_pool, crc_records,
                                        byte_rows, describe_all)
@@ -46,7 +47,8 @@ _LOC64 = np.dtype([("sig", "<u4"), ("disk", "<u4"), ("off", "<u8"), ("disks", "<
 _EOCD64 = np.dtype([("sig", "<u4"), ("size", "<u8"), ("made", "<u2"), ("need", "<u2"),
                     ("disk", "<u4"), ("cd_disk", "<u4"), ("n_disk", "<u8"), ("count", "<u8"),
                     ("cd_size", "<u8"), ("cd_off", "<u8")])
-_ENTRY = struct.Struct("<4s4xHH16xHHH")  # signature, flags, method; name/extra/comment lengths
+# signature, flags, method; name/extra/comment lengths, disk; external attributes
+_ENTRY = struct.Struct("<4s4xHH16xHHHH2xL")
 _LOCAL_COLS = np.array([0, 1, 2, 3, 26, 27, 28, 29])  # local header: signature, lengths
 _TEMPLATES_PER_GROUP = 4
 _CONSTANT = 64  # records up to this size that are the same in every item get one CRC
@@ -60,11 +62,13 @@ class _Template:
         for _ in range(count):
             if pos + 46 > len(cd):
                 raise NotSimple("central directory runs past the archive")
-            sig, flags, method, nlen, elen, clen = _ENTRY.unpack_from(cd, pos)
-            if sig != b"PK\x01\x02" or method != 0 or flags & 1:
-                raise NotSimple("not a plain stored entry")
+            sig, flags, method, nlen, elen, clen, disk, external = _ENTRY.unpack_from(cd, pos)
+            name = cd[pos + 46:pos + 46 + nlen].decode("utf-8", "replace")
+            if sig != b"PK\x01\x02" or method != 0 or entry_flags_problem(
+                    name, flags, method, disk, 0, external) is not None:
+                raise NotSimple("not a plain stored entry")  # the per-item path decides
             at.append(pos)
-            names.append(cd[pos + 46:pos + 46 + nlen].decode("utf-8", "replace"))
+            names.append(name)
             pos += 46 + nlen + elen + clen
         if pos != len(cd) or not names or "/" not in names[0] or any(
                 not n.startswith(names[0].split("/", 1)[0] + "/") for n in names):
@@ -80,6 +84,8 @@ class _Template:
         self.pkl = self.by_name[pkls[0]] if pkls else None
         self.prefix = pkls[0][:-len("data.pkl")] if pkls else ""
         self.order = self.by_name.get(self.prefix + "byteorder")
+        self.version = self.by_name.get(self.prefix + ".data/version",
+                                        self.by_name.get(self.prefix + "version"))
         self.storage: dict[str, int | None] = {}
 
     def record(self, key: str) -> int | None:
@@ -227,15 +233,19 @@ class _Group:
     def dedupe(self, arr: np.ndarray) -> None:
         """Records of at most ``_CONSTANT`` bytes with the same size and CRC in every item
         (format version, byte order, ...): compared byte for byte with the first item's, which
-        gets the only CRC. ``order_ok``: items whose byte order is known to be little."""
+        gets the only CRC. ``order_ok``: items whose byte order is known to be little. Items
+        whose archive version is not such a record, one PyTorch reads, are left to the
+        per-item path."""
         self.order_ok = None
         first = np.flatnonzero(self.ok)
+        versioned = np.zeros_like(self.ok)
         if len(first) == 0:
             return
         r, size, crc = first[0], self.size[first], self.crc[first]
         ks = [k for k in range(len(self.tpl.at)) if size[0, k] <= _CONSTANT
               and (size[:, k] == size[0, k]).all() and (crc[:, k] == crc[0, k]).all()]
         if not ks:
+            self.ok &= versioned
             return
         sizes = self.size[r, ks]
         cols = np.arange(int(sizes.sum())) - np.repeat(np.cumsum(sizes) - sizes, sizes)
@@ -250,7 +260,10 @@ class _Group:
                 self.plain[alike, k] = False
                 if k == self.tpl.order and ref.strip() == b"little":
                     self.order_ok = alike
+                if k == self.tpl.version and version_problem(ref) is None:
+                    versioned = alike
             at += z
+        self.ok &= versioned  # the others: the per-item path reads their version (P4)
 
     def check(self, arr: np.ndarray, mv: memoryview, count: np.ndarray, numel: np.ndarray,
               nan: np.ndarray, inf: np.ndarray, small: int, slab: int) -> None:
