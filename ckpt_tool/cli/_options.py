@@ -78,7 +78,8 @@ def at_iteration(path: Path, iteration: int | None) -> Path:
 
 OverwriteFlag = Annotated[bool, typer.Option("--overwrite", help="Replace DST if it exists.")]
 NoVerifyFlag = Annotated[bool, typer.Option(
-    "--no-verify", help="Skip validating the output before it is moved into place.")]
+    "--no-verify", help="Skip the integrity checks: every byte read against its CRC-32, and "
+    "validating the output before it is moved into place (a note says so).")]
 MaxMemoryOption = Annotated[Optional[str], typer.Option(
     "--max-memory", metavar="SIZE",
     help="Memory budget for tensor data, e.g. 2GiB (default: the largest "

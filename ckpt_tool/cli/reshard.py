@@ -111,7 +111,8 @@ def reshard(
                          vocab_fill=vocab_fill, local_spec=local_spec)
     with progress_bar("reshard", enabled=not (check or dry_run or quiet or no_progress)) as bar:
         result = run_reshard(src, dst, req, check=check, dry_run=dry_run, trust=trust,
-                             overwrite=overwrite, verify=not no_verify, progress=bar,
+                             overwrite=overwrite, verify=not no_verify,
+                             verify_source=not no_verify, progress=bar,
                              workers=workers)
     state.verdict = 0 if result.ok else 1  # kept if stdout's reader goes away
     if json_:

@@ -130,9 +130,12 @@ def _scan_batch(base: Path, b: _Batch, close: Any = _close) -> list[Out]:
             shift = np.zeros(len(units), np.int64)
             shift[[i for i, _ in mine]] = [d for _, d in mine]
             sel = np.flatnonzero(b.inside & np.isin(unit, [i for i, _ in mine]))
-            count = (kid[sel] >= 0) & units[0].items.deep
+            items = units[0].items
+            count = (kid[sel] >= 0) & items.deep
             done, nan, inf = scan_items(region, b.off[sel] + shift[unit[sel]], b.ln[sel], count,
-                                        b.numel[sel], small=_SMALL, slab=_SLAB)
+                                        b.numel[sel], small=_SMALL, slab=_SLAB,
+                                        dtype=items.expected_dtype(kid[sel]),
+                                        dtypes=items.dtypes)
             bulk.checked += int(done.sum())
             bulk.add_bulk(kid[sel][count & done], nan[count & done], inf[count & done])
             for i, _ in mine:

@@ -93,6 +93,7 @@ class UnflattenedOptimizerView(Reader):
 
     def __init__(self, reader: Reader, rules: RuleSet | None = None):
         super().__init__(reader.path, trust=reader.trust)
+        self.verify = reader.verify
         self.inner = reader
         self.format_name = reader.format_name
         meta = reader.metadata()
@@ -124,6 +125,9 @@ class UnflattenedOptimizerView(Reader):
 
     form = "dp_reshardable"
     proven_by = "per_bucket_numel and every stored piece"
+
+    def check_stored(self, chunks: Any) -> None:
+        self.inner.check_stored(chunks)
 
     def _dtype(self) -> str | None:
         return None

@@ -16,6 +16,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from ckpt_tool.errors import IntegrityError
+from ckpt_tool.formats.archive_check import check_range
 from ckpt_tool.formats.torch_zip import raw_item
 from ckpt_tool.formats.zip_directory import NotSimple
 from ckpt_tool.formats.base import Reader
@@ -75,6 +77,9 @@ class RawSource:
                 self._copy_chunk(chunk, meta.dtype, dt, src, out, dst)
             except NotSimple:  # an unusual item: this tensor goes through torch
                 return self._through_torch(key, offsets, sizes, dt)
+            except IntegrityError as exc:
+                exc.message = f"tensor {meta.key}: {exc.message}"
+                raise
             covered += int(np.prod([hi - lo for lo, hi in inter]))
         if covered < out.size:
             from ckpt_tool.errors import CorruptCheckpointError
@@ -115,12 +120,17 @@ class RawSource:
         import numpy as np
 
         start = chunk.byte_offset - chunk.byte_offset % mmap.ALLOCATIONGRANULARITY
-        with open(self.root / str(chunk.file), "rb") as f:
+        path = self.root / str(chunk.file)
+        with open(path, "rb") as f:
             if chunk.byte_offset + chunk.byte_length > os.fstat(f.fileno()).st_size:
                 from ckpt_tool.errors import CorruptCheckpointError
 
                 raise CorruptCheckpointError(f"data file {chunk.file} is truncated",
                                              path=self.root)
+            if self.reader.verify:  # every record's CRC-32 before a byte is copied
+                check_range(f.fileno(), chunk.byte_offset, chunk.byte_length,
+                            f"item at bytes [{chunk.byte_offset}, "
+                            f"{chunk.byte_offset + chunk.byte_length})", path=path)
             mapped = mmap.mmap(f.fileno(), chunk.byte_offset + chunk.byte_length - start,
                                access=mmap.ACCESS_READ, offset=start)
         raw = item = data = None
@@ -128,15 +138,12 @@ class RawSource:
             with memoryview(mapped) as whole:
                 item = whole[chunk.byte_offset - start:]
                 raw = raw_item(item)
-                if raw.dtype != dtype:
-                    raise NotSimple(f"item holds {raw.dtype}, the metadata says {dtype}")
-                if raw.numel != math.prod(chunk.sizes):
-                    from ckpt_tool.errors import CorruptCheckpointError
-
-                    raise CorruptCheckpointError(
-                        f"{chunk.file}: the item at byte {chunk.byte_offset} holds "
-                        f"{list(raw.shape)}, the metadata says {list(chunk.sizes)}",
-                        path=self.root)
+                if raw.dtype != dtype or raw.numel != math.prod(chunk.sizes):
+                    raise IntegrityError(
+                        f"the stored item of chunk at {list(chunk.offsets)} ({chunk.file}) "
+                        f"holds {raw.numel} {raw.dtype} elements, the metadata says "
+                        f"{math.prod(chunk.sizes)} {dtype}",
+                        hint="the metadata contradicts the data: the checkpoint is damaged")
                 size = dt.itemsize
                 data = np.ndarray(raw.shape, dtype=dt, buffer=raw.data,
                                   offset=raw.storage_offset * size,

@@ -33,9 +33,13 @@ class StackedView(Reader):
 
     def __init__(self, reader: Reader):
         super().__init__(reader.path, trust=reader.trust)
+        self.verify = reader.verify
         self.inner = reader
         self._meta: CheckpointMeta | None = None
         self._parts: dict[str, dict[tuple[int, ...], str]] = {}
+
+    def check_stored(self, chunks: Any) -> None:
+        self.inner.check_stored(chunks)
 
     def metadata(self) -> CheckpointMeta:
         if self._meta is not None:

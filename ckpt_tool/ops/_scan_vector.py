@@ -164,16 +164,21 @@ def _match(cd: np.ndarray, count: int) -> list[tuple[_Template, np.ndarray]]:
 
 
 def scan_items(buf: Any, off: np.ndarray, length: np.ndarray, count: np.ndarray,
-               numel: np.ndarray, *, small: int, slab: int
-               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+               numel: np.ndarray, *, small: int, slab: int, dtype: np.ndarray | None = None,
+               dtypes: tuple[str, ...] = ()) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Check the ``torch.save`` items at ``[off, off+length)`` of ``buf`` (a read-only mmap of
     one or many files; items in bounds, in order) and, where ``count``, count NaN/Inf of the
-    tensor (``numel`` elements).
+    tensor (``numel`` elements). ``dtype``: where >= 0, the item is a tensor chunk that must
+    hold ``numel`` elements of ``dtypes[dtype]`` (what the metadata says; its ``data.pkl``
+    is the truth).
 
-    Returns ``(done, nan, inf)``: ``done[i]``, the item is intact (every record's CRC32 right)
-    and, if it was to be counted, its tensor was counted in place; the others are left to the
-    per-item path. Tensors of at most ``small`` bytes are counted in batches, bigger ones in
-    slabs of ``slab`` bytes."""
+    Returns ``(done, nan, inf)``: ``done[i]``, the item is intact (every record's CRC32 right,
+    its tensor what the metadata says) and, if it was to be counted, its tensor was counted in
+    place; the others are left to the per-item path. Tensors of at most ``small`` bytes are
+    counted in batches, bigger ones in slabs of ``slab`` bytes."""
+    if dtype is None:
+        dtype = np.where(count, 0, -1)
+        dtypes = ("",)  # (no dtype to compare: any)
     arr = np.frombuffer(buf, np.uint8)
     mv = memoryview(buf)
     n = len(off)
@@ -192,7 +197,7 @@ def scan_items(buf: Any, off: np.ndarray, length: np.ndarray, count: np.ndarray,
                 g = _Group(tpl, rows[sub], cd[sub], off, length)
                 g.locate(arr)
                 g.dedupe(arr)
-                g.check(arr, mv, count, numel, nan, inf, small, slab)
+                g.check(arr, mv, count, numel, (dtype, dtypes), nan, inf, small, slab)
                 done[g.rows[g.ok]] = True
     finally:
         del arr
@@ -266,30 +271,37 @@ class _Group:
         self.ok &= versioned  # the others: the per-item path reads their version (P4)
 
     def check(self, arr: np.ndarray, mv: memoryview, count: np.ndarray, numel: np.ndarray,
-              nan: np.ndarray, inf: np.ndarray, small: int, slab: int) -> None:
-        """CRC every record; count the tensors of the items to count."""
+              expect: tuple[np.ndarray, tuple[str, ...]], nan: np.ndarray, inf: np.ndarray,
+              small: int, slab: int) -> None:
+        """CRC every record; compare each tensor item with what the metadata says of it
+        (``expect``: dtype ids, names); count the tensors of the items to count."""
         tpl, ok = self.tpl, self.ok
-        want = count[self.rows] & ok
+        tensor = expect[0][self.rows] >= 0
+        want = tensor & ok
         if want.any() and tpl.pkl is None:
             want[:] = False
-            ok[count[self.rows]] = False
-        if want.any() and tpl.order is not None:  # a byte order: little, or item by item
+            ok[tensor] = False
+        counted = want & count[self.rows]
+        if counted.any() and tpl.order is not None:  # a byte order: little, or item by item
             known = self.order_ok if self.order_ok is not None else np.zeros_like(ok)
-            ok[want & ~known] = False
-            want &= known
+            ok[counted & ~known] = False
+            want &= known | ~counted
         if want.any():
-            self._count(arr, mv, want, numel, nan, inf, small, slab)
+            self._count(arr, mv, want, count[self.rows], numel, expect, nan, inf, small, slab)
         i, k = np.nonzero(self.plain & ok[:, None])
         start = self.start[i, k]
         ok[i[crc_records(mv, start.tolist(), (start + self.size[i, k]).tolist(),
                          self.crc[i, k].tolist())]] = False
 
-    def _count(self, arr: np.ndarray, mv: memoryview, want: np.ndarray, numel: np.ndarray,
-               nan: np.ndarray, inf: np.ndarray, small: int, slab: int) -> None:
-        """CRC and count the tensors of the items ``want``: each tensor's data are bytes
-        ``[lo, hi)`` of its storage record (entry ``k``), described by its ``data.pkl``, which
-        is checked here once per distinct content. Items whose tensor cannot be counted in
-        place are left to the per-item path."""
+    def _count(self, arr: np.ndarray, mv: memoryview, want: np.ndarray, count: np.ndarray,
+               numel: np.ndarray, expect: tuple[np.ndarray, tuple[str, ...]], nan: np.ndarray,
+               inf: np.ndarray, small: int, slab: int) -> None:
+        """Describe the tensors of the items ``want`` and, where ``count``, CRC and count them:
+        each tensor's data are bytes ``[lo, hi)`` of its storage record (entry ``k``),
+        described by its ``data.pkl``, which is checked here once per distinct content (and
+        against the metadata: ``numel`` elements of dtype ``expect``). Items whose tensor is
+        not what the metadata says, or cannot be counted in place, are left to the per-item
+        path."""
         tpl, kp = self.tpl, self.tpl.pkl
         w = np.flatnonzero(want)
         ids, infos = describe_all(arr, self.start[w, kp], self.size[w, kp], self.crc[w, kp],
@@ -298,11 +310,18 @@ class _Group:
         table = np.array([(c, *x[:2], x[3], x[4], x[5], dtypes.index(x[2])) if x is not None
                           else (-1, -1, -1, -1, 0, 0, 0) for c, x in infos], dtype=np.int64)
         crc, k, nbytes, n, lo, hi, dt = table[ids].T
+        names = expect[1]
+        as_expected = np.array([names.index(d) if d in names else -2 for d in dtypes]
+                               + [-2], dtype=np.int64)  # (the last: no dtype)
+        same = (as_expected[np.where(k >= 0, dt, -1)] == expect[0][self.rows[w]]) \
+            | (names == ("",))
         good = (k >= 0) & (crc == self.crc[w, kp]) & (self.size[w, k] == nbytes) \
-            & (numel[self.rows[w]] == n)
+            & (numel[self.rows[w]] == n) & same
         self.ok[w[~good]] = False
         w, k, nbytes, lo, hi, dt = w[good], k[good], nbytes[good], lo[good], hi[good], dt[good]
         self.plain[w, kp] = False
+        keep = count[w]  # the others are only checked: their records CRC'd with the rest
+        w, k, nbytes, lo, hi, dt = w[keep], k[keep], nbytes[keep], lo[keep], hi[keep], dt[keep]
         start, crc, rows = self.start[w, k], self.crc[w, k], self.rows[w]
         for d, dtype in enumerate(dtypes):
             if dtype not in _BITS:

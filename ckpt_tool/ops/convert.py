@@ -1,9 +1,11 @@
 """``convert``: rewrite a checkpoint in another format, streaming, into an atomic output.
 
 Call order: open the source -> ``plan_convert`` (pure: target keys, dtypes, chunk grid) ->
-``staged_output`` (a staging directory beside the target) -> the target format's ``Writer``
-pulls chunk after chunk from a ``ReaderSource`` -> ``validate`` of what was written (unless
-``verify=False``) -> fsync and rename into place. The source is only read.
+``check_source`` (the source's metadata is sound) -> ``staged_output`` (a staging directory
+beside the target) -> the target format's ``Writer`` pulls chunk after chunk from a
+``ReaderSource`` (every item's CRC-32s checked before its bytes are used, unless
+``verify_source=False``) -> ``validate`` of what was written (unless ``verify=False``) ->
+fsync and rename into place. The source is only read.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from ckpt_tool.model import is_optimizer_key
 from ckpt_tool.ops._convert_plan import ConvertOptions, ConvertPlan, plan_convert
 from ckpt_tool.ops._raw_source import RawSource, raw_source_applies
 from ckpt_tool.ops._source import ReaderSource
+from ckpt_tool.ops._source_checks import UNVERIFIED_NOTE, check_source
 from ckpt_tool.ops._staging import (check_output_target, output_estimate, staged_output_ranks,
                                     verify_output)
 from ckpt_tool.parallel import JobProgress
@@ -60,20 +63,26 @@ class ConvertResult:
     verified: bool
     largest_piece: int
     notes: list[str] = field(default_factory=list)
+    source_verified: bool = True
 
     def to_dict(self) -> dict[str, Any]:
         return {"source": self.source, "source_format": self.source_format,
                 "target": self.target, "format": self.format, "tensors": self.tensors,
                 "objects": self.objects, "nbytes": self.nbytes,
                 "seconds": round(self.seconds, 3), "verified": self.verified,
+                "source_verified": self.source_verified,
                 "largest_piece": self.largest_piece, "notes": self.notes}
 
 
 def convert(src: str | Path, dst: str | Path, options: ConvertOptions, *, trust: bool = False,
             overwrite: bool = False, verify: bool = True, tp: int | None = None,
             pp: int | None = None, max_shard_size: int | None = None,
-            progress: Progress | None = None, workers: int = 1) -> ConvertResult:
-    """Convert checkpoint ``src`` into ``dst`` in format ``options.to``; see the module doc."""
+            progress: Progress | None = None, workers: int = 1,
+            verify_source: bool = True) -> ConvertResult:
+    """Convert checkpoint ``src`` into ``dst`` in format ``options.to``; see the module doc.
+    ``verify``: validate the output before it is moved into place; ``verify_source``: check
+    every byte read against the CRC-32 its record carries (IntegrityError, exit 1, on a
+    mismatch: nothing is written)."""
     start = time.perf_counter()
     if options.to == "hf" or options.to in ("torch_dist", "legacy"):
         from ckpt_tool.formats.base import detect
@@ -82,13 +91,14 @@ def convert(src: str | Path, dst: str | Path, options: ConvertOptions, *, trust:
         if is_hf_conversion(detect(src).name, options.to):
             return ConvertResult(**convert_hf(
                 src, dst, options, trust=trust, overwrite=overwrite, verify=verify, tp=tp,
-                pp=pp, max_shard_size=max_shard_size, progress=progress))
+                pp=pp, max_shard_size=max_shard_size, progress=progress,
+                verify_source=verify_source))
     if (tp is not None or pp is not None) and options.to != "legacy":
         raise UsageError("--tp/--pp only apply with --to legacy",
                          hint="use 'ckpt reshard' to change the parallel layout")
     r = current_ranks()
     out = check_output_target(dst, sources=(src,), overwrite=overwrite)
-    reader = open_checkpoint(src, trust=trust)
+    reader = open_checkpoint(src, trust=trust, verify=verify_source)
     with reader:
         meta = reader.metadata()
         file_name = _single_file_name(out, options.to)
@@ -97,6 +107,7 @@ def convert(src: str | Path, dst: str | Path, options: ConvertOptions, *, trust:
         if one_file_model:  # one .safetensors file is the model: its optimizer has no place
             options = dataclasses.replace(options, model_only=True)
         plan = plan_convert(meta, options, reader.objects_in_common())
+        check_source(meta, plan.key_map.values())
         if one_file_model:
             plan.notes.append(f"{out.name} holds the model's weights only: optimizer state "
                               "left out (give a directory as DST to keep it in "
@@ -111,7 +122,7 @@ def convert(src: str | Path, dst: str | Path, options: ConvertOptions, *, trust:
                                                                  plan.dtypes)
         source: Any = (RawSource(reader, plan.key_map, sizes) if raw else
                        ReaderSource(reader, plan.key_map, plan.dtypes, sizes=sizes))
-        notes = list(plan.notes)
+        notes = list(plan.notes) + ([] if verify_source else [UNVERIFIED_NOTE])
         if progress is not None:
             progress.start(plan.target.total_bytes, len(plan.target.tensors))
         job_progress = JobProgress(progress, r)
@@ -155,7 +166,7 @@ def convert(src: str | Path, dst: str | Path, options: ConvertOptions, *, trust:
         source=str(meta.root), source_format=meta.format, target=str(out), format=options.to,
         tensors=len(plan.target.tensors), objects=len(plan.target.objects), nbytes=total,
         seconds=time.perf_counter() - start, verified=verify,
-        largest_piece=source.largest_piece, notes=notes)
+        largest_piece=source.largest_piece, notes=notes, source_verified=verify_source)
 
 
 def _single_file_name(out: Path, to: str) -> str | None:

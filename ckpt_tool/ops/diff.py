@@ -294,7 +294,7 @@ def diff(a: str | Path, b: str | Path, *, rename: Iterable[tuple[str, str]] = ()
                 if progress is not None:
                     progress.update(nbytes, done[1])
 
-            proven = fast_equal(todo, ma, mb, tick)
+            proven = fast_equal(todo, ma, mb, tick, ra.check_stored, rb.check_stored)
             for n, t, u in todo:
                 eq = proven.get(n, set())
                 if sum(math.prod(b - a for a, b in box) for box in eq) != t.numel:

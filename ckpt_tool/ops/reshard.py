@@ -23,6 +23,7 @@ from ckpt_tool.formats.mcore_dist.torch_dist_writer import writes_raw
 from ckpt_tool.formats.torch_save_object import torch_free_pickle
 from ckpt_tool.ops._optim_unflatten import unflatten_bucketed_optimizer
 from ckpt_tool.ops._reshard_io import reshard_source, stacked_view_if_legacy
+from ckpt_tool.ops._source_checks import UNVERIFIED_NOTE, check_source
 from ckpt_tool.ops._staging import (check_output_target, output_estimate, staged_output_ranks,
                                     verify_output)
 from ckpt_tool.parallel import JobProgress
@@ -83,8 +84,10 @@ class ReshardResult:
 def reshard(src: str | Path, dst: str | Path | None, req: ReshardRequest, *,
             check: bool = False, dry_run: bool = False, trust: bool = False,
             overwrite: bool = False, verify: bool = True, progress: Any = None,
-            workers: int = 1) -> ReshardResult:
-    """Plan (always) and, unless ``check``/``dry_run``, write the resharded checkpoint."""
+            workers: int = 1, verify_source: bool = True) -> ReshardResult:
+    """Plan (always) and, unless ``check``/``dry_run``, write the resharded checkpoint.
+    ``verify``: validate the output before it is moved into place; ``verify_source``: check
+    every byte read against the CRC-32 its record carries (IntegrityError, exit 1)."""
     from ckpt_tool.planning.layout import load_rules
     from ckpt_tool.planning.reshard import ReshardOptions, plan_reshard
 
@@ -95,7 +98,8 @@ def reshard(src: str | Path, dst: str | Path | None, req: ReshardRequest, *,
         if dst is None:
             raise UsageError("reshard needs an output path", hint="ckpt reshard SRC DST --tp N")
         out = check_output_target(dst, sources=(src,), overwrite=overwrite)
-    base = open_checkpoint(src, trust=trust)
+    base = open_checkpoint(src, trust=trust, verify=verify_source)
+    check_source(base.metadata())
     src_format = base.metadata().format
     to = req.to or ("legacy" if src_format == "legacy" else "torch_dist")
     if to not in ("torch_dist", "legacy"):
@@ -116,7 +120,8 @@ def reshard(src: str | Path, dst: str | Path | None, req: ReshardRequest, *,
                                target=None if out is None else str(out), format=to,
                                plan=plan.to_dict(ranks=dry_run))
         result.plan["target"]["origins"] = target_origins
-        result.notes = [f"dropped {k}" for k in plan.dropped]
+        result.notes = [f"dropped {k}" for k in plan.dropped] + (
+            [] if verify_source else [UNVERIFIED_NOTE])
         local_spec, why = _norm_names(req, common)
         if to == "legacy":
             result.plan["target"]["norm_names"] = (

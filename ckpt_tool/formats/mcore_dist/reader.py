@@ -164,7 +164,7 @@ class McoreDistReader(Reader):
         if f.is_file():
             from ckpt_tool.formats.safe_pickle import load_torch_file
 
-            state = load_torch_file(f, trust=self.trust)
+            state = load_torch_file(f, trust=self.trust, verify=self.verify)
             return state if isinstance(state, dict) else {"value": state}
         objs = [o for o in self.metadata().objects if o.key == COMMON_STATE_OBJECT]
         return self.read_object(objs[0].unique_key) if objs else {}
@@ -199,7 +199,8 @@ class TorchDistReader(McoreDistReader):
         from ckpt_tool.formats.common_state import load_torch_save_light
         from ckpt_tool.formats.dcp_items import read_item_bytes
 
-        data = read_item_bytes(self.root, obj.file, obj.byte_offset, obj.byte_length)
+        data = read_item_bytes(self.root, obj.file, obj.byte_offset, obj.byte_length,
+                               verify=False)  # (metadata and validate: checked apart)
         payload = load_torch_save_light(data, trust=self.trust, where=self.root / str(obj.file))
         return payload[0] if isinstance(payload, list) and len(payload) == 1 else payload
 
@@ -215,7 +216,8 @@ class TorchDistReader(McoreDistReader):
         from ckpt_tool.formats.dcp_items import read_item_bytes
 
         o = self._object_meta(unique_key)
-        data = read_item_bytes(self.root, o.file, o.byte_offset, o.byte_length)
+        data = read_item_bytes(self.root, o.file, o.byte_offset, o.byte_length,
+                               verify=self.verify)
         payload = _light_or_none(data, self.trust, self.root / str(o.file))
         return data if isinstance(payload, list) and len(payload) == 1 else None
 
@@ -225,6 +227,10 @@ class TorchDistReader(McoreDistReader):
         f = self.root / COMMON_FILE
         if not f.is_file():
             return None
+        if self.verify:  # it is copied as it is: its CRCs first
+            from ckpt_tool.formats.archive_check import check_file
+
+            check_file(f, COMMON_FILE)
         return f if isinstance(_light_or_none(f, self.trust, f), dict) else None
 
     def common_torch_free(self) -> dict[str, Any] | None:
@@ -234,6 +240,10 @@ class TorchDistReader(McoreDistReader):
         from ckpt_tool.formats.torch_save_object import load_exact
 
         f = self.root / COMMON_FILE
+        if f.is_file() and self.verify:
+            from ckpt_tool.formats.archive_check import check_file
+
+            check_file(f, COMMON_FILE)
         state = load_exact(f, trust=self.trust) if f.is_file() else None
         return state if isinstance(state, dict) else None
 
@@ -245,19 +255,29 @@ class TorchDistReader(McoreDistReader):
         from ckpt_tool.formats.torch_save_object import load_exact, object_item
 
         o = self._object_meta(unique_key)
-        data = read_item_bytes(self.root, o.file, o.byte_offset, o.byte_length)
+        data = read_item_bytes(self.root, o.file, o.byte_offset, o.byte_length,
+                               verify=self.verify)
         payload = load_exact(data, trust=self.trust)
         if payload is None:
             return None
         return object_item(payload[0] if isinstance(payload, list) and len(payload) == 1
                            else payload)
 
+    def check_stored(self, chunks: Any) -> None:
+        """The CRC-32s of the items storing ``chunks`` (see :meth:`Reader.check_stored`)."""
+        from ckpt_tool.formats.archive_check import check_many
+        from ckpt_tool.formats.dcp_items import item_ranges
+
+        if self.verify:
+            check_many(item_ranges(self.root, chunks))
+
     def read(self, key: str, slices: tuple[slice, ...] | None = None) -> Any:
         """The global tensor ``key`` (or ``slices`` of it), assembled from its stored chunks."""
         from ckpt_tool.formats.dcp_items import assemble, load_chunk_view
 
         return assemble(self._tensor_meta(key), slices,
-                        lambda c: load_chunk_view(self.root, c, trust=self.trust))
+                        lambda c: load_chunk_view(self.root, c, trust=self.trust,
+                                                  verify=self.verify))
 
     def read_object(self, unique_key: str) -> Any:
         """The payload of a ShardedObject (``rng_state/shard_0.0_1.2``)."""
@@ -267,8 +287,9 @@ class TorchDistReader(McoreDistReader):
         from ckpt_tool.formats.safe_pickle import load_torch_file
 
         o = self._object_meta(unique_key)
-        data = read_item_bytes(self.root, o.file, o.byte_offset, o.byte_length)
-        payload = load_torch_file(io.BytesIO(data), trust=self.trust)
+        data = read_item_bytes(self.root, o.file, o.byte_offset, o.byte_length,
+                               verify=self.verify)
+        payload = load_torch_file(io.BytesIO(data), trust=self.trust, verify=False)
         # MCore stores torch.save([obj.data]) for a ShardedObject's bytes item.
         return payload[0] if isinstance(payload, list) and len(payload) == 1 else payload
 
@@ -311,7 +332,7 @@ class ZarrReader(McoreDistReader):
         from ckpt_tool.formats.safe_pickle import load_torch_file
 
         o = self._object_meta(unique_key)
-        return load_torch_file(self.root / str(o.file), trust=self.trust)
+        return load_torch_file(self.root / str(o.file), trust=self.trust, verify=self.verify)
 
 
 def _light_or_none(source: Any, trust: bool, where: Path) -> Any:
