@@ -10,6 +10,8 @@ unless it exists, then times, each in a fresh process (imports included, page ca
 * Megatron-Core ``load_plain_tensors`` followed by ``torch.save`` of the result
 * PyTorch DCP ``dcp_to_torch_save``
 * ``python -c "import torch"``: subtracted from peak RSS to get the memory the job itself held
+* convert with and without the CRC-32 check of the source (``verify_source``), alternating in
+  one process: the check's cost (goal: at most +10%)
 
 and checks the issue's bar: convert >= 3x faster than both peers; peak RSS minus the RSS of
 ``import torch`` at most 2x the largest tensor.
@@ -112,6 +114,40 @@ def _in_process(ckpt: Path, work: Path, repeat: int) -> None:
           f"{repeat}): ckpt convert (incl. validation) {ours:.3f} s, "
           f"dcp_to_torch_save {dcp:.3f} s ({dcp / ours:.2f}x), "
           f"megatron-core load_plain_tensors+torch.save {mcore:.3f} s ({mcore / ours:.2f}x)")
+    _crc_cost(ckpt, work, repeat)
+
+
+def _crc_cost(ckpt: Path, work: Path, repeat: int) -> None:
+    """What checking the source's CRC-32s while reading costs a convert: the same convert
+    with and without it (``verify_source``), alternating in one process (so that the page
+    cache and the machine's load treat both alike), best of ``repeat`` each; the output is
+    validated in both."""
+    out = work / "crc_cost"
+    code = (
+        "import json, shutil, time\nfrom ckpt_tool.ops.convert import convert\n"
+        "from ckpt_tool.ops._convert_plan import ConvertOptions\n"
+        "import ckpt_tool.formats.archive_check as ac\n"
+        "best = {}\n"
+        f"for to in ('safetensors', 'torch_dist'):\n"
+        f"    for i in range({repeat} * 2 + 1):\n"
+        "        check = i % 2 == 1\n"
+        "        ac._checked.clear()  # each run checks every item afresh\n"
+        f"        shutil.rmtree({str(out)!r}, ignore_errors=True)\n"
+        "        t = time.perf_counter()\n"
+        f"        convert({str(ckpt)!r}, {str(out)!r}, ConvertOptions(to=to), "
+        "verify_source=check)\n"
+        "        dt = time.perf_counter() - t\n"
+        "        if i:  # the first run warms the page cache\n"
+        "            best[to, check] = min(best.get((to, check), 1e9), dt)\n"
+        "print(json.dumps([[to, check, s] for (to, check), s in best.items()]))\n")
+    res = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                         text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    best = {(to, check): s for to, check, s in json.loads(res.stdout.strip().splitlines()[-1])}
+    shutil.rmtree(out, ignore_errors=True)
+    for to in ("safetensors", "torch_dist"):
+        on, off = best[to, True], best[to, False]
+        print(f"CRC-32 check of the source, convert --to {to}: {on:.3f} s with, {off:.3f} s "
+              f"without: x{on / off:.3f} ({(on / off - 1) * 100:+.1f}%, goal <= +10%)")
 
 
 if __name__ == "__main__":

@@ -82,6 +82,11 @@ class Reader(abc.ABC):
         bytes on its own (``diff`` compares them in place); IntegrityError on a mismatch.
         Nothing to do for formats without such records, or when :attr:`verify` is off."""
 
+    def check_common(self) -> None:
+        """Check the stored bytes the common state comes from (as :meth:`check_stored`), for a
+        caller that takes it from the metadata's summary instead of :meth:`common` (which
+        checks them itself)."""
+
     def objects_in_common(self) -> frozenset[str]:
         """The stored objects (unique keys) that are pieces of :meth:`common` rather than
         objects of their own (a format that keeps its common state as stored items, e.g. DCP's

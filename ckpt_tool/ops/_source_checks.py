@@ -10,11 +10,13 @@ ground truth for its dtype and size, ``dcp_items.assemble``, ``_raw_source``).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Iterable
 
 from ckpt_tool.errors import IntegrityError
 from ckpt_tool.model import CheckpointMeta
 from ckpt_tool.ops._checks import check_coverage
+from ckpt_tool.ops._validate_meta import check_meta_against_files
 
 __all__ = ["check_source", "UNVERIFIED_NOTE"]
 
@@ -25,12 +27,16 @@ UNVERIFIED_NOTE = ("--no-verify: the source's bytes were not checked against the
 
 
 def check_source(meta: CheckpointMeta, keys: Iterable[str] | None = None) -> None:
-    """IntegrityError (exit 1) naming the first problem of the source's metadata: no tensors
-    at all, or a tensor of ``keys`` (default: all) that its chunks do not cover exactly once
-    or whose dtype is unknown."""
-    if not meta.tensors:
-        raise IntegrityError(f"the {meta.format} checkpoint holds no tensors", path=meta.root,
-                             hint=_HINT)
+    """IntegrityError (exit 1) naming the first problem of the source's metadata: what the
+    files contradict (no tensors at all, another backend's files, a relabelled zarr dtype:
+    ``_validate_meta``), or a tensor of ``keys`` (default: all) that its chunks do not cover
+    exactly once or whose dtype is unknown."""
+    root = Path(meta.root)
+    problems = check_meta_against_files(root if root.is_dir() else root.parent, meta)
+    if problems:
+        first = problems[0]
+        where = f"{first.key}: " if first.key else ""
+        raise IntegrityError(f"{where}{first.message}", path=meta.root, hint=_HINT)
     for key in sorted(meta.tensors if keys is None else set(keys)):
         t = meta.tensors.get(key)
         if t is None:

@@ -24,6 +24,7 @@ from ckpt_tool.ops._convert_plan import ConvertOptions, ConvertPlan, plan_conver
 from ckpt_tool.ops._raw_source import RawSource, raw_source_applies
 from ckpt_tool.ops._source import ReaderSource
 from ckpt_tool.ops._source_checks import UNVERIFIED_NOTE, check_source
+from ckpt_tool.ops.manifest import check_source_manifest
 from ckpt_tool.ops._staging import (check_output_target, output_estimate, staged_output_ranks,
                                     verify_output)
 from ckpt_tool.parallel import JobProgress
@@ -108,6 +109,8 @@ def convert(src: str | Path, dst: str | Path, options: ConvertOptions, *, trust:
             options = dataclasses.replace(options, model_only=True)
         plan = plan_convert(meta, options, reader.objects_in_common())
         check_source(meta, plan.key_map.values())
+        if verify_source:
+            check_source_manifest(Path(src), Path(meta.root), r)
         if one_file_model:
             plan.notes.append(f"{out.name} holds the model's weights only: optimizer state "
                               "left out (give a directory as DST to keep it in "
@@ -136,6 +139,8 @@ def convert(src: str | Path, dst: str | Path, options: ConvertOptions, *, trust:
                        else {})
         # safetensors keeps only scalars of the common state: the summary has them (and
         # loading the full common state would import torch for nothing)
+        if options.to == "safetensors":  # (from the metadata's summary: checked here)
+            reader.check_common()
         common = (_scalar_summary(meta.common) if options.to == "safetensors"
                   else {} if passthrough else _full_common(reader, plan))
         request = WriteRequest(

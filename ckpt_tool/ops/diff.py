@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Protocol
 
 from ckpt_tool.errors import UsageError
+from ckpt_tool.ops.manifest import check_source_manifest
 from ckpt_tool.parallel import ranks as current_ranks
 from ckpt_tool.parallel import split_by_bytes
 from ckpt_tool.ops._diff_values import CommonDiff, TensorDiff, js
@@ -279,6 +280,8 @@ def diff(a: str | Path, b: str | Path, *, rename: Iterable[tuple[str, str]] = ()
             notes.append("--keys-only: values not compared")
         else:
             ranks = current_ranks()
+            for given, m in ((a, ma), (b, mb)):  # what each side's manifest says, first
+                check_source_manifest(Path(given), Path(m.root), ranks)
             todo = same_shape
             if ranks.world > 1:  # under torchrun: each rank compares its share (by bytes)
                 share = set(split_by_bytes([(n, t.nbytes + u.nbytes) for n, t, u in same_shape],

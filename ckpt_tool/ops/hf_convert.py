@@ -27,6 +27,7 @@ from ckpt_tool.formats.writer import WriteRequest, WriterOptions, writer_for
 from ckpt_tool.model import CheckpointMeta, ChunkRef, TensorMeta
 from ckpt_tool.ops._hf_source import HfSource
 from ckpt_tool.ops._source_checks import UNVERIFIED_NOTE, check_source
+from ckpt_tool.ops.manifest import check_source_manifest
 from ckpt_tool.ops._staging import check_output_target, staged_output_ranks, verify_output
 from ckpt_tool.parallel import JobProgress
 from ckpt_tool.parallel import ranks as current_ranks
@@ -148,6 +149,8 @@ def convert_hf(src: str | Path, dst: str | Path, options: Any, *, trust: bool = 
     with open_checkpoint(src, trust=trust, verify=verify_source) as reader:
         meta = reader.metadata()
         check_source(meta)
+        if verify_source:
+            check_source_manifest(Path(src), Path(meta.root), r)
         if options.to == "hf":
             if tp is not None or pp is not None:
                 raise UsageError("--tp/--pp do not apply with --to hf",

@@ -24,6 +24,7 @@ from ckpt_tool.formats.torch_save_object import torch_free_pickle
 from ckpt_tool.ops._optim_unflatten import unflatten_bucketed_optimizer
 from ckpt_tool.ops._reshard_io import reshard_source, stacked_view_if_legacy
 from ckpt_tool.ops._source_checks import UNVERIFIED_NOTE, check_source
+from ckpt_tool.ops.manifest import check_source_manifest
 from ckpt_tool.ops._staging import (check_output_target, output_estimate, staged_output_ranks,
                                     verify_output)
 from ckpt_tool.parallel import JobProgress
@@ -100,6 +101,8 @@ def reshard(src: str | Path, dst: str | Path | None, req: ReshardRequest, *,
         out = check_output_target(dst, sources=(src,), overwrite=overwrite)
     base = open_checkpoint(src, trust=trust, verify=verify_source)
     check_source(base.metadata())
+    if verify_source:
+        check_source_manifest(Path(src), Path(base.metadata().root), r)
     src_format = base.metadata().format
     to = req.to or ("legacy" if src_format == "legacy" else "torch_dist")
     if to not in ("torch_dist", "legacy"):

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from ckpt_tool.manifest import write_manifest
 from ckpt_tool.ops._convert_plan import ConvertOptions
 from ckpt_tool.ops.convert import convert
 from ckpt_tool.ops.diff import diff
@@ -69,6 +70,7 @@ def test_diff_splits_tensors_and_agrees_on_the_verdict(tmp_path):
     data[key] = data[key].clone()
     data[key].view(-1)[0] += 1
     save_file(data, f, metadata={"format": "pt"})
+    write_manifest(out)  # an intended change: its manifest rewritten (else diff refuses it)
     proc = _torchrun("diff", str(OPTIM), str(out), "--json")
     assert proc.returncode == 1, proc.stderr[-3000:]  # every rank exits 1, not only one
     doc = json.loads(proc.stdout)

@@ -7,6 +7,7 @@ import shutil
 import struct
 import sys
 import zipfile
+import zlib
 from pathlib import Path
 
 import pytest
@@ -33,8 +34,9 @@ ALL = ["mcore016_gpt_tp2pp2_fp32", "mcore016_gpt_tp2pp2_bf16_optim", "dcp_plain"
 
 
 def poke(root: Path, key: str, offsets: tuple, index: tuple, value: float) -> float:
-    """Overwrite one fp32 element of a DCP item in place (torch.load does not check CRCs);
-    ``index`` is inside the chunk at ``offsets``. Returns the old value."""
+    """Overwrite one fp32 element of a DCP item in place, and the record's CRC-32 with it (an
+    intact item holding other values: damage is refused, not compared); ``index`` is inside
+    the chunk at ``offsets``. Returns the old value."""
     with open_checkpoint(root) as r:
         chunk = next(c for c in r.metadata().tensors[key].chunks if c.offsets == offsets)
     path = root / chunk.file
@@ -47,8 +49,26 @@ def poke(root: Path, key: str, offsets: tuple, index: tuple, value: float) -> fl
     at = chunk.byte_offset + info.header_offset + 30 + n + m + 4 * flat
     (old,) = struct.unpack("<f", data[at:at + 4])
     data[at:at + 4] = struct.pack("<f", value)
+    start = chunk.byte_offset + info.header_offset + 30 + n + m
+    crc = struct.pack("<L", zlib.crc32(bytes(data[start:start + info.file_size])))
+    local = chunk.byte_offset + info.header_offset
+    data[local + 14:local + 18] = crc
+    for pos in _central_entries(item):
+        if struct.unpack_from("<L", item, pos + 42)[0] == info.header_offset:
+            data[chunk.byte_offset + pos + 16:chunk.byte_offset + pos + 20] = crc
     path.write_bytes(bytes(data))
     return old
+
+
+def _central_entries(item: bytes) -> list[int]:
+    """Where each central directory entry of the archive ``item`` starts."""
+    zf = zipfile.ZipFile(io.BytesIO(item))
+    pos, out = zf.start_dir, []
+    for _ in zf.infolist():
+        out.append(pos)
+        n, m, k = struct.unpack_from("<HHH", item, pos + 28)
+        pos += 46 + n + m + k
+    return out
 
 
 @pytest.fixture

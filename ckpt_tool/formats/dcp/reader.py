@@ -327,6 +327,16 @@ class DcpReader(Reader):
         data = read_item_bytes(self.root, o.file, o.byte_offset, o.byte_length, verify=False)
         return load_torch_save_light(data, trust=self.trust, where=self.root / str(o.file))
 
+    def check_common(self) -> None:
+        """The CRC-32s of the bytes items the common state is made of."""
+        from ckpt_tool.formats.archive_check import check_many
+
+        common = self.objects_in_common()
+        if self.verify:
+            check_many((self.root / str(o.file), o.byte_offset, o.byte_length)
+                       for o in self.metadata().objects if o.unique_key in common
+                       and o.file and o.byte_offset is not None and o.byte_length)
+
     def objects_in_common(self) -> frozenset[str]:
         """The bytes items that are the common state: all but Megatron-Core ShardedObjects
         (``key/shard_<offset>_<shape>``), which stay objects."""

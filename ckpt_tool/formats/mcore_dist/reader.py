@@ -158,6 +158,19 @@ class McoreDistReader(Reader):
             version=str(self.config.get("sharded_backend_version")))
         return self._meta
 
+    def check_common(self) -> None:
+        """The CRC-32s of ``common.pt`` (or of the ``common_state`` object's item)."""
+        from ckpt_tool.formats.archive_check import check_file, check_many
+
+        if not self.verify:
+            return
+        if (self.root / COMMON_FILE).is_file():
+            check_file(self.root / COMMON_FILE, COMMON_FILE)
+            return
+        check_many((self.root / str(o.file), o.byte_offset, o.byte_length)
+                   for o in self.metadata().objects if o.key == COMMON_STATE_OBJECT
+                   and o.file and o.byte_offset is not None and o.byte_length)
+
     def common(self) -> dict[str, Any]:
         """The full common state, loaded with torch through the safe unpickler."""
         f = self.root / COMMON_FILE
