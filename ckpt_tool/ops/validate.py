@@ -38,7 +38,8 @@ from ckpt_tool.errors import CorruptCheckpointError, InputError, UnsafePickleErr
 from ckpt_tool.model import CheckpointMeta
 from ckpt_tool.ops._checks import (Finding, check_coverage, check_expectations, check_storage,
                                    error, warning)
-from ckpt_tool.ops._integrity import BoundedReader, check_zip_item, scan_archives
+from ckpt_tool.ops._integrity import (BoundedReader, check_loose_archives, check_zip_item,
+                                      scan_archives)
 from ckpt_tool.ops.manifest import manifest_findings
 from ckpt_tool.ops._validate_deep import deep_read
 from ckpt_tool.ops._validate_meta import check_meta_against_files
@@ -186,6 +187,7 @@ def validate(path: str | Path, *, trust: bool = False, deep: bool = False,
             crc_findings, counted = scan_archives(base, meta, sizes, stats, skip, deep=deep,
                                                   ranks=ranks, progress=progress)
             findings.extend(crc_findings)
+        findings.extend(check_loose_archives(base, meta))
         if meta.format in _DCP_FORMATS:
             findings.extend(_stale_data_files(base, meta))
         findings.extend(manifest_findings(p, Path(meta.root), deep=deep, stats=stats))

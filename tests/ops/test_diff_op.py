@@ -7,7 +7,6 @@ import shutil
 import struct
 import sys
 import zipfile
-import zlib
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,7 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "formats"))
 from _builders import split_grid, write_mcore_dist  # noqa: E402
+from _items import refresh_crcs  # noqa: E402
 
 import ckpt_tool.ops._diff_values as diff_values  # noqa: E402
 import ckpt_tool.ops._diff_windows as diff_windows  # noqa: E402
@@ -49,26 +49,9 @@ def poke(root: Path, key: str, offsets: tuple, index: tuple, value: float) -> fl
     at = chunk.byte_offset + info.header_offset + 30 + n + m + 4 * flat
     (old,) = struct.unpack("<f", data[at:at + 4])
     data[at:at + 4] = struct.pack("<f", value)
-    start = chunk.byte_offset + info.header_offset + 30 + n + m
-    crc = struct.pack("<L", zlib.crc32(bytes(data[start:start + info.file_size])))
-    local = chunk.byte_offset + info.header_offset
-    data[local + 14:local + 18] = crc
-    for pos in _central_entries(item):
-        if struct.unpack_from("<L", item, pos + 42)[0] == info.header_offset:
-            data[chunk.byte_offset + pos + 16:chunk.byte_offset + pos + 20] = crc
     path.write_bytes(bytes(data))
+    refresh_crcs(path, chunk.byte_offset, chunk.byte_length)
     return old
-
-
-def _central_entries(item: bytes) -> list[int]:
-    """Where each central directory entry of the archive ``item`` starts."""
-    zf = zipfile.ZipFile(io.BytesIO(item))
-    pos, out = zf.start_dir, []
-    for _ in zf.infolist():
-        out.append(pos)
-        n, m, k = struct.unpack_from("<HHH", item, pos + 28)
-        pos += 46 + n + m + k
-    return out
 
 
 @pytest.fixture
