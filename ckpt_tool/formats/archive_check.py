@@ -47,7 +47,8 @@ _SMALL_RECORD = 1 << 20  # torch_reader_problem extracts records up to this size
 _KEEP = 1 << 16  # verdicts remembered
 _THREADS = 4
 _lock = threading.Lock()
-_checked: OrderedDict[tuple, None] = OrderedDict()
+_checked: OrderedDict[tuple, None] = OrderedDict()  # items known good, by identity
+_busy: dict[tuple, threading.Event] = {}  # items being checked by some thread
 
 
 def _crc_of(buf: Any, start: int, size: int, release: Any = None) -> int:
@@ -107,30 +108,45 @@ def _identity(fd: int, offset: int, length: int) -> tuple:
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, offset, length
 
 
-def _known(key: tuple) -> bool:
-    with _lock:
-        if key in _checked:
-            _checked.move_to_end(key)
-            return True
-    return False
+def _claim(key: tuple) -> bool:
+    """True when the caller is to check the item ``key`` (and then :func:`_settle` it);
+    False when it is known good (after waiting for another thread checking it)."""
+    while True:
+        with _lock:
+            if key in _checked:
+                _checked.move_to_end(key)
+                return False
+            busy = _busy.get(key)
+            if busy is None:
+                _busy[key] = threading.Event()
+                return True
+        busy.wait()  # the other verdict: known good now, or the check is ours to repeat
 
 
-def _remember(key: tuple) -> None:
+def _settle(key: tuple, good: bool) -> None:
     with _lock:
-        _checked[key] = None
-        while len(_checked) > _KEEP:
-            _checked.popitem(last=False)
+        if good:
+            _checked[key] = None
+            while len(_checked) > _KEEP:
+                _checked.popitem(last=False)
+        _busy.pop(key).set()
 
 
 def check_item(fd: int, offset: int, length: int, buf: Any, what: str, *,
-               path: str | Path | None = None) -> None:
+               path: str | Path | None = None) -> list[ZipRecord] | None:
     """:func:`check_archive` of the item ``buf`` (bytes ``[offset, offset + length)`` of the
-    open file ``fd``), unless that item of that file was checked already."""
+    open file ``fd``), unless that item of that file was checked already; its records when
+    they were parsed here (for the caller's reader: not parsed twice), else None."""
     key = _identity(fd, offset, length)
-    if _known(key):
-        return
-    check_archive(buf, what, path=path)
-    _remember(key)
+    if not _claim(key):
+        return None
+    good = False
+    try:
+        records = check_archive(buf, what, path=path)
+        good = True
+    finally:
+        _settle(key, good)
+    return records
 
 
 def check_range(fd: int, offset: int, length: int, what: str, *,
@@ -138,26 +154,30 @@ def check_range(fd: int, offset: int, length: int, what: str, *,
     """:func:`check_item` of bytes ``[offset, offset + length)`` of the open file ``fd``,
     read over a mapping whose pages are released slab by slab as their CRC is known (memory
     stays small whatever the size)."""
-    key = _identity(fd, offset, length)
-    if _known(key):
-        return
     if length <= 0:
         raise IntegrityError(f"{what}: no bytes, not a torch.save archive", path=path,
                              hint=HINT)
-    start = offset - offset % mmap.ALLOCATIONGRANULARITY
-    with mmap.mmap(fd, offset + length - start, access=mmap.ACCESS_READ,
-                   offset=start) as mapped:
-        def release(lo: int, hi: int) -> None:  # bytes [lo, hi) of the item
-            lo += offset - start
-            lo -= lo % mmap.PAGESIZE
-            try:
-                mapped.madvise(mmap.MADV_DONTNEED, lo, hi + offset - start - lo)
-            except (AttributeError, OSError, ValueError):
-                pass
+    key = _identity(fd, offset, length)
+    if not _claim(key):
+        return
+    good = False
+    try:
+        start = offset - offset % mmap.ALLOCATIONGRANULARITY
+        with mmap.mmap(fd, offset + length - start, access=mmap.ACCESS_READ,
+                       offset=start) as mapped:
+            def release(lo: int, hi: int) -> None:  # bytes [lo, hi) of the item
+                lo += offset - start
+                lo -= lo % mmap.PAGESIZE
+                try:
+                    mapped.madvise(mmap.MADV_DONTNEED, lo, hi + offset - start - lo)
+                except (AttributeError, OSError, ValueError):
+                    pass
 
-        with memoryview(mapped) as whole, whole[offset - start:] as item:
-            check_archive(item, what, path=path, release=release)
-    _remember(key)
+            with memoryview(mapped) as whole, whole[offset - start:] as item:
+                check_archive(item, what, path=path, release=release)
+        good = True
+    finally:
+        _settle(key, good)
 
 
 def check_file(path: str | Path, what: str = "torch.save file") -> None:

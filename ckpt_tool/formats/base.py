@@ -76,11 +76,22 @@ class Reader(abc.ABC):
         """The full common state (non-sharded values), loaded through the safe unpickler."""
         return {}
 
+    def stored_archives(self, chunks: Iterable[ChunkRef]) -> list[tuple[Path, int | None,
+                                                                         int | None]]:
+        """The ``torch.save`` archives that store ``chunks``: ``(file, offset, length)`` of
+        each (offset None: the whole file), in the order of ``chunks``, each once; none for
+        formats without such archives."""
+        return []
+
     def check_stored(self, chunks: Iterable[ChunkRef]) -> None:
         """Check the stored bytes of ``chunks`` against what the checkpoint records about
-        them (the CRC-32s of their zip records), once each, for a caller that reads those
-        bytes on its own (``diff`` compares them in place); IntegrityError on a mismatch.
-        Nothing to do for formats without such records, or when :attr:`verify` is off."""
+        them (the CRC-32s of the zip records of :meth:`stored_archives`), once each, for a
+        caller that reads those bytes on its own (``diff`` compares them in place);
+        IntegrityError on a mismatch. Nothing to do when :attr:`verify` is off."""
+        from ckpt_tool.formats.archive_check import check_many
+
+        if self.verify:
+            check_many(self.stored_archives(chunks))
 
     def check_common(self) -> None:
         """Check the stored bytes the common state comes from (as :meth:`check_stored`), for a

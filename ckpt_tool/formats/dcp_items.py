@@ -64,8 +64,8 @@ def _load_chunk_raw(path: Path, offset: int, length: int, copy: bool = True,
     a read-only view of the file that keeps its mapping alive until it is dropped); None when
     the raw path does not apply (missing/short file, unusual archive: the caller's fallback
     reports or handles it). ``verify``: the item's CRC-32s are checked before its bytes are
-    used (IntegrityError)."""
-    from ckpt_tool.formats.archive_check import check_item, check_range
+    used, over the same bytes (IntegrityError)."""
+    from ckpt_tool.formats.archive_check import check_item
     from ckpt_tool.formats.torch_zip import as_byte_view, as_tensor, frombuffer_u8, raw_item
     from ckpt_tool.formats.zip_directory import NotSimple
 
@@ -78,30 +78,37 @@ def _load_chunk_raw(path: Path, offset: int, length: int, copy: bool = True,
             return None
         if length <= _PREAD_MAX:
             data = os.pread(fd, length, offset)
-            if verify:
-                check_item(fd, offset, length, data, _where(offset, length), path=path)
+            records = check_item(fd, offset, length, data, _where(offset, length),
+                                 path=path) if verify else None
             try:
-                return as_tensor(raw_item(data), copy=copy)
+                return as_tensor(raw_item(data, records), copy=copy)
             except NotSimple:
                 return None
-        if verify:  # over a mapping of the item, released slab by slab, before it is used
-            check_range(fd, offset, length, _where(offset, length), path=path)
         start = offset - offset % mmap.ALLOCATIONGRANULARITY
         mapped = mmap.mmap(fd, offset + length - start, access=mmap.ACCESS_READ, offset=start)
+        view = memoryview(mapped)
+        try:
+            with view[offset - start:] as item:
+                records = check_item(fd, offset, length, item, _where(offset, length),
+                                     path=path) if verify else None
+        except BaseException:
+            view.release()
+            mapped.close()
+            raise
     finally:
         os.close(fd)
     if not copy:
+        view.release()
         try:
-            raw = raw_item(memoryview(mapped)[offset - start:])
+            raw = raw_item(memoryview(mapped)[offset - start:], records)
         except NotSimple:
             return None
         if frombuffer_u8(raw.data).data_ptr() % raw.itemsize:
             return ByteView(as_byte_view(raw), torch_dtype(raw.dtype))
         return as_tensor(raw, copy=False)
-    view = memoryview(mapped)
     try:
         with view[offset - start:] as item:
-            raw = raw_item(item)
+            raw = raw_item(item, records)
             try:
                 return as_tensor(raw, copy=True)
             finally:
@@ -187,9 +194,10 @@ def load_chunk_view(root: Path, chunk: ChunkRef, *, trust: bool = False,
 def item_ranges(root: Path, chunks: Any) -> list[tuple[Path, int, int]]:
     """``(file, offset, length)`` of the ``torch.save`` items storing ``chunks`` (those with a
     byte range and no stream transform), for ``archive_check.check_many``."""
-    return [(root / c.file, c.byte_offset, c.byte_length) for c in chunks
-            if c.file and c.byte_offset is not None and c.byte_length
-            and not c.transforms and c.layout in ("torch_save", "flat")]
+    return list(dict.fromkeys(
+        (root / c.file, c.byte_offset, c.byte_length) for c in chunks
+        if c.file and c.byte_offset is not None and c.byte_length
+        and not c.transforms and c.layout in ("torch_save", "flat")))
 
 
 def normalize_slices(shape: tuple[int, ...], slices: tuple[slice, ...] | None

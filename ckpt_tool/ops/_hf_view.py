@@ -44,8 +44,8 @@ class MappedReader(Reader):
             tensors[r.key] = TensorMeta(key=r.key, dtype=r.dtype, shape=r.shape, chunks=chunks)
         self.meta = replace(inner, tensors=tensors)
 
-    def check_stored(self, chunks: Any) -> None:
-        self.inner.check_stored(chunks)
+    def stored_archives(self, chunks: Any) -> list[Any]:
+        return self.inner.stored_archives(chunks)
 
     def metadata(self) -> CheckpointMeta:
         """The inner checkpoint's metadata with the mapped tensors."""

@@ -49,8 +49,8 @@ class ModelSpaceDistOptimizerView(Reader):
         self._meta = replace(meta, tensors=tensors, objects=objects, extras=extras,
                              common=common)
 
-    def check_stored(self, chunks: Any) -> None:
-        self.inner.check_stored(chunks)
+    def stored_archives(self, chunks: Any) -> list[Any]:
+        return self.inner.stored_archives(chunks)
 
     @staticmethod
     def _content_metadata(cm: Any) -> dict[str, Any]:

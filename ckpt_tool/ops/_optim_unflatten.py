@@ -126,8 +126,8 @@ class UnflattenedOptimizerView(Reader):
     form = "dp_reshardable"
     proven_by = "per_bucket_numel and every stored piece"
 
-    def check_stored(self, chunks: Any) -> None:
-        self.inner.check_stored(chunks)
+    def stored_archives(self, chunks: Any) -> list[Any]:
+        return self.inner.stored_archives(chunks)
 
     def _dtype(self) -> str | None:
         return None

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_tool.errors import IntegrityError
-from ckpt_tool.formats.archive_check import check_range
+from ckpt_tool.formats.archive_check import check_item
 from ckpt_tool.formats.torch_zip import raw_item
 from ckpt_tool.formats.zip_directory import NotSimple
 from ckpt_tool.formats.base import Reader
@@ -117,8 +117,6 @@ class RawSource:
 
     def _copy_chunk(self, chunk: ChunkRef, dtype: str, dt: Any, src: tuple, out: Any,
                     dst: tuple) -> None:
-        import numpy as np
-
         start = chunk.byte_offset - chunk.byte_offset % mmap.ALLOCATIONGRANULARITY
         path = self.root / str(chunk.file)
         with open(path, "rb") as f:
@@ -127,17 +125,31 @@ class RawSource:
 
                 raise CorruptCheckpointError(f"data file {chunk.file} is truncated",
                                              path=self.root)
-            if self.reader.verify:  # every record's CRC-32 before a byte is copied
-                check_range(f.fileno(), chunk.byte_offset, chunk.byte_length,
-                            f"item at bytes [{chunk.byte_offset}, "
-                            f"{chunk.byte_offset + chunk.byte_length})", path=path)
             mapped = mmap.mmap(f.fileno(), chunk.byte_offset + chunk.byte_length - start,
                                access=mmap.ACCESS_READ, offset=start)
+            try:
+                self._copy_mapped(f.fileno(), mapped, chunk.byte_offset - start, chunk, dtype,
+                                  dt, src, out, dst)
+            finally:
+                mapped.close()
+
+    def _copy_mapped(self, fd: int, mapped: Any, at: int, chunk: ChunkRef, dtype: str,
+                     dt: Any, src: tuple, out: Any, dst: tuple) -> None:
+        """Copy ``src`` of the item at ``at`` of ``mapped`` (of ``fd``) into ``out[dst]``,
+        its CRC-32s checked first over the same mapping (the copy then finds its pages)."""
+        import numpy as np
+
         raw = item = data = None
         try:
             with memoryview(mapped) as whole:
-                item = whole[chunk.byte_offset - start:]
-                raw = raw_item(item)
+                item = whole[at:]
+                records = None
+                if self.reader.verify:  # every record's CRC-32 before a byte is copied
+                    records = check_item(fd, chunk.byte_offset, chunk.byte_length, item,
+                                         f"item at bytes [{chunk.byte_offset}, "
+                                         f"{chunk.byte_offset + chunk.byte_length})",
+                                         path=self.root / str(chunk.file))
+                raw = raw_item(item, records)
                 if raw.dtype != dtype or raw.numel != math.prod(chunk.sizes):
                     raise IntegrityError(
                         f"the stored item of chunk at {list(chunk.offsets)} ({chunk.file}) "
@@ -156,4 +168,3 @@ class RawSource:
             for view in (None if raw is None else raw.data, item):
                 if view is not None:
                     view.release()
-            mapped.close()

@@ -38,8 +38,8 @@ class StackedView(Reader):
         self._meta: CheckpointMeta | None = None
         self._parts: dict[str, dict[tuple[int, ...], str]] = {}
 
-    def check_stored(self, chunks: Any) -> None:
-        self.inner.check_stored(chunks)
+    def stored_archives(self, chunks: Any) -> list[Any]:
+        return self.inner.stored_archives(chunks)
 
     def metadata(self) -> CheckpointMeta:
         if self._meta is not None:

@@ -284,13 +284,11 @@ class DcpReader(Reader):
         return out
 
     # -- data -------------------------------------------------------------------------------
-    def check_stored(self, chunks: Any) -> None:
-        """The CRC-32s of the items storing ``chunks`` (see :meth:`Reader.check_stored`)."""
-        from ckpt_tool.formats.archive_check import check_many
+    def stored_archives(self, chunks: Any) -> list[tuple[Path, int | None, int | None]]:
+        """The items storing ``chunks`` (see :meth:`Reader.stored_archives`)."""
         from ckpt_tool.formats.dcp_items import item_ranges
 
-        if self.verify:
-            check_many(item_ranges(self.root, chunks))
+        return item_ranges(self.root, chunks)
 
     def read(self, key: str, slices: tuple[slice, ...] | None = None) -> Any:
         """The global tensor ``key`` (DCP fqn), or ``slices`` of it, assembled from its chunks."""

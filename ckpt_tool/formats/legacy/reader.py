@@ -146,13 +146,10 @@ class LegacyReader(Reader):
             self._files.popitem(last=False)
         return state
 
-    def check_stored(self, chunks: Any) -> None:
-        """The CRC-32s of every record of the rank files holding ``chunks`` (see
-        :meth:`Reader.check_stored`)."""
-        from ckpt_tool.formats.archive_check import check_many
-
-        if self.verify:
-            check_many((self.root / c.file, None, None) for c in chunks if c.file)
+    def stored_archives(self, chunks: Any) -> list[tuple[Path, int | None, int | None]]:
+        """The rank files holding ``chunks``, whole (see :meth:`Reader.stored_archives`)."""
+        files = dict.fromkeys(c.file for c in chunks if c.file)
+        return [(self.root / f, None, None) for f in files]
 
     def read(self, key: str, slices: tuple[slice, ...] | None = None) -> Any:
         """The merged global tensor ``key`` (or ``slices`` of it); loads (mmap) only the rank

@@ -276,13 +276,11 @@ class TorchDistReader(McoreDistReader):
         return object_item(payload[0] if isinstance(payload, list) and len(payload) == 1
                            else payload)
 
-    def check_stored(self, chunks: Any) -> None:
-        """The CRC-32s of the items storing ``chunks`` (see :meth:`Reader.check_stored`)."""
-        from ckpt_tool.formats.archive_check import check_many
+    def stored_archives(self, chunks: Any) -> list[tuple[Path, int | None, int | None]]:
+        """The items storing ``chunks`` (see :meth:`Reader.stored_archives`)."""
         from ckpt_tool.formats.dcp_items import item_ranges
 
-        if self.verify:
-            check_many(item_ranges(self.root, chunks))
+        return item_ranges(self.root, chunks)
 
     def read(self, key: str, slices: tuple[slice, ...] | None = None) -> Any:
         """The global tensor ``key`` (or ``slices`` of it), assembled from its stored chunks."""

@@ -157,10 +157,9 @@ class TorchSaveReader(Reader):
             self._loaded = flatten_state(state)[0]
         return self._loaded
 
-    def check_stored(self, chunks: Any) -> None:
-        """The CRC-32s of every record of the file (see :meth:`Reader.check_stored`)."""
-        if any(True for _ in chunks):
-            self._check()
+    def stored_archives(self, chunks: Any) -> list[tuple[Path, int | None, int | None]]:
+        """The file, whole (see :meth:`Reader.stored_archives`)."""
+        return [(self.path, None, None)] if any(True for _ in chunks) else []
 
     def read(self, key: str, slices: tuple[slice, ...] | None = None) -> Any:
         """The tensor ``key`` (or ``slices`` of it) as a new contiguous tensor."""
