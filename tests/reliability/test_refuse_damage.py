@@ -92,3 +92,13 @@ def test_no_verify_copies_the_damage_and_says_so(corpus, case_id, tmp_path):
                             "safetensors", "--no-verify"])
     assert r.exit_code == 0, r.stderr
     assert "note: --no-verify: the source's bytes were not checked" in r.stderr
+
+
+@pytest.mark.parametrize("target", ["torch_dist", "safetensors", "dcp"])
+def test_workers_refuse_damage_too(corpus, tmp_path, target):
+    """With ``--workers`` several threads read at once: a damaged item still stops it."""
+    out = tmp_path / "out"
+    r = runner.invoke(app, ["convert", str(corpus.path("torch_dist/item-data-crc")), str(out),
+                            "--to", target, "--workers", "3"])
+    _refused(f"--workers 3 --to {target}", r.exit_code, r.stderr, out, tmp_path)
+    assert "fails its CRC-32 check" in r.stderr
