@@ -13,6 +13,8 @@ an object's bytes item -- goes through here first:
 * :func:`check_item` / :func:`check_file` do that once per item of a file: a verdict is kept
   by the file's identity (device, inode, size, mtime) and byte range, so the second read of an
   item (another slice of the same chunk) costs nothing;
+* :func:`check_zip_item` gives ``zipfile``'s verdict on an archive in place (for what the
+  fast parser cannot follow), over a :class:`BoundedReader` (a file's byte range);
 * :func:`torch_reader_problem` asks PyTorch's own archive reader (``PyTorchFileReader``, no
   unpickling) for its verdict: ``validate --deep`` runs it besides the fast checks.
 
@@ -29,20 +31,22 @@ import mmap
 import os
 import re
 import threading
+import zipfile
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Iterable
 
 from ckpt_tool._crc import crc32
-from ckpt_tool.errors import IntegrityError
+from ckpt_tool.errors import CorruptCheckpointError, IntegrityError
 from ckpt_tool.formats.zip_directory import NotSimple, TorchRejects, ZipRecord, zip_records
 
 __all__ = ["check_archive", "check_item", "check_range", "check_file", "check_many",
-           "torch_reader_problem", "HINT"]
+           "torch_reader_problem", "check_zip_item", "BoundedReader", "HINT"]
 
 HINT = ("the source is damaged: restore it from a good copy; 'ckpt validate --deep' lists "
         "every damaged item")
 _SLAB = 64 << 20  # CRC'd, then released from the mapping, a slab at a time
+_ZIP_BLOCK = 1 << 20  # what zipfile reads at a time (check_zip_item)
 _SMALL_RECORD = 1 << 20  # torch_reader_problem extracts records up to this size
 _KEEP = 1 << 16  # verdicts remembered
 _THREADS = 4
@@ -68,31 +72,38 @@ def _crc_of(buf: Any, start: int, size: int, release: Any = None) -> int:
 def _zipfile_verdict(buf: Any) -> str | None:
     """``zipfile``'s verdict on an archive the fast parser does not follow (it checks every
     record's CRC-32 as it reads it)."""
-    from ckpt_tool.formats.torch_zip import check_zip_item
-
     data = io.BytesIO(bytes(buf))
     return check_zip_item(data, 0, len(data.getbuffer()))
+
+
+def _unreadable(what: str, why: str, path: str | Path | None) -> CorruptCheckpointError:
+    """The error for an archive no loader reads (exit 2, as any unreadable input); a CRC-32
+    mismatch ``zipfile`` found is damage a loader would read: IntegrityError (exit 1)."""
+    cls = IntegrityError if "CRC" in why else CorruptCheckpointError
+    return cls(f"{what}: {why}", path=path, hint=HINT)
 
 
 def check_archive(buf: Any, what: str, *, path: str | Path | None = None,
                   release: Any = None) -> list[ZipRecord] | None:
     """The records of the ``torch.save`` archive ``buf`` once every record's CRC-32 matched
-    (None: an archive only ``zipfile`` follows, which found it intact); IntegrityError naming
-    ``what`` (and ``path``) otherwise."""
+    (None: an archive only ``zipfile`` follows, which found it intact); naming ``what`` (and
+    ``path``), IntegrityError (exit 1) when a record's bytes do not match its CRC-32,
+    CorruptCheckpointError (exit 2) when the archive cannot be read at all (what PyTorch's
+    reader refuses, or not a zip archive)."""
     try:
         records = zip_records(buf)
     except TorchRejects as exc:
-        raise IntegrityError(f"{what}: damaged torch.save archive ({exc}; torch.load refuses "
-                             "it)", path=path, hint=HINT) from None
+        raise _unreadable(what, f"damaged torch.save archive ({exc}; torch.load refuses it)",
+                          path) from None
     except NotSimple:
         why = _zipfile_verdict(buf)
         if why is not None:
-            raise IntegrityError(f"{what}: {why}", path=path, hint=HINT) from None
+            raise _unreadable(what, why, path) from None
         return None
     if not all(r.stored for r in records):
         why = _zipfile_verdict(buf)
         if why is not None:
-            raise IntegrityError(f"{what}: {why}", path=path, hint=HINT) from None
+            raise _unreadable(what, why, path) from None
         return records
     for r in records:
         got = _crc_of(buf, r.start, r.size, release)
@@ -155,8 +166,8 @@ def check_range(fd: int, offset: int, length: int, what: str, *,
     read over a mapping whose pages are released slab by slab as their CRC is known (memory
     stays small whatever the size)."""
     if length <= 0:
-        raise IntegrityError(f"{what}: no bytes, not a torch.save archive", path=path,
-                             hint=HINT)
+        raise CorruptCheckpointError(f"{what}: no bytes, not a torch.save archive", path=path,
+                                     hint=HINT)
     key = _identity(fd, offset, length)
     if not _claim(key):
         return
@@ -223,8 +234,6 @@ def torch_reader_problem(f: Any, offset: int, length: int) -> str | None:
     their place only). None when it accepts the archive, else its first line."""
     import torch
 
-    from ckpt_tool.formats.torch_zip import BoundedReader
-
     if length <= _SMALL_RECORD:
         f.seek(offset)
         source: Any = io.BytesIO(f.read(length))
@@ -241,4 +250,68 @@ def torch_reader_problem(f: Any, offset: int, length: int) -> str | None:
         text = _MINIZ_TAIL.sub("", str(exc)).strip().splitlines()
         line = next((ln for ln in text if ln.strip()), type(exc).__name__)
         return re.sub(r"^\[enforce fail at [^\]]*\]\s*\.?\s*", "", line)
+    return None
+
+
+class BoundedReader:
+    """A read-only, seekable view of ``[offset, offset + length)`` of an open binary file,
+    for ``zipfile`` to parse one DCP item in place (nothing is read into memory up front)."""
+
+    def __init__(self, f: Any, offset: int, length: int):
+        self._f, self._start, self._len, self._pos = f, offset, length, 0
+
+    def seekable(self) -> bool:
+        return True
+
+    def readable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        if whence == 1:
+            pos += self._pos
+        elif whence == 2:
+            pos += self._len
+        if pos < 0:
+            raise OSError("negative seek position")
+        self._pos = pos
+        return pos
+
+    def read(self, n: int = -1) -> bytes:
+        left = max(0, self._len - self._pos)
+        n = left if n is None or n < 0 else min(n, left)
+        if n == 0:
+            return b""
+        self._f.seek(self._start + self._pos)
+        data = self._f.read(n)
+        self._pos += len(data)
+        return data
+
+    def close(self) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+
+def check_zip_item(f: Any, offset: int, length: int) -> str | None:
+    """None if the torch.save archive at ``[offset, offset+length)`` of ``f`` is intact (every
+    entry's CRC32 matches), else why not. Streams entries in 1 MiB blocks."""
+    try:
+        with zipfile.ZipFile(BoundedReader(f, offset, length)) as zf:
+            infos = zf.infolist()
+            if not infos:
+                return "empty zip archive"
+            for info in infos:
+                with zf.open(info) as entry:
+                    while entry.read(_ZIP_BLOCK):
+                        pass
+    except zipfile.BadZipFile as exc:
+        return f"damaged torch.save archive ({exc})"
+    except (OSError, EOFError, ValueError, NotImplementedError, RuntimeError) as exc:
+        return f"unreadable torch.save archive ({type(exc).__name__}: {exc})"
+    except Exception as exc:  # zlib.error and friends
+        return f"unreadable torch.save archive ({type(exc).__name__}: {exc})"
     return None

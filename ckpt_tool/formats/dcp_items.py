@@ -240,8 +240,9 @@ def _load_checked(meta: TensorMeta, chunk: ChunkRef, load: Callable[[ChunkRef], 
     error names the tensor."""
     try:
         data = load(chunk)
-    except IntegrityError as exc:
-        exc.message = f"tensor {meta.key}: {exc.message}"
+    except CorruptCheckpointError as exc:  # a damaged item: which tensor's
+        if not exc.message.startswith("tensor "):
+            exc.message = f"tensor {meta.key}: {exc.message}"
         raise
     numel = math.prod(data.shape)
     if data.dtype != dtype or numel != chunk.numel:

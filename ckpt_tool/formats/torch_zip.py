@@ -10,8 +10,6 @@ zips. Given that archive as a buffer (a memoryview of a read-only mmap, or bytes
   offset and a zero-copy memoryview of its storage record); its tiny ``data.pkl`` is unpickled
   by the allowlisting unpickler with the torch-free stand-ins (cached by content: layers repeat);
 * :func:`as_tensor` turns that into a ``torch.Tensor`` without copying when it can;
-* :func:`check_zip_item` gives ``zipfile``'s verdict on an archive in place (the slow path, for
-  what the raw parser cannot follow).
 
 Anything unusual (compressed or encrypted records, a big-endian archive, several storages,
 tensor subclasses, a pickle needing real torch, bounds that do not fit) raises
@@ -29,19 +27,15 @@ import io
 import math
 import threading
 import warnings
-import zipfile
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
 from ckpt_tool.errors import UnsupportedError
-from ckpt_tool.formats.zip_directory import NotSimple, ZipRecord, zip_records
+from ckpt_tool.formats.zip_directory import NotSimple, TorchRejects, ZipRecord, zip_records
 from ckpt_tool.model import DTYPE_ITEMSIZE
 
-__all__ = ["RawItem", "raw_item", "as_tensor", "as_byte_view", "frombuffer_u8", "BoundedReader",
-           "check_zip_item", "torch_dtype"]
-
-_BLOCK = 1 << 20
+__all__ = ["RawItem", "raw_item", "as_tensor", "as_byte_view", "frombuffer_u8", "torch_dtype"]
 
 
 def torch_dtype(name: str) -> Any:
@@ -132,8 +126,10 @@ def raw_item(buf: Any, records: list[ZipRecord] | None = None) -> RawItem:
     dtype, shape, stride, offset, key, nbytes, _ = _describe(
         bytes(buf[pkl.start:pkl.start + pkl.size]))
     rec = by_name.get(f"{prefix}data/{key}")
-    if rec is None or not rec.stored or rec.size != nbytes:
-        raise NotSimple(f"storage record data/{key} is missing, compressed or mis-sized")
+    if rec is None:  # what torch.load fails on ("file not found")
+        raise TorchRejects(f"P7: the pickle's storage data/{key} has no record")
+    if not rec.stored or rec.size != nbytes:
+        raise NotSimple(f"storage record data/{key} is compressed or mis-sized")
     itemsize = DTYPE_ITEMSIZE[dtype]
     if nbytes % itemsize or any(s < 0 for s in shape) or any(st < 0 for st in stride):
         raise NotSimple("storage does not hold whole elements")
@@ -195,67 +191,3 @@ def as_byte_view(raw: RawItem) -> Any:
     n = raw.itemsize
     return frombuffer_u8(raw.data).as_strided(
         (*raw.shape, n), (*(st * n for st in raw.stride), 1), raw.storage_offset * n)
-
-
-class BoundedReader:
-    """A read-only, seekable view of ``[offset, offset + length)`` of an open binary file,
-    for ``zipfile`` to parse one DCP item in place (nothing is read into memory up front)."""
-
-    def __init__(self, f: Any, offset: int, length: int):
-        self._f, self._start, self._len, self._pos = f, offset, length, 0
-
-    def seekable(self) -> bool:
-        return True
-
-    def readable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, pos: int, whence: int = 0) -> int:
-        if whence == 1:
-            pos += self._pos
-        elif whence == 2:
-            pos += self._len
-        if pos < 0:
-            raise OSError("negative seek position")
-        self._pos = pos
-        return pos
-
-    def read(self, n: int = -1) -> bytes:
-        left = max(0, self._len - self._pos)
-        n = left if n is None or n < 0 else min(n, left)
-        if n == 0:
-            return b""
-        self._f.seek(self._start + self._pos)
-        data = self._f.read(n)
-        self._pos += len(data)
-        return data
-
-    def close(self) -> None:
-        pass
-
-    def flush(self) -> None:
-        pass
-
-
-def check_zip_item(f: Any, offset: int, length: int) -> str | None:
-    """None if the torch.save archive at ``[offset, offset+length)`` of ``f`` is intact (every
-    entry's CRC32 matches), else why not. Streams entries in 1 MiB blocks."""
-    try:
-        with zipfile.ZipFile(BoundedReader(f, offset, length)) as zf:
-            infos = zf.infolist()
-            if not infos:
-                return "empty zip archive"
-            for info in infos:
-                with zf.open(info) as entry:
-                    while entry.read(_BLOCK):
-                        pass
-    except zipfile.BadZipFile as exc:
-        return f"damaged torch.save archive ({exc})"
-    except (OSError, EOFError, ValueError, NotImplementedError, RuntimeError) as exc:
-        return f"unreadable torch.save archive ({type(exc).__name__}: {exc})"
-    except Exception as exc:  # zlib.error and friends
-        return f"unreadable torch.save archive ({type(exc).__name__}: {exc})"
-    return None

@@ -10,7 +10,7 @@ own checks; the list with what each tests is docs/formats.md §12):
 * a condition that reader refuses raises :class:`TorchRejects` (``torch.load`` and so
   Megatron-Core's and DCP's loaders fail on such an archive);
 * what the fast parser does not follow (no zip at all, a layout it does not know) raises
-  :class:`NotSimple`: the caller asks ``zipfile`` (``torch_zip.check_zip_item``) or
+  :class:`NotSimple`: the caller asks ``zipfile`` (``archive_check.check_zip_item``) or
   ``torch.load`` for the verdict.
 
 The checks are systematic rather than a list of damages met: a field miniz reads with a
@@ -188,7 +188,11 @@ def _zip_records(buf: Any) -> list[ZipRecord]:
         (_, _, _, flags, method, time, _, crc, csize, usize, nlen, elen, clen, disk, _,
          external, lho) = _CDIR.unpack_from(cd, pos)
         at = pos + _CDIR.size
-        name = cd[at:at + nlen].decode("utf-8", "replace")
+        try:
+            name = cd[at:at + nlen].decode("utf-8")
+        except UnicodeDecodeError:  # torch.load lists the records as Python strings
+            raise TorchRejects(f"P6: record name {cd[at:at + nlen][:40]!r} is not UTF-8") \
+                from None
         deferred = [usize == _MAX32, csize == _MAX32, lho == _MAX32]
         if elen and any(deferred):  # C3 (miniz reads these from the archive, not the copy)
             extra = bytes(buf[cd_off + at + nlen:cd_off + at + nlen + elen])

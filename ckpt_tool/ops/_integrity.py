@@ -33,7 +33,6 @@ from typing import Any, Iterator, NamedTuple
 
 import numpy as np
 
-from ckpt_tool.formats.torch_zip import BoundedReader, check_zip_item
 from ckpt_tool.model import CheckpointMeta
 from ckpt_tool.ops._checks import Finding, error
 from ckpt_tool.ops._mapping import map_ranges, prefault
@@ -41,7 +40,7 @@ from ckpt_tool.ops._scan_item import check_slowly, scan_unit
 from ckpt_tool.ops._scan_units import Out, Unit, plan_files, plan_items
 from ckpt_tool.ops._scan_vector import scan_items
 
-__all__ = ["BoundedReader", "check_zip_item", "scan_archives", "check_loose_archives"]
+__all__ = ["scan_archives", "check_loose_archives"]
 
 _WHOLE_FILE_FORMATS = ("legacy", "torch")  # whole files that are torch.save zips
 _SLAB = 4 << 20  # CRC and NaN/Inf counting alternate on slabs this big
@@ -330,7 +329,7 @@ def check_loose_archives(base: Path, meta: CheckpointMeta) -> list[Finding]:
     """CRC32 findings of the ``torch.save`` files of a Megatron-Core dist checkpoint that
     :func:`scan_archives` does not see: ``common.pt`` and zarr's object files (small: each
     checked whole, ``formats.archive_check``)."""
-    from ckpt_tool.errors import IntegrityError
+    from ckpt_tool.errors import CorruptCheckpointError
     from ckpt_tool.formats.archive_check import check_file
 
     if meta.format not in ("torch_dist", "zarr"):
@@ -345,7 +344,7 @@ def check_loose_archives(base: Path, meta: CheckpointMeta) -> list[Finding]:
                 if f.read(4) != b"PK\x03\x04":
                     continue  # not a zip (empty, a legacy pickle): the loaders say why
             check_file(base / name, "file")
-        except IntegrityError as exc:
+        except CorruptCheckpointError as exc:
             out.append(error(exc.message, file=name))
         except OSError:
             continue  # missing or unreadable: reported by the storage checks

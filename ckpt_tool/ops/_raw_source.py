@@ -16,7 +16,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from ckpt_tool.errors import IntegrityError
+from ckpt_tool.errors import CorruptCheckpointError, IntegrityError
 from ckpt_tool.formats.archive_check import check_item
 from ckpt_tool.formats.torch_zip import raw_item
 from ckpt_tool.formats.zip_directory import NotSimple
@@ -77,13 +77,12 @@ class RawSource:
                 self._copy_chunk(chunk, meta.dtype, dt, src, out, dst)
             except NotSimple:  # an unusual item: this tensor goes through torch
                 return self._through_torch(key, offsets, sizes, dt)
-            except IntegrityError as exc:
-                exc.message = f"tensor {meta.key}: {exc.message}"
+            except CorruptCheckpointError as exc:  # a damaged item: which tensor's
+                if not exc.message.startswith("tensor "):
+                    exc.message = f"tensor {meta.key}: {exc.message}"
                 raise
             covered += int(np.prod([hi - lo for lo, hi in inter]))
         if covered < out.size:
-            from ckpt_tool.errors import CorruptCheckpointError
-
             raise CorruptCheckpointError(f"tensor {meta.key}: stored chunks cover {covered} of "
                                          f"{out.size} requested elements", path=self.root)
         n = out.nbytes
@@ -121,8 +120,6 @@ class RawSource:
         path = self.root / str(chunk.file)
         with open(path, "rb") as f:
             if chunk.byte_offset + chunk.byte_length > os.fstat(f.fileno()).st_size:
-                from ckpt_tool.errors import CorruptCheckpointError
-
                 raise CorruptCheckpointError(f"data file {chunk.file} is truncated",
                                              path=self.root)
             mapped = mmap.mmap(f.fileno(), chunk.byte_offset + chunk.byte_length - start,

@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_tool._crc import crc32
-from ckpt_tool.formats.torch_zip import as_tensor, check_zip_item, raw_item
+from ckpt_tool.formats.archive_check import check_zip_item
+from ckpt_tool.formats.torch_zip import as_tensor, raw_item
 from ckpt_tool.formats.zip_directory import NotSimple, TorchRejects, ZipRecord, zip_records
 from ckpt_tool.ops._checks import NonfiniteBatch, count_slabs, crc32_counting, error, nonfinite
 from ckpt_tool.ops._scan_units import Archive, Out, Unit
@@ -69,6 +70,13 @@ def _tensor(item: memoryview, records: list[ZipRecord], a: Archive, u: Unit, out
         return None
     try:
         raw = raw_item(item, records)
+    except TorchRejects as exc:  # (its pickle names a storage it lacks)
+        out.findings.append(error(f"{a.what} at bytes [{a.offset}, {a.offset + a.length}): "
+                                  f"damaged torch.save archive: {exc} (torch.load refuses "
+                                  "it)", key=a.key, file=u.file))
+        if a.count:
+            out.uncounted.add(str(a.key))
+        return None
     except NotSimple:  # read through torch.load by the reader, which compares the same
         return None
     if (a.dtype is not None and raw.dtype != a.dtype) or (a.numel >= 0 and raw.numel != a.numel):

@@ -38,16 +38,14 @@ from ckpt_tool.errors import CorruptCheckpointError, InputError, UnsafePickleErr
 from ckpt_tool.model import CheckpointMeta
 from ckpt_tool.ops._checks import (Finding, check_coverage, check_expectations, check_storage,
                                    error, warning)
-from ckpt_tool.ops._integrity import (BoundedReader, check_loose_archives, check_zip_item,
-                                      scan_archives)
+from ckpt_tool.ops._integrity import check_loose_archives, scan_archives
 from ckpt_tool.ops.manifest import manifest_findings
 from ckpt_tool.ops._validate_deep import deep_read
 from ckpt_tool.ops._validate_meta import check_meta_against_files
 from ckpt_tool.ops._validate_torch_reader import torch_reader_findings
 from ckpt_tool.ops._validate_items import check_object_pickles, check_overlaps
 
-__all__ = ["Finding", "ValidateResult", "validate", "read_expected_keys", "BoundedReader",
-           "check_zip_item"]
+__all__ = ["Finding", "ValidateResult", "validate", "read_expected_keys"]
 
 _DCP_FORMATS = ("torch_dist", "dcp")
 _ARCHIVE_FORMATS = (*_DCP_FORMATS, "legacy", "torch")  # torch.save zips: CRC-checked
