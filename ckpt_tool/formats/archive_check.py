@@ -7,21 +7,21 @@ of a ``.distcp`` file, a Megatron-LM legacy rank file, a ``torch.save`` file, ``
 an object's bytes item -- goes through here first:
 
 * :func:`check_archive` parses the archive as PyTorch's reader does (``zip_directory``) and
-  checks the CRC-32 of every record (ISA-L's when installed), raising :class:`IntegrityError`
-  (exit 1) naming the record; archives the fast parser does not follow get ``zipfile``'s
-  verdict (which checks the CRCs as it decompresses);
-* :func:`check_item` / :func:`check_file` do that once per item of a file: a verdict is kept
-  by the file's identity (device, inode, size, mtime) and byte range, so the second read of an
-  item (another slice of the same chunk) costs nothing;
-* :func:`check_zip_item` gives ``zipfile``'s verdict on an archive in place (for what the
-  fast parser cannot follow), over a :class:`BoundedReader` (a file's byte range);
+  checks the CRC-32 of every record (ISA-L's when installed): a mismatch raises
+  :class:`IntegrityError` (exit 1) naming the record, an archive no loader reads
+  ``CorruptCheckpointError`` (exit 2); archives the fast parser does not follow get
+  ``zipfile``'s verdict (:func:`check_zip_item`, which checks the CRCs as it decompresses);
+* :func:`check_item` (bytes in hand, or the mapping the caller then copies from: one pass of
+  page faults) and :func:`check_range` / :func:`check_file` (a mapping of their own, released
+  slab by slab: memory stays small whatever the size) do that once per item of a file: a
+  verdict is kept by the file's identity (device, inode, size, mtime) and byte range, so the
+  second read of an item (another slice of the same chunk) costs nothing, and threads reading
+  one item at once wait for one check;
 * :func:`torch_reader_problem` asks PyTorch's own archive reader (``PyTorchFileReader``, no
   unpickling) for its verdict: ``validate --deep`` runs it besides the fast checks.
 
-A whole file is checked record by record over a read-only mapping, a slab at a time, and each
-slab's pages are released from this process as soon as its CRC is known: memory stays small
-whatever the file's size. The check comes before the bytes are used (the caller reads them
-again, from the page cache), so nothing unchecked ever reaches a writer.
+The check always comes before the bytes are used: nothing unchecked reaches a writer or a
+comparison.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ HINT = ("the source is damaged: restore it from a good copy; 'ckpt validate --de
         "every damaged item")
 _SLAB = 64 << 20  # CRC'd, then released from the mapping, a slab at a time
 _ZIP_BLOCK = 1 << 20  # what zipfile reads at a time (check_zip_item)
+_RELEASE_MIN = 1 << 20  # slabs at least this big have their pages released once CRC'd
 _SMALL_RECORD = 1 << 20  # torch_reader_problem extracts records up to this size
 _KEEP = 1 << 16  # verdicts remembered
 _THREADS = 4
@@ -177,6 +178,8 @@ def check_range(fd: int, offset: int, length: int, what: str, *,
         with mmap.mmap(fd, offset + length - start, access=mmap.ACCESS_READ,
                        offset=start) as mapped:
             def release(lo: int, hi: int) -> None:  # bytes [lo, hi) of the item
+                if hi - lo < _RELEASE_MIN:
+                    return  # (small records: their pages are few, and shared)
                 lo += offset - start
                 lo -= lo % mmap.PAGESIZE
                 try:

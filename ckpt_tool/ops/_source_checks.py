@@ -16,7 +16,8 @@ from typing import Iterable
 from ckpt_tool.errors import IntegrityError
 from ckpt_tool.model import CheckpointMeta
 from ckpt_tool.ops._checks import check_coverage
-from ckpt_tool.ops._validate_meta import check_meta_against_files
+from ckpt_tool.ops._validate_items import check_overlaps
+from ckpt_tool.ops._validate_meta import check_common_state, check_meta_against_files
 
 __all__ = ["check_source", "UNVERIFIED_NOTE"]
 
@@ -26,16 +27,23 @@ UNVERIFIED_NOTE = ("--no-verify: the source's bytes were not checked against the
                    "(damage in it is copied as it is)")
 
 
-def check_source(meta: CheckpointMeta, keys: Iterable[str] | None = None) -> None:
+def check_source(meta: CheckpointMeta, keys: Iterable[str] | None = None, *,
+                 needs_common: bool = False) -> None:
     """IntegrityError (exit 1) naming the first problem of the source's metadata: what the
     files contradict (no tensors at all, another backend's files, a relabelled zarr dtype:
-    ``_validate_meta``), or a tensor of ``keys`` (default: all) that its chunks do not cover
-    exactly once or whose dtype is unknown."""
+    ``_validate_meta``), items that share bytes, a missing common state when the output
+    carries it on (``needs_common``: it would be written empty, and look complete), or a
+    tensor of ``keys`` (default: all) that its chunks do not cover exactly once or whose
+    dtype is unknown."""
     root = Path(meta.root)
-    problems = check_meta_against_files(root if root.is_dir() else root.parent, meta)
+    base = root if root.is_dir() else root.parent
+    problems = check_meta_against_files(base, meta) + check_overlaps(meta) + (
+        check_common_state(base, meta) if needs_common else [])
     if problems:
         first = problems[0]
         where = f"{first.key}: " if first.key else ""
+        where = f"{first.file}: {where}" if first.file and first.file not in first.message \
+            else where
         raise IntegrityError(f"{where}{first.message}", path=meta.root, hint=_HINT)
     for key in sorted(meta.tensors if keys is None else set(keys)):
         t = meta.tensors.get(key)

@@ -4,6 +4,8 @@
   metadata that names the wrong backend: read as zarr, a torch_dist directory has no arrays);
 * ``metadata.json`` naming one backend over the files of another (zarr over ``.metadata`` and
   ``*.distcp``);
+* a Megatron-Core dist checkpoint without its common state (``common.pt``, or the newest
+  Megatron-Core's ``common_state`` object): the iteration, ``args``, ... are lost;
 * zarr arrays carry no dtype of their own (a chunk is raw bytes): a ``.zarray`` dtype that
   differs from the model's ``params_dtype`` (``args``) while having its size is a relabelling
   the chunk sizes cannot reveal; tensors of another size (an fp32 buffer in a bf16 model) and
@@ -21,7 +23,7 @@ from pathlib import Path
 from ckpt_tool.model import DTYPE_ITEMSIZE, CheckpointMeta, is_optimizer_key
 from ckpt_tool.ops._checks import Finding, error
 
-__all__ = ["check_meta_against_files"]
+__all__ = ["check_meta_against_files", "check_common_state"]
 
 
 def check_meta_against_files(root: Path, meta: CheckpointMeta) -> list[Finding]:
@@ -51,3 +53,14 @@ def _zarr_dtypes(meta: CheckpointMeta) -> list[Finding]:
             for key, t in sorted(meta.tensors.items())
             if not is_optimizer_key(key) and t.dtype != params
             and DTYPE_ITEMSIZE.get(t.dtype) == size]
+
+
+def check_common_state(root: Path, meta: CheckpointMeta) -> list[Finding]:
+    """Megatron-Core dist checkpoints keep their common state in ``common.pt`` (or, newest
+    MCore, in the ``common_state`` object): without either, MCore cannot load them."""
+    if meta.format not in ("torch_dist", "zarr"):
+        return []
+    if (root / "common.pt").is_file() or any(o.key == "common_state" for o in meta.objects):
+        return []
+    return [error("common.pt is missing (and there is no common_state object): the "
+                  "non-sharded state (iteration, args, ...) is lost", file="common.pt")]

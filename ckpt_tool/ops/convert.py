@@ -32,6 +32,8 @@ from ckpt_tool.parallel import ranks as current_ranks
 
 __all__ = ["ConvertResult", "convert", "SINGLE_FILE_TARGETS", "Progress"]
 
+# Targets that keep no common state (a source without one converts to them as well).
+_NO_COMMON = ("safetensors", "hf")
 # Targets written as one file when DST looks like a file name.
 # Targets whose writers take raw element bytes (numpy) from a torch-free source.
 _RAW_TARGETS = ("safetensors", "torch_dist", "dcp")
@@ -108,7 +110,7 @@ def convert(src: str | Path, dst: str | Path, options: ConvertOptions, *, trust:
         if one_file_model:  # one .safetensors file is the model: its optimizer has no place
             options = dataclasses.replace(options, model_only=True)
         plan = plan_convert(meta, options, reader.objects_in_common())
-        check_source(meta, plan.key_map.values())
+        check_source(meta, plan.key_map.values(), needs_common=options.to not in _NO_COMMON)
         if verify_source:
             check_source_manifest(Path(src), Path(meta.root), r)
         if one_file_model:

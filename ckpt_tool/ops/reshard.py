@@ -100,7 +100,7 @@ def reshard(src: str | Path, dst: str | Path | None, req: ReshardRequest, *,
             raise UsageError("reshard needs an output path", hint="ckpt reshard SRC DST --tp N")
         out = check_output_target(dst, sources=(src,), overwrite=overwrite)
     base = open_checkpoint(src, trust=trust, verify=verify_source)
-    check_source(base.metadata())
+    check_source(base.metadata(), needs_common=True)
     if verify_source:
         check_source_manifest(Path(src), Path(base.metadata().root), r)
     src_format = base.metadata().format

@@ -41,7 +41,7 @@ from ckpt_tool.ops._checks import (Finding, check_coverage, check_expectations, 
 from ckpt_tool.ops._integrity import check_loose_archives, scan_archives
 from ckpt_tool.ops.manifest import manifest_findings
 from ckpt_tool.ops._validate_deep import deep_read
-from ckpt_tool.ops._validate_meta import check_meta_against_files
+from ckpt_tool.ops._validate_meta import check_common_state, check_meta_against_files
 from ckpt_tool.ops._validate_torch_reader import torch_reader_findings
 from ckpt_tool.ops._validate_items import check_object_pickles, check_overlaps
 
@@ -176,7 +176,7 @@ def validate(path: str | Path, *, trust: bool = False, deep: bool = False,
         for key in sorted(meta.tensors):
             findings.extend(check_coverage(meta.tensors[key]))
         findings.extend(check_meta_against_files(base, meta))
-        findings.extend(_check_common_state(base, meta))
+        findings.extend(check_common_state(base, meta))
         if meta.format == "legacy":
             findings.extend(_legacy_rank_findings(reader))
         counted: dict[str, tuple[int, int]] = {}
@@ -328,17 +328,6 @@ def _legacy_rank_findings(reader: Any) -> list[Finding]:
     tensors agree across TP ranks (``reader.problems``, collected with the metadata)."""
     return [error(p["message"], key=p.get("key"), file=p.get("file"))
             for p in getattr(reader, "problems", ())]
-
-
-def _check_common_state(root: Path, meta: CheckpointMeta) -> list[Finding]:
-    """Megatron-Core dist checkpoints keep their common state in ``common.pt`` (or, newest
-    MCore, in the ``common_state`` object): without either, MCore cannot load them."""
-    if meta.format not in ("torch_dist", "zarr"):
-        return []
-    if (root / "common.pt").is_file() or any(o.key == "common_state" for o in meta.objects):
-        return []
-    return [error("common.pt is missing (and there is no common_state object): the "
-                  "non-sharded state (iteration, args, ...) is lost", file="common.pt")]
 
 
 # -- 2. files -------------------------------------------------------------------------------
