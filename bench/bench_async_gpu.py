@@ -12,7 +12,9 @@ the write (``maybe_finalize_async_calls(blocking=True)`` / the write future) and
 time from the start of the save until the checkpoint is complete. Every checkpoint is read back
 and must hold the values of its save time. The last one is then loaded onto the GPU by the
 same library that wrote it (timed). Peak pinned memory is our staging segment over the
-staged bytes. Figures go to stdout (a table with ratios to the floor) and ``--json``.
+staged bytes. Figures go to stdout (a table with ratios to the floor) and ``--json`` (rewritten
+after each mode). With ``--budget-s`` no mode starts once that many seconds have passed; a
+mode that fails or runs past ``--timeout`` is reported and the others go on.
 """
 
 from __future__ import annotations
@@ -213,6 +215,7 @@ def main() -> None:
     ap.add_argument("--work", default=str(HERE / "out" / "async_gpu_work"))
     ap.add_argument("--json", default=str(HERE / "out" / "async_gpu.json"))
     ap.add_argument("--timeout", type=float, default=240, help="seconds per mode")
+    ap.add_argument("--budget-s", type=float, help="start no mode after this many seconds")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -220,7 +223,16 @@ def main() -> None:
         child(a)
         return
     results = []
+    start = time.perf_counter()
+    os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
     for mode in a.modes.split(","):
+        if a.budget_s is not None and time.perf_counter() - start > a.budget_s:
+            print(f"{mode}: not started (budget of {a.budget_s:.0f} s spent)", file=sys.stderr)
+            continue
+        if mode == "mcore-persistent" and a.device != "cuda":
+            print(f"{mode}: skipped (its spawned worker calls torch.cuda.set_device; the CPU "
+                  "smoke run cannot patch that)", file=sys.stderr)
+            continue
         if mode.startswith("mcore-"):
             try:
                 import megatron.core.dist_checkpointing  # noqa: F401
@@ -230,22 +242,28 @@ def main() -> None:
         argv = [sys.executable, __file__, "--child", mode, "--size-gb", str(a.size_gb),
                 "--saves", str(a.saves), "--work", a.work, "--device", a.device]
         t0 = time.perf_counter()
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True,  # its writer processes too, on timeout
+                                env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                    [str(ROOT), os.environ.get("PYTHONPATH", "")])})
         try:
-            proc = subprocess.run(argv, capture_output=True, text=True, timeout=a.timeout,
-                                  env={**os.environ, "PYTHONPATH": os.pathsep.join(
-                                      [str(ROOT), os.environ.get("PYTHONPATH", "")])})
+            stdout, stderr = proc.communicate(timeout=a.timeout)
         except subprocess.TimeoutExpired:
-            print(f"{mode}: timed out after {a.timeout:.0f} s", file=sys.stderr)
+            os.killpg(proc.pid, 9)
+            proc.wait()
+            shutil.rmtree(Path(a.work) / mode, ignore_errors=True)
+            print(f"{mode}: timed out after {a.timeout:.0f} s", file=sys.stderr, flush=True)
             continue
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+        lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
         if proc.returncode != 0 or not lines:
-            print(f"{mode}: failed ({proc.returncode}):\n{proc.stderr[-3000:]}", file=sys.stderr)
+            print(f"{mode}: failed ({proc.returncode}):\n{stderr[-3000:]}", file=sys.stderr,
+                  flush=True)
             continue
         r = json.loads(lines[-1][len("RESULT "):])
         r["process_s"] = time.perf_counter() - t0
         results.append(r)
+        Path(a.json).write_text(json.dumps(results, indent=1))
         print(f"{mode}: done in {r['process_s']:.0f} s", file=sys.stderr, flush=True)
-    os.makedirs(os.path.dirname(a.json), exist_ok=True)
     Path(a.json).write_text(json.dumps(results, indent=1))
     floor = next((statistics.median(r["blocking"]) for r in results if r["mode"] == "floor"),
                  None)

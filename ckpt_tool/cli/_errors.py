@@ -194,18 +194,43 @@ class CkptGroup(TyperGroup):
 
     def invoke(self, ctx: Any) -> Any:
         nproc = ctx.params.get("nproc") or 1
-        if nproc > 1:  # ``ckpt --nproc N COMMAND …``: the command runs on N ranks
-            return _launch(ctx, nproc)
+        if nproc > 1 and not _one_process(self, ctx, nproc):
+            return _launch(ctx, nproc)  # ``ckpt --nproc N COMMAND …``: on N ranks
         with _one_line_usage_errors():  # the subcommand's own arguments are parsed in here
             return super().invoke(ctx)
+
+
+def _rest(ctx: Any) -> list[str]:
+    """The command line after the root's options (the command and its arguments)."""
+    return [*(getattr(ctx, "_protected_args", None) or getattr(ctx, "protected_args", [])),
+            *ctx.args]
+
+
+def _one_process(group: Any, ctx: Any, nproc: int) -> bool:
+    """True (after a note) when the command is too small for ``--nproc`` to gain, or its
+    command line is wrong (one process then reports that as one line, at once)."""
+    from ckpt_tool.cli._launch import one_process_reason
+    from ckpt_tool.parallel import under_torchrun
+
+    rest = _rest(ctx)
+    if not rest or under_torchrun():
+        return False  # _launch says what is wrong
+    try:
+        name, cmd, args = group.resolve_command(ctx, list(rest))
+        params = cmd.make_context(name, args, parent=ctx).params
+    except typer.TyperException:  # a usage error
+        return True
+    reason = one_process_reason(name, params, nproc)
+    if reason and not params.get("quiet"):
+        print(f"ckpt: note: {reason}", file=sys.stderr)
+    return reason is not None
 
 
 def _launch(ctx: Any, nproc: int) -> Any:
     from ckpt_tool.cli._launch import run_on_ranks
     from ckpt_tool.parallel import under_torchrun
 
-    rest = [*(getattr(ctx, "_protected_args", None) or getattr(ctx, "protected_args", [])),
-            *ctx.args]
+    rest = _rest(ctx)
     if not rest:
         print("ckpt: error: --nproc needs a command (try 'ckpt --help')", file=sys.stderr)
         raise typer.Exit(2)

@@ -5,7 +5,7 @@
 central directory and the local headers with ``struct`` (no ``zipfile``, no copies of record
 data) and applies every condition that reader applies on the way, each under an id (``Z``:
 end records, ``C``: central directory entries, ``X``: a record's extraction, ``P``: PyTorch's
-own checks; the list with what each tests is docs/formats.md §12):
+own checks; the list with what each tests is docs/formats.md §14):
 
 * a condition that reader refuses raises :class:`TorchRejects` (``torch.load`` and so
   Megatron-Core's and DCP's loaders fail on such an archive);

@@ -60,7 +60,7 @@ def check_common_state(root: Path, meta: CheckpointMeta) -> list[Finding]:
     MCore, in the ``common_state`` object): without either, MCore cannot load them."""
     if meta.format not in ("torch_dist", "zarr"):
         return []
-    if (root / "common.pt").is_file() or any(o.key == "common_state" for o in meta.objects):
+    if (root / "common.pt").is_file() or meta.extras.get("common_object"):
         return []
     return [error("common.pt is missing (and there is no common_state object): the "
                   "non-sharded state (iteration, args, ...) is lost", file="common.pt")]

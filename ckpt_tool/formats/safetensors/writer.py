@@ -110,6 +110,7 @@ class SafetensorsWriter(Writer):
 
     def write(self, request: WriteRequest) -> list[str]:
         """Write the shards (and the index when more than one); return what was dropped."""
+        self.objects_written = 0  # the format holds tensors only
         tensors = list(request.meta.tensors.values())
         for t in tensors:
             if t.key == "__metadata__":
