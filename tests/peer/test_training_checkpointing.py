@@ -41,6 +41,7 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
 sys.path.insert(0, str(HERE))
 import fetch_megatron  # noqa: E402
 from _megatron_lm import run_worker  # noqa: E402
