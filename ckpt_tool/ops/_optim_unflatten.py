@@ -118,6 +118,7 @@ class UnflattenedOptimizerView(Reader):
     def __init__(self, reader: Reader, rules: RuleSet | None = None,
                  hints: BucketLayoutHints | None = None):
         super().__init__(reader.path, trust=reader.trust)
+        self.verify = reader.verify
         self.inner = reader
         self.format_name = reader.format_name
         meta = reader.metadata()
@@ -138,6 +139,9 @@ class UnflattenedOptimizerView(Reader):
 
     form = "dp_reshardable"
     proven_by = "per_bucket_numel and every stored piece"
+
+    def stored_archives(self, chunks: Any) -> list[Any]:
+        return self.inner.stored_archives(chunks)
 
     def _proven_layout(self, meta: CheckpointMeta, sizes: Any, source: Any,
                        args: dict[str, Any], rules: RuleSet | None, hints: BucketLayoutHints,

@@ -16,7 +16,10 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from ckpt_tool.formats.torch_zip import NotSimple, raw_item
+from ckpt_tool.errors import CorruptCheckpointError, IntegrityError
+from ckpt_tool.formats.archive_check import check_item
+from ckpt_tool.formats.torch_zip import raw_item
+from ckpt_tool.formats.zip_directory import NotSimple
 from ckpt_tool.formats.base import Reader
 from ckpt_tool.model import ChunkRef, TensorMeta, dtype_itemsize
 
@@ -74,10 +77,12 @@ class RawSource:
                 self._copy_chunk(chunk, meta.dtype, dt, src, out, dst)
             except NotSimple:  # an unusual item: this tensor goes through torch
                 return self._through_torch(key, offsets, sizes, dt)
+            except CorruptCheckpointError as exc:  # a damaged item: which tensor's
+                if not exc.message.startswith("tensor "):
+                    exc.message = f"tensor {meta.key}: {exc.message}"
+                raise
             covered += int(np.prod([hi - lo for lo, hi in inter]))
         if covered < out.size:
-            from ckpt_tool.errors import CorruptCheckpointError
-
             raise CorruptCheckpointError(f"tensor {meta.key}: stored chunks cover {covered} of "
                                          f"{out.size} requested elements", path=self.root)
         n = out.nbytes
@@ -111,31 +116,43 @@ class RawSource:
 
     def _copy_chunk(self, chunk: ChunkRef, dtype: str, dt: Any, src: tuple, out: Any,
                     dst: tuple) -> None:
-        import numpy as np
-
         start = chunk.byte_offset - chunk.byte_offset % mmap.ALLOCATIONGRANULARITY
-        with open(self.root / str(chunk.file), "rb") as f:
+        path = self.root / str(chunk.file)
+        with open(path, "rb") as f:
             if chunk.byte_offset + chunk.byte_length > os.fstat(f.fileno()).st_size:
-                from ckpt_tool.errors import CorruptCheckpointError
-
                 raise CorruptCheckpointError(f"data file {chunk.file} is truncated",
                                              path=self.root)
             mapped = mmap.mmap(f.fileno(), chunk.byte_offset + chunk.byte_length - start,
                                access=mmap.ACCESS_READ, offset=start)
+            try:
+                self._copy_mapped(f.fileno(), mapped, chunk.byte_offset - start, chunk, dtype,
+                                  dt, src, out, dst)
+            finally:
+                mapped.close()
+
+    def _copy_mapped(self, fd: int, mapped: Any, at: int, chunk: ChunkRef, dtype: str,
+                     dt: Any, src: tuple, out: Any, dst: tuple) -> None:
+        """Copy ``src`` of the item at ``at`` of ``mapped`` (of ``fd``) into ``out[dst]``,
+        its CRC-32s checked first over the same mapping (the copy then finds its pages)."""
+        import numpy as np
+
         raw = item = data = None
         try:
             with memoryview(mapped) as whole:
-                item = whole[chunk.byte_offset - start:]
-                raw = raw_item(item)
-                if raw.dtype != dtype:
-                    raise NotSimple(f"item holds {raw.dtype}, the metadata says {dtype}")
-                if raw.numel != math.prod(chunk.sizes):
-                    from ckpt_tool.errors import CorruptCheckpointError
-
-                    raise CorruptCheckpointError(
-                        f"{chunk.file}: the item at byte {chunk.byte_offset} holds "
-                        f"{list(raw.shape)}, the metadata says {list(chunk.sizes)}",
-                        path=self.root)
+                item = whole[at:]
+                records = None
+                if self.reader.verify:  # every record's CRC-32 before a byte is copied
+                    records = check_item(fd, chunk.byte_offset, chunk.byte_length, item,
+                                         f"item at bytes [{chunk.byte_offset}, "
+                                         f"{chunk.byte_offset + chunk.byte_length})",
+                                         path=self.root / str(chunk.file))
+                raw = raw_item(item, records)
+                if raw.dtype != dtype or raw.numel != math.prod(chunk.sizes):
+                    raise IntegrityError(
+                        f"the stored item of chunk at {list(chunk.offsets)} ({chunk.file}) "
+                        f"holds {raw.numel} {raw.dtype} elements, the metadata says "
+                        f"{math.prod(chunk.sizes)} {dtype}",
+                        hint="the metadata contradicts the data: the checkpoint is damaged")
                 size = dt.itemsize
                 data = np.ndarray(raw.shape, dtype=dt, buffer=raw.data,
                                   offset=raw.storage_offset * size,
@@ -148,4 +165,3 @@ class RawSource:
             for view in (None if raw is None else raw.data, item):
                 if view is not None:
                     view.release()
-            mapped.close()

@@ -29,7 +29,9 @@ from ckpt_tool.ops._container import (check_container_target, output_container,
 from ckpt_tool.ops._optim_unflatten import BucketLayoutHints, unflatten_bucketed_optimizer
 from ckpt_tool.ops._reshard_io import reshard_source
 from ckpt_tool.ops._resume import ResumeRecipe, resume_for
+from ckpt_tool.ops._source_checks import UNVERIFIED_NOTE, check_source
 from ckpt_tool.ops._stacked_view import stacked_view
+from ckpt_tool.ops.manifest import check_source_manifest
 from ckpt_tool.ops._staging import (check_output_target, output_estimate, staged_output_ranks,
                                     verify_output)
 from ckpt_tool.parallel import JobProgress
@@ -96,10 +98,12 @@ class ReshardResult:
 def reshard(src: str | Path | SourcePlace, dst: str | Path | None, req: ReshardRequest, *,
             check: bool = False, dry_run: bool = False, trust: bool = False,
             overwrite: bool = False, verify: bool = True, progress: Any = None,
-            workers: int = 1) -> ReshardResult:
+            workers: int = 1, verify_source: bool = True) -> ReshardResult:
     """Plan (always) and, unless ``check``/``dry_run``, write the resharded checkpoint.
     ``src``: a path (a save directory is read at its tracker's iteration) or
-    ``formats.save_dir.locate_source``'s answer (``--iteration``)."""
+    ``formats.save_dir.locate_source``'s answer (``--iteration``). ``verify``: validate the
+    output before it is moved into place; ``verify_source``: check every byte read against the
+    CRC-32 its record carries and the source's manifest (IntegrityError, exit 1)."""
     from ckpt_tool.planning.layout import load_rules
     from ckpt_tool.planning.reshard import ReshardOptions, plan_reshard
 
@@ -111,7 +115,10 @@ def reshard(src: str | Path | SourcePlace, dst: str | Path | None, req: ReshardR
         if dst is None:
             raise UsageError("reshard needs an output path", hint="ckpt reshard SRC DST --tp N")
         out = check_output_target(dst, sources=(place.given,), overwrite=overwrite)
-    base = open_checkpoint(place.checkpoint, trust=trust)
+    base = open_checkpoint(place.checkpoint, trust=trust, verify=verify_source)
+    check_source(base.metadata(), needs_common=True)
+    if verify_source:
+        check_source_manifest(Path(place.given), Path(base.metadata().root), r)
     src_format = base.metadata().format
     to = req.to or ("legacy" if src_format == "legacy" else "torch_dist")
     if to not in ("torch_dist", "legacy"):
@@ -139,7 +146,8 @@ def reshard(src: str | Path | SourcePlace, dst: str | Path | None, req: ReshardR
                                target=None if out is None else str(out), format=to,
                                plan=plan.to_dict(ranks=dry_run), container=container)
         result.plan["target"]["origins"] = target_origins
-        result.notes = [f"dropped {k}" for k in plan.dropped]
+        result.notes = [f"dropped {k}" for k in plan.dropped] + (
+            [] if verify_source else [UNVERIFIED_NOTE])
         if view is not None:
             result.notes += view.notes()
         local_spec, why = _norm_names(req, common)

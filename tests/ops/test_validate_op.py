@@ -11,7 +11,8 @@ import pytest
 
 from ckpt_tool.model import CheckpointMeta, ChunkRef, ObjectMeta, TensorMeta
 from ckpt_tool.ops._checks import (Finding, check_coverage, check_expectations, check_storage)
-from ckpt_tool.ops.validate import BoundedReader, check_zip_item, validate
+from ckpt_tool.formats.archive_check import BoundedReader, check_zip_item
+from ckpt_tool.ops.validate import validate
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 MCORE = FIXTURES / "mcore016_gpt_tp2pp2_fp32" / "iter_0000010"
