@@ -236,8 +236,9 @@ def locate_source(path: str | Path, iteration: int | None = None) -> SourcePlace
 
     A save directory: its tracker's iteration (InputError, exit 2, when that directory is
     missing), ``iteration``'s, or without a tracker file the latest. An ``iter_*``/``release``
-    directory holding a checkpoint: an iteration directory. Anything else: bare (a missing path
-    too: opening it says so)."""
+    directory holding a checkpoint: an iteration directory. A NeMo 2 checkpoint directory (or
+    its ``weights/``): a NeMo container. Anything else: bare (a missing path too: opening it
+    says so). A checkpoint with Megatron-Bridge's ``run_config.yaml`` beside it is Bridge's."""
     p = Path(path)
     if p.is_file() and (p.name in _METADATA_FILES or p.name == LATEST_FILE):
         p = p.parent
@@ -249,12 +250,15 @@ def locate_source(path: str | Path, iteration: int | None = None) -> SourcePlace
                              "(one checkpoint, no iterations)", hint="leave out --iteration")
         return SourcePlace(p, p / NEMO_WEIGHTS, Container("nemo", framework="nemo2"))
     place = _locate(p, iteration)
-    if (place.checkpoint / BRIDGE_RUN_CONFIG).is_file() and place.container.iteration_dir:
+    if (place.checkpoint / BRIDGE_RUN_CONFIG).is_file():
         return replace(place, container=replace(place.container, framework="megatron_bridge"))
     return place
 
 
 def _locate(p: Path, iteration: int | None) -> SourcePlace:
+    from ckpt_tool.formats.regular_files import check_regular
+
+    check_regular(p / LATEST_FILE)  # a FIFO there is refused, not read nor taken for absent
     read, note = select_iteration(p, iteration)
     if read != p:  # --iteration N in a save directory
         return SourcePlace(p, read, Container("save_dir", read.name), note)
