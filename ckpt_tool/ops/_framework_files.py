@@ -90,7 +90,10 @@ def _carry_bridge(src: Path, staging: Path, container: Container,
 
 
 def _carry_nemo(top: Path, staging: Path, layout: dict[str, Any] | None) -> list[str]:
+    from ckpt_tool.formats.regular_files import check_tree
+
     context = top / NEMO_CONTEXT
+    check_tree(context)  # a FIFO or device there is refused, never read
     shutil.copytree(context, staging / NEMO_CONTEXT)
     notes = [f"NeMo's {NEMO_CONTEXT}/ carried"]
     if layout is not None and (context / "io.json").is_file():
