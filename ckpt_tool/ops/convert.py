@@ -28,7 +28,9 @@ from ckpt_tool.ops._container import (check_container_target, output_container,
                                       place_container, to_validate)
 from ckpt_tool.ops._convert_plan import ConvertOptions, ConvertPlan, plan_convert
 from ckpt_tool.ops._raw_source import RawSource, raw_source_applies
-from ckpt_tool.ops._resume import ResumeRecipe, resume_for
+from ckpt_tool.ops._framework_files import carry_framework_files
+from ckpt_tool.ops._resume import MEGATRON_CKPT_FORMAT, ResumeRecipe, resume_for, written_facts
+from ckpt_tool.ops._resume_frameworks import recipe_for
 from ckpt_tool.ops._source import ReaderSource
 from ckpt_tool.ops._source_checks import UNVERIFIED_NOTE, check_source
 from ckpt_tool.ops._stacked_view import stacked_view
@@ -182,19 +184,24 @@ def convert(src: str | Path | SourcePlace, dst: str | Path, options: ConvertOpti
         legacy = options.to == "legacy"  # (whose writer makes its own save directory)
         with staged_output_ranks(out, r, overwrite=overwrite, file_name=file_name,
                                  notes=notes, need_bytes=output_estimate(plan.target),
-                                 inner=None if legacy else container.iteration_dir) as staging:
+                                 inner=None if legacy else container.inner) as staging:
             where = staging if legacy else place_container(staging, container, r)
             writer = writer_cls(where, wopts)
             if r.is_main or writer_cls.supports_ranks:
                 notes += writer.write(request)
             r.barrier()
             job_progress.catch_up(source.tensors_done)
+            facts = (written_facts(container.checkpoint_in(staging), out, container, meta.format)
+                     if options.to in MEGATRON_CKPT_FORMAT else None)
+            if facts is not None and r.is_main:
+                notes += carry_framework_files(place, staging, container, None, facts.has_rng,
+                                               facts.has_optimizer)
+            r.barrier()
             if verify:
                 single = file_name or ("model.pt" if options.to == "torch" else "")
                 verify_output(staging / single if single else to_validate(staging, container),
                               trust=trust, what="converted", ranks=r)
-            resume = resume_for(container.checkpoint_in(staging), out, container, meta.format,
-                                options.to)
+            resume = None if facts is None else recipe_for(facts)
     tensors, objects = writer.written(plan.target)
     mine = job_progress.local
     total = r.broadcast(sum(r.gather(mine) or [0])) if r.world > 1 else mine

@@ -28,7 +28,9 @@ from ckpt_tool.ops._container import (check_container_target, output_container,
                                       place_container, to_validate)
 from ckpt_tool.ops._optim_unflatten import BucketLayoutHints, unflatten_bucketed_optimizer
 from ckpt_tool.ops._reshard_io import reshard_source
-from ckpt_tool.ops._resume import ResumeRecipe, resume_for
+from ckpt_tool.ops._framework_files import carry_framework_files
+from ckpt_tool.ops._resume import ResumeRecipe, written_facts
+from ckpt_tool.ops._resume_frameworks import recipe_for
 from ckpt_tool.ops._source_checks import UNVERIFIED_NOTE, check_source
 from ckpt_tool.ops._stacked_view import stacked_view
 from ckpt_tool.ops.manifest import check_source_manifest
@@ -180,7 +182,7 @@ def reshard(src: str | Path | SourcePlace, dst: str | Path | None, req: ReshardR
         legacy = to == "legacy"  # (whose writer makes its own save directory)
         with staged_output_ranks(out, r, overwrite=overwrite, notes=result.notes,
                                  need_bytes=output_estimate(target),
-                                 inner=None if legacy else container.iteration_dir) as staging:
+                                 inner=None if legacy else container.inner) as staging:
             if legacy:  # every rank writes its share of the rank files
                 skipped = write_legacy_ranks(staging, plan, source, new_common, on_bytes,
                                              ranks=r if r.world > 1 else None,
@@ -202,12 +204,16 @@ def reshard(src: str | Path | SourcePlace, dst: str | Path | None, req: ReshardR
                 result.notes += writer_for("torch_dist")(where, wopts).write(request)
             r.barrier()
             job_progress.catch_up()
+            facts = written_facts(container.checkpoint_in(staging), out, container, src_format,
+                                  layout=layout.to_dict(), source_layout=plan.source.to_dict())
+            if r.is_main:
+                result.notes += carry_framework_files(place, staging, container, facts.layout,
+                                                      facts.has_rng, facts.has_optimizer)
+            r.barrier()
             if verify:
                 verify_output(to_validate(staging, container), trust=trust, what="resharded",
                               ranks=r)
-            result.resume = resume_for(container.checkpoint_in(staging), out, container,
-                                       src_format, to, layout=layout.to_dict(),
-                                       source_layout=plan.source.to_dict())
+            result.resume = recipe_for(facts)
     result.written = True
     mine = job_progress.local
     result.nbytes = r.broadcast(sum(r.gather(mine) or [0])) if r.world > 1 else mine
@@ -235,10 +241,13 @@ def _source_common(reader: Any) -> tuple[dict[str, Any], bool]:
 
 
 def _new_common(reader: Any, common: dict[str, Any], plan: Any, layout: Any) -> dict[str, Any]:
-    """The target's common state: the source's with the new sizes in ``args``."""
+    """The target's common state: the source's with the new sizes in ``args`` (a source
+    without ``args`` gets none: Megatron-Bridge and NeMo keep their configuration in their own
+    files, and Bridge falls back to ``args`` alone when its ``run_config.yaml`` is missing)."""
     new_common = dict(common)
-    new_common["args"] = updated_args(common.get("args"),
-                                      {**plan.args_updates, **_world_size(common, layout)})
+    if common.get("args") is not None:
+        new_common["args"] = updated_args(common.get("args"),
+                                          {**plan.args_updates, **_world_size(common, layout)})
     if hasattr(reader, "common_for_target"):  # a ChainedOptimizer's entries at the target
         new_common = reader.common_for_target(new_common, layout)
     return new_common
