@@ -64,7 +64,6 @@ ALLOWED_GLOBALS: dict[str, frozenset[str]] = {
         "decimal": {"Decimal"},
         "fractions": {"Fraction"},
         "uuid": {"UUID"},
-        "signal": {"Signals"},  # Megatron-LM's args.exit_signal (an IntEnum: SIGTERM)
         "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"},
         "pathlib._local": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath",
                            "Path"},

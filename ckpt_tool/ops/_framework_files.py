@@ -22,13 +22,11 @@ model-parallel layout (per-rank dataloader states, ModelOpt state) is left out, 
 
 from __future__ import annotations
 
-import io
 import json
 import shutil
 from pathlib import Path
 from typing import Any
 
-from ckpt_tool.errors import CorruptCheckpointError
 from ckpt_tool.formats.mcore_dist.training_config import (bridge_run_config_for, load_json,
                                                           load_yaml, nemo_io_for)
 from ckpt_tool.formats.save_dir import (BRIDGE_RUN_CONFIG, NEMO_CONTEXT, Container,
@@ -109,14 +107,12 @@ def _carry_nemo(top: Path, staging: Path, layout: dict[str, Any] | None) -> list
 
 
 def _checked_torch_file(path: Path) -> bytes:
-    """The bytes of a ``torch.save`` file, every zip entry's CRC checked."""
-    from ckpt_tool.formats.torch_zip import check_zip_item
+    """The bytes of a ``torch.save`` file, every zip record's CRC-32 checked (IntegrityError,
+    exit 1, when one does not match; CorruptCheckpointError, exit 2, when it is no archive)."""
+    from ckpt_tool.formats.archive_check import check_archive
 
     data = path.read_bytes()
-    why = check_zip_item(io.BytesIO(data), 0, len(data))
-    if why is not None:
-        raise CorruptCheckpointError(f"{path.name}: {why}", path=path,
-                                     hint="restore it from a good copy of the checkpoint")
+    check_archive(data, "torch.save file", path=path)
     return data
 
 

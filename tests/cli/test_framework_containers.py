@@ -37,9 +37,9 @@ def _ok(*argv: object) -> object:
     return result
 
 
-def _refused(*argv: object) -> str:
+def _refused(*argv: object, code: int = 2) -> str:
     result = _run(*argv)
-    assert result.exit_code == 2, result.output
+    assert result.exit_code == code, result.output
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
     return lines[0]
@@ -120,8 +120,9 @@ def test_a_damaged_train_state_is_refused_before_anything_is_written(tmp_path):
     step = next(r for r in zip_records(bytes(data)) if r.name.endswith("/data/0"))
     data[step.start] ^= 0xFF  # the step's bytes, no longer what the zip's CRC says
     state.write_bytes(bytes(data))
-    line = _refused("reshard", save, tmp_path / "out", "--tp", "1")
-    assert "train_state.pt" in line
+    # exit 1, as for every CRC mismatch: the bytes are damaged, the file is readable
+    line = _refused("reshard", save, tmp_path / "out", "--tp", "1", code=1)
+    assert "train_state.pt" in line and "CRC-32" in line
     assert not (tmp_path / "out").exists()
     assert not [p for p in tmp_path.iterdir() if "staging" in p.name]
 
