@@ -47,10 +47,13 @@ class FollowingDigest:
         self._thread.start()
 
     def advance(self, written: int) -> None:
-        """``written`` bytes of the file (from its start) are on disk."""
+        """``written`` bytes of the file (from its start) are on disk. The thread is woken
+        once a block's worth is waiting (not for every small item: each wake-up costs the
+        writer a thread switch), and by :meth:`finish`."""
         with self._cond:
             self._written = max(self._written, written)
-            self._cond.notify()
+            if self._written - self._done >= _BLOCK:
+                self._cond.notify()
 
     def _run(self) -> None:
         buf = bytearray(_BLOCK)
@@ -108,21 +111,28 @@ class DigestedFile:
     def __init__(self, file: Any, follower: FollowingDigest | None):
         self.file = file
         self.follower = follower
+        self.position = 0  # bytes written through :meth:`write` (the file is new)
+        self._told = 0
 
     def write(self, buf: Any) -> int:
         """Write ``buf`` (any buffer); returns its length."""
         view = memoryview(buf)
         if self.follower is None or view.nbytes <= _SLICE:
-            return self.file.write(view)
+            n = self.file.write(view)
+            self.position += view.nbytes
+            return n
         for start in range(0, view.nbytes, _SLICE):
             self.file.write(view[start:start + _SLICE])
+            self.position += min(_SLICE, view.nbytes - start)
             self.advanced()
         return view.nbytes
 
     def advanced(self) -> None:
-        """What the file holds so far (its OS position) may be hashed."""
-        if self.follower is not None:
-            self.follower.advance(os.lseek(self.file.fileno(), 0, os.SEEK_CUR))
+        """What the file holds so far (its OS position) may be hashed (asked of the OS once
+        a block more has been written: cheap to call after every small item)."""
+        if self.follower is not None and self.position - self._told >= _BLOCK:
+            self._told = os.lseek(self.file.fileno(), 0, os.SEEK_CUR)
+            self.follower.advance(self._told)
 
 
 @contextlib.contextmanager

@@ -82,9 +82,9 @@ def _write_file(path: Path, items: Sequence[PlannedItem], tensor: Callable[[Plan
     out = []
     with digested_file(path, digest, sync=sync) as f:
         for item in items:
-            offset = f.file.tell()
+            offset = f.position
             if item.is_bytes:
-                length = f.file.write(payload(item.fqn))
+                length = f.write(payload(item.fqn))
             else:
                 data = chunk_buffer(item, tensor(item))
                 archive = TensorArchive(item.dtype, item.sizes, data.nbytes)

@@ -1,8 +1,9 @@
 """A torch-free ``TensorSource`` for byte-moving conversions (DCP-based source -> safetensors).
 
 When no dtype changes and every chunk of a tensor is a plain ``torch.save`` item, the bytes can
-be moved without torch: each item is located in place over mmap (``formats.torch_zip``) and its
-elements copied with numpy into the requested rectangle. Pieces are numpy arrays of unsigned
+be moved without torch: each item is located in place over mmap (``formats.torch_zip``); a
+request for one stored chunk gets its elements in place, any other rectangle is assembled from
+them with numpy. Pieces are numpy arrays of unsigned
 integers of the element's size (the bytes are what matter); anything unusual falls back to the
 torch path, per tensor. Skipping ``import torch`` (about 1 s) is most of a small conversion.
 """
@@ -13,12 +14,14 @@ import math
 import mmap
 import os
 import threading
+import weakref
 from pathlib import Path
 from typing import Any
 
 from ckpt_tool.formats.torch_zip import NotSimple, raw_item
 from ckpt_tool.formats.base import Reader
 from ckpt_tool.model import ChunkRef, TensorMeta, dtype_itemsize
+from ckpt_tool.planning.overlap import chunk_index
 
 __all__ = ["RawSource", "raw_source_applies"]
 
@@ -40,7 +43,12 @@ def _movable(t: TensorMeta) -> bool:
 
 
 class RawSource:
-    """``TensorSource`` yielding numpy arrays; see the module docstring."""
+    """``TensorSource`` yielding numpy arrays; see the module docstring.
+
+    A request for exactly one stored chunk (a conversion keeping the chunk grid) gets the
+    item's elements in place: a read-only array over the mapped item, no copy (the mapping
+    goes when the array does). Other requests are assembled into a fresh array. Each data
+    file is opened once (:meth:`close`, or when the source is collected)."""
 
     raw_bytes = True  # writers may take the pieces as bytes (numpy arrays, not tensors)
 
@@ -54,16 +62,30 @@ class RawSource:
         self._per_key: dict[str, int] = {}
         self._chunks: dict[str, dict[tuple, ChunkRef]] = {}
         self._lock = threading.Lock()
+        self._files: dict[str, tuple[int, int]] = {}  # name -> (descriptor, size)
+        self._closer = weakref.finalize(self, _close_all, self._files)
+
+    def close(self) -> None:
+        """Close the data files opened so far (a later read opens them again)."""
+        _close_all(self._files)
 
     def read(self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Any:
         import numpy as np
 
         meta = self.reader.metadata().tensors[self.key_map[key]]
         dt = np.dtype(_UINT[dtype_itemsize(meta.dtype)])
+        exact = self._exact(meta).get((tuple(offsets), tuple(sizes)))
+        if exact is not None:
+            try:
+                out = self._in_place(exact, meta.dtype, dt)
+            except NotSimple:  # an unusual item: this tensor goes through torch
+                return self._through_torch(key, offsets, sizes, dt)
+            return self._count(key, out)
         out = np.empty(sizes, dtype=dt)
         covered = 0
-        exact = self._exact(meta).get((tuple(offsets), tuple(sizes)))
-        for chunk in (exact,) if exact is not None else meta.chunks:
+        index = chunk_index(meta)  # only the chunks that can overlap the request
+        for i in index.candidates(offsets, sizes):
+            chunk = index.chunks[i]
             inter = [(max(o, c), min(o + n, c + m)) for o, n, c, m in
                      zip(offsets, sizes, chunk.offsets, chunk.sizes)]
             if any(lo >= hi for lo, hi in inter):
@@ -71,15 +93,18 @@ class RawSource:
             src = tuple(slice(lo - c, hi - c) for (lo, hi), c in zip(inter, chunk.offsets))
             dst = tuple(slice(lo - o, hi - o) for (lo, hi), o in zip(inter, offsets))
             try:
-                self._copy_chunk(chunk, meta.dtype, dt, src, out, dst)
+                out[dst] = self._in_place(chunk, meta.dtype, dt)[src]
             except NotSimple:  # an unusual item: this tensor goes through torch
                 return self._through_torch(key, offsets, sizes, dt)
-            covered += int(np.prod([hi - lo for lo, hi in inter]))
+            covered += math.prod(hi - lo for lo, hi in inter)
         if covered < out.size:
             from ckpt_tool.errors import CorruptCheckpointError
 
             raise CorruptCheckpointError(f"tensor {meta.key}: stored chunks cover {covered} of "
                                          f"{out.size} requested elements", path=self.root)
+        return self._count(key, out)
+
+    def _count(self, key: str, out: Any) -> Any:
         n = out.nbytes
         with self._lock:
             self.largest_piece = max(self.largest_piece, n)
@@ -109,43 +134,51 @@ class RawSource:
         t = ReaderSource(self.reader, self.key_map).read(key, offsets, sizes)
         return t.reshape(-1).view(torch.uint8).numpy().view(dt).reshape(sizes)
 
-    def _copy_chunk(self, chunk: ChunkRef, dtype: str, dt: Any, src: tuple, out: Any,
-                    dst: tuple) -> None:
+    def _file(self, name: str) -> tuple[int, int]:
+        got = self._files.get(name)
+        if got is None:
+            fd = os.open(self.root / name, os.O_RDONLY)
+            got = (fd, os.fstat(fd).st_size)
+            with self._lock:
+                if name in self._files:  # another thread opened it meanwhile
+                    os.close(fd)
+                    return self._files[name]
+                self._files[name] = got
+        return got
+
+    def _in_place(self, chunk: ChunkRef, dtype: str, dt: Any) -> Any:
+        """The chunk's elements as a read-only array over the mapped item (in the chunk's
+        shape; the mapping lives as long as the array)."""
         import numpy as np
 
+        fd, size = self._file(str(chunk.file))
+        if chunk.byte_offset + chunk.byte_length > size:
+            from ckpt_tool.errors import CorruptCheckpointError
+
+            raise CorruptCheckpointError(f"data file {chunk.file} is truncated", path=self.root)
         start = chunk.byte_offset - chunk.byte_offset % mmap.ALLOCATIONGRANULARITY
-        with open(self.root / str(chunk.file), "rb") as f:
-            if chunk.byte_offset + chunk.byte_length > os.fstat(f.fileno()).st_size:
-                from ckpt_tool.errors import CorruptCheckpointError
+        mapped = mmap.mmap(fd, chunk.byte_offset + chunk.byte_length - start,
+                           access=mmap.ACCESS_READ, offset=start)
+        item = memoryview(mapped)[chunk.byte_offset - start:]
+        raw = raw_item(item)
+        if raw.dtype != dtype:
+            raise NotSimple(f"item holds {raw.dtype}, the metadata says {dtype}")
+        if raw.numel != math.prod(chunk.sizes):
+            from ckpt_tool.errors import CorruptCheckpointError
 
-                raise CorruptCheckpointError(f"data file {chunk.file} is truncated",
-                                             path=self.root)
-            mapped = mmap.mmap(f.fileno(), chunk.byte_offset + chunk.byte_length - start,
-                               access=mmap.ACCESS_READ, offset=start)
-        raw = item = data = None
-        try:
-            with memoryview(mapped) as whole:
-                item = whole[chunk.byte_offset - start:]
-                raw = raw_item(item)
-                if raw.dtype != dtype:
-                    raise NotSimple(f"item holds {raw.dtype}, the metadata says {dtype}")
-                if raw.numel != math.prod(chunk.sizes):
-                    from ckpt_tool.errors import CorruptCheckpointError
+            raise CorruptCheckpointError(
+                f"{chunk.file}: the item at byte {chunk.byte_offset} holds "
+                f"{list(raw.shape)}, the metadata says {list(chunk.sizes)}", path=self.root)
+        size = dt.itemsize
+        data = np.ndarray(raw.shape, dtype=dt, buffer=raw.data,
+                          offset=raw.storage_offset * size,
+                          strides=[s * size for s in raw.stride])
+        if data.shape != tuple(chunk.sizes):
+            data = data.reshape(chunk.sizes)
+        return data
 
-                    raise CorruptCheckpointError(
-                        f"{chunk.file}: the item at byte {chunk.byte_offset} holds "
-                        f"{list(raw.shape)}, the metadata says {list(chunk.sizes)}",
-                        path=self.root)
-                size = dt.itemsize
-                data = np.ndarray(raw.shape, dtype=dt, buffer=raw.data,
-                                  offset=raw.storage_offset * size,
-                                  strides=[s * size for s in raw.stride])
-                if data.shape != tuple(chunk.sizes):
-                    data = data.reshape(chunk.sizes)
-                out[dst] = data[src]
-        finally:  # every view released before the unmap, also on an error (else the
-            del data  # BufferError of close() would hide it)
-            for view in (None if raw is None else raw.data, item):
-                if view is not None:
-                    view.release()
-            mapped.close()
+
+def _close_all(files: dict[str, tuple[int, int]]) -> None:
+    while files:
+        _name, (fd, _size) = files.popitem()
+        os.close(fd)

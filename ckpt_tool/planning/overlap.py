@@ -13,12 +13,14 @@
 from __future__ import annotations
 
 import bisect
+import threading
 from dataclasses import dataclass
 from typing import Sequence
 
 from ckpt_tool.model import ChunkRef, TensorMeta, dtype_itemsize
 
-__all__ = ["Box", "intersect", "SourceRead", "ChunkIndex", "reads_for", "flat_block"]
+__all__ = ["Box", "intersect", "SourceRead", "ChunkIndex", "chunk_index", "reads_for",
+           "flat_block"]
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
 
@@ -103,6 +105,27 @@ class ChunkIndex:
         lo = bisect.bisect_left(self.starts, offsets[0] - self.longest + 1)
         hi = bisect.bisect_left(self.starts, offsets[0] + sizes[0])
         return range(lo, hi)
+
+
+_INDEXES: dict[int, tuple[TensorMeta, ChunkIndex]] = {}
+_INDEXES_KEPT = 64
+_INDEXES_LOCK = threading.Lock()
+
+
+def chunk_index(meta: TensorMeta) -> ChunkIndex:
+    """The :class:`ChunkIndex` of ``meta``, built once per metadata object (readers hand out
+    the same ``TensorMeta`` for every read of a tensor: a lookup per read instead of a scan
+    of all its chunks, which made reading every chunk of a tensor quadratic in its chunks)."""
+    with _INDEXES_LOCK:
+        hit = _INDEXES.get(id(meta))  # the entry holds meta: its id is not reused meanwhile
+    if hit is not None and hit[0] is meta:
+        return hit[1]
+    index = ChunkIndex(meta)
+    with _INDEXES_LOCK:
+        if len(_INDEXES) >= _INDEXES_KEPT:
+            _INDEXES.pop(next(iter(_INDEXES)))
+        _INDEXES[id(meta)] = (meta, index)
+    return index
 
 
 def reads_for(index: ChunkIndex, offsets: Sequence[int], sizes: Sequence[int]
