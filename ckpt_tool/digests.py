@@ -18,6 +18,7 @@ import threading
 from typing import Any, Iterator
 
 from ckpt_tool._crc import crc32
+from ckpt_tool.writeback import Writeback
 
 __all__ = ["FollowingDigest", "DigestedFile", "digested_file", "note", "noted", "take", "give"]
 
@@ -108,16 +109,18 @@ class DigestedFile:
     (big buffers in slices the digest follows) and :meth:`advanced` (tell the digest what
     has reached the OS)."""
 
-    def __init__(self, file: Any, follower: FollowingDigest | None):
+    def __init__(self, file: Any, follower: FollowingDigest | None,
+                 writeback: Writeback | None = None):
         self.file = file
         self.follower = follower
+        self.writeback = writeback
         self.position = 0  # bytes written through :meth:`write` (the file is new)
         self._told = 0
 
     def write(self, buf: Any) -> int:
         """Write ``buf`` (any buffer); returns its length."""
         view = memoryview(buf)
-        if self.follower is None or view.nbytes <= _SLICE:
+        if (self.follower is None and self.writeback is None) or view.nbytes <= _SLICE:
             n = self.file.write(view)
             self.position += view.nbytes
             return n
@@ -128,23 +131,29 @@ class DigestedFile:
         return view.nbytes
 
     def advanced(self) -> None:
-        """What the file holds so far (its OS position) may be hashed (asked of the OS once
-        a block more has been written: cheap to call after every small item)."""
-        if self.follower is not None and self.position - self._told >= _BLOCK:
+        """What the file holds so far (its OS position) may be hashed, and its write-back
+        started (asked of the OS once a block more has been written: cheap to call after
+        every small item)."""
+        if (self.follower is not None or self.writeback is not None) \
+                and self.position - self._told >= _BLOCK:
             self._told = os.lseek(self.file.fileno(), 0, os.SEEK_CUR)
-            self.follower.advance(self._told)
+            if self.follower is not None:
+                self.follower.advance(self._told)
+            if self.writeback is not None:
+                self.writeback.wrote(self._told)
 
 
 @contextlib.contextmanager
 def digested_file(path: str | os.PathLike, algorithm: str | None, *,
                   sync: bool = True) -> Iterator[DigestedFile]:
     """A new file ``path`` written in the ``with`` block: flushed and (``sync``) fsynced at
-    its end, its ``algorithm`` digest (None: none) computed by a :class:`FollowingDigest`
-    while it is written and noted once it is complete; on an error the digest is abandoned."""
+    its end, with its write-back started as it grows (``ckpt_tool.writeback``), its
+    ``algorithm`` digest (None: none) computed by a :class:`FollowingDigest` while it is
+    written and noted once it is complete; on an error the digest is abandoned."""
     with open(path, "wb") as f:
         follower = FollowingDigest(path, algorithm) if algorithm else None
         try:
-            yield DigestedFile(f, follower)
+            yield DigestedFile(f, follower, Writeback(f.fileno()) if sync else None)
             f.flush()
             if sync:
                 os.fsync(f.fileno())

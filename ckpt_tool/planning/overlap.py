@@ -19,8 +19,8 @@ from typing import Sequence
 
 from ckpt_tool.model import ChunkRef, TensorMeta, dtype_itemsize
 
-__all__ = ["Box", "intersect", "SourceRead", "ChunkIndex", "chunk_index", "reads_for",
-           "flat_block"]
+__all__ = ["Box", "intersect", "grid_tiling", "SourceRead", "ChunkIndex", "chunk_index",
+           "reads_for", "flat_block"]
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
 
@@ -36,6 +36,28 @@ def intersect(a_off: Sequence[int], a_sizes: Sequence[int], b_off: Sequence[int]
         off.append(lo)
         sizes.append(hi - lo)
     return tuple(off), tuple(sizes)
+
+
+def grid_tiling(shape: Sequence[int], boxes: Sequence[Box]) -> bool:
+    """True when ``boxes`` are the cells of a grid that tiles ``shape`` exactly: along each
+    axis their intervals partition ``[0, shape[axis])`` and every cell of that grid is one
+    box, once (no overlap, no gap). Linear in the boxes: the usual chunk layouts (stacked
+    layers x tensor-parallel or expert shards) are proven in one pass; False says only that
+    they are not such a grid (a pairwise check must then decide)."""
+    if not shape:
+        return len(boxes) == 1
+    cells = 1
+    for axis, size in enumerate(shape):
+        pos = 0
+        intervals = sorted({(b[0][axis], b[1][axis]) for b in boxes})
+        for start, length in intervals:  # a repeated start with two lengths fails here too
+            if start != pos or length <= 0:
+                return False
+            pos += length
+        if pos != size:
+            return False
+        cells *= len(intervals)
+    return cells == len(boxes) == len({tuple(b[0]) for b in boxes})
 
 
 @dataclass(frozen=True)
