@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import bisect
+import itertools
 import threading
 from dataclasses import dataclass
 from typing import Sequence
@@ -107,8 +108,10 @@ def flat_block(meta: TensorMeta, chunk: ChunkRef) -> Box:
 
 
 class ChunkIndex:
-    """A tensor's chunks sorted along axis 0 for quick candidate lookup (chunks of one
-    checkpoint do not overlap, so a window of the longest chunk suffices)."""
+    """A tensor's chunks arranged for quick candidate lookup. When they form a grid
+    (:func:`grid_tiling`: stacked layers x tensor-parallel or expert shards) a request finds
+    exactly the cells it touches, axis by axis; otherwise the chunks are sorted along axis 0
+    and a window of the longest chunk is searched (chunks of one checkpoint do not overlap)."""
 
     def __init__(self, meta: TensorMeta):
         self.meta = meta
@@ -120,10 +123,27 @@ class ChunkIndex:
         self.chunks = [meta.chunks[i] for i in order]
         self.starts = [b[0][0] if b[0] else 0 for b in self.boxes]
         self.longest = max((b[1][0] for b in self.boxes if b[1]), default=1)
+        self._axes: list[list[int]] | None = None  # a grid: each axis's cell starts
+        self._cells: dict[tuple[int, ...], int] = {}
+        if not self.flat and len(self.boxes) > 1 and meta.shape and all(
+                len(b[0]) == len(meta.shape) for b in self.boxes) \
+                and grid_tiling(meta.shape, self.boxes):
+            self._axes = [sorted({b[0][d] for b in self.boxes}) for d in range(len(meta.shape))]
+            self._cells = {tuple(b[0]): i for i, b in enumerate(self.boxes)}
 
-    def candidates(self, offsets: Sequence[int], sizes: Sequence[int]) -> range:
+    def candidates(self, offsets: Sequence[int], sizes: Sequence[int]) -> Sequence[int]:
+        """Indices (into ``chunks``/``boxes``) of the chunks that may overlap the rectangle."""
         if not offsets:
             return range(len(self.chunks))
+        if self._axes is not None and len(offsets) == len(self._axes):
+            ranges = []
+            for starts, o, n in zip(self._axes, offsets, sizes):
+                lo = max(0, bisect.bisect_right(starts, o) - 1)
+                hi = bisect.bisect_left(starts, o + n)
+                if hi <= lo:
+                    return []
+                ranges.append(starts[lo:hi])
+            return [self._cells[cell] for cell in itertools.product(*ranges)]
         lo = bisect.bisect_left(self.starts, offsets[0] - self.longest + 1)
         hi = bisect.bisect_left(self.starts, offsets[0] + sizes[0])
         return range(lo, hi)
