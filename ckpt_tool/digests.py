@@ -130,6 +130,28 @@ class DigestedFile:
             self.advanced()
         return view.nbytes
 
+    def writev(self, buffers: Any) -> int:
+        """Write ``buffers`` one after the other in one system call (the small ones are not
+        copied into the stream's buffer first); returns their total length. Big ones go
+        through :meth:`write` (in slices the digest follows)."""
+        views = [memoryview(b).cast("B") for b in buffers]
+        total = sum(v.nbytes for v in views)
+        if total > _SLICE:
+            for v in views:
+                self.write(v)
+            return total
+        self.file.flush()  # what the stream holds goes first
+        fd = self.file.fileno()
+        while views:
+            n = os.writev(fd, views)
+            while views and n >= views[0].nbytes:
+                n -= views[0].nbytes
+                views.pop(0)
+            if views and n:
+                views[0] = views[0][n:]
+        self.position += total
+        return total
+
     def advanced(self) -> None:
         """What the file holds so far (its OS position) may be hashed, and its write-back
         started (asked of the OS once a block more has been written: cheap to call after

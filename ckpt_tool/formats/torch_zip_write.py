@@ -247,20 +247,24 @@ class TensorArchive:
         _U32.pack_into(out, t.cd_sid, sid_crc)
         return bytes(out)
 
-    def write(self, write: Callable[[Any], Any], data: Any) -> int:
-        """Write the archive of ``data`` (a buffer of ``nbytes`` bytes) through ``write``;
-        returns the archive's length."""
+    def write(self, write: Callable[[Any], Any], data: Any, *,
+              writev: Callable[[list], Any] | None = None) -> int:
+        """Write the archive of ``data`` (a buffer of ``nbytes`` bytes) through ``write``
+        (or in one call of ``writev`` with the three parts); returns the archive's length."""
         view = memoryview(data)
         if view.ndim != 1 or view.format != "B":
             view = view.cast("B")
         if view.nbytes != self.nbytes:
             raise ValueError(f"{view.nbytes} bytes of data for an archive of {self.nbytes}")
         head = self._t.head
-        write(head)
-        if view.nbytes:
-            write(view)
         tail = self.tail(crc32(view) & 0xFFFFFFFF)
-        write(tail)
+        if writev is not None:
+            writev([head, view, tail])
+        else:
+            write(head)
+            if view.nbytes:
+                write(view)
+            write(tail)
         return len(head) + view.nbytes + len(tail)
 
 
