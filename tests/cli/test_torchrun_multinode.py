@@ -85,3 +85,20 @@ def test_convert_and_reshard_on_two_nodes_equal_one_process(tmp_path):
     _each_wrote_its_share(written, tmp_path / "r2")
     reshard(OPTIM, tmp_path / "r1", ReshardRequest(tp=4, pp=1))
     assert diff(tmp_path / "r1", tmp_path / "r2").identical
+
+
+def test_ranks_started_without_torchrun_as_srun_starts_them(tmp_path):
+    """One process per rank with ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` set
+    (what an ``srun`` line sets from ``SLURM_PROCID``/``SLURM_NTASKS``): the same output."""
+    port = str(_free_port())
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "ckpt_tool", "reshard", str(OPTIM), str(tmp_path / "r2"),
+         "--tp", "4", "--pp", "1"],
+        env=dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1",
+                 PYTHONPATH=str(REPO), PYTHONWARNINGS="ignore", RANK=str(rank), LOCAL_RANK="0",
+                 WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port),
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    errors = [p.communicate(timeout=600)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], errors[0][-2000:] + errors[1][-2000:]
+    reshard(OPTIM, tmp_path / "r1", ReshardRequest(tp=4, pp=1))
+    assert diff(tmp_path / "r1", tmp_path / "r2").identical
