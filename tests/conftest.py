@@ -4,6 +4,23 @@ from __future__ import annotations
 
 import pytest
 
+# ``-m "not slow"``, the quick run: everything but what starts torchrun jobs or the real
+# Megatron-Core (the ``multiproc`` and ``interop`` markers, ``tests/interop``, ``tests/peer``)
+# and the files whose tests each take minutes of CPU (memory peaks of 64 MiB models, kill -9
+# trials, Ctrl-C and SIGTERM at pause points, exits racing gloo's threads, shared-memory staging).
+SLOW_DIRS = {"interop", "peer"}
+SLOW_FILES = {"test_convert_memory.py", "test_torch_dist_memory.py", "test_faults.py",
+              "test_interrupt.py", "test_hf_streaming.py", "test_exit_clean.py",
+              "test_staging_pool.py"}
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        path = item.path
+        if (path.parent.name in SLOW_DIRS or path.name in SLOW_FILES
+                or item.get_closest_marker("multiproc") or item.get_closest_marker("interop")):
+            item.add_marker(pytest.mark.slow)
+
 
 @pytest.fixture
 def raw_saves(monkeypatch) -> list[str]:

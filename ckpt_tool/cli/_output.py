@@ -11,8 +11,8 @@ import json
 import sys
 from typing import Any
 
-__all__ = ["stdout", "stderr", "print_json", "message", "human_bytes", "quiet_unless_main_rank",
-           "hush"]
+__all__ = ["stdout", "stderr", "print_json", "print_text", "message", "human_bytes",
+           "quiet_unless_main_rank", "hush"]
 
 # Piped output is read by people too (``| less``): don't squeeze tables to 80 columns there.
 _PIPE_WIDTH = 200
@@ -52,6 +52,12 @@ def print_json(data: Any) -> None:
     """Machine output: one JSON document on stdout, nothing else."""
     sys.stdout.write(json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
     sys.stdout.flush()
+
+
+def print_text(text: str) -> None:
+    """Plain text on stdout (no markup, no highlighting): on a terminal wrapped between words
+    to its width, so that no name is cut by the terminal's own wrapping; elsewhere as it is."""
+    stdout.print(text, highlight=False, markup=False, soft_wrap=not sys.stdout.isatty())
 
 
 def message(text: str, *, failure: bool = False) -> None:

@@ -11,7 +11,7 @@ import typer
 from ckpt_tool.cli._errors import handle_errors, state
 from ckpt_tool.cli._options import (DebugFlag, IterationOption, JsonFlag, NoProgressFlag,
                                     QuietFlag, TrustFlag, at_iteration)
-from ckpt_tool.cli._output import message, print_json, stdout
+from ckpt_tool.cli._output import message, print_json, print_text
 from ckpt_tool.errors import plural
 
 # Rows per section of the table (the JSON document always has every difference).
@@ -47,6 +47,11 @@ def diff(
         "--rtol", min=0.0, metavar="X",
         help="Relative tolerance (see --atol). With a tolerance, a dtype "
         "change alone is not a difference: the values decide.")] = 0.0,
+    resharded: Annotated[bool, typer.Option(
+        "--resharded", help="B is a reshard of A (or A of B): compare every weight and "
+        "optimizer value across layouts (TP/PP/EP, legacy or dist, optimizer buckets or model "
+        "space, the padded vocabulary on the rows both hold); what a reshard changes by design "
+        "(parallel sizes in args, dropped RNG states) is a note, not a difference.")] = False,
     iteration: IterationOption = None,
     quiet: QuietFlag = False,
     no_progress: NoProgressFlag = False,
@@ -63,6 +68,7 @@ def diff(
       ckpt diff run1/iter_0000100 export/model.safetensors --json
       ckpt diff old new --rename module.= --filter 'decoder\\.' --rtol 1e-2
       ckpt diff checkpoints/gpt/iter_0001000 gpt-hf
+      ckpt diff checkpoints/gpt/iter_0001000 gpt-tp4 --resharded
     """
     from ckpt_tool.cli._progress import progress_bar
     from ckpt_tool.ops.diff import diff as run_diff
@@ -75,7 +81,7 @@ def diff(
     pairs = parse_rename(rename or [])
     with progress_bar("diff", enabled=not (keys_only or quiet or no_progress)) as bar:
         result = run_diff(a, b, rename=pairs, filter=filter_, keys_only=keys_only, atol=atol,
-                          rtol=rtol, trust=trust, progress=bar)
+                          rtol=rtol, trust=trust, progress=bar, resharded=resharded)
     state.verdict = 0 if result.identical else 1  # kept if stdout's reader goes away
     if json_:
         print_json(result.to_dict())
@@ -112,29 +118,23 @@ def verdict(result: Any) -> str:
         v = result.values[0]
         line += (f"; first: {v.key}{list(v.first_index)} is {_num(v.first_a)} in A, "
                  f"{_num(v.first_b)} in B" + result.named(v.key)[len(v.key):])
+    from ckpt_tool.ops._diff_resharded import HINT
+
+    if not result.identical and HINT in result.notes:
+        line += f" ({HINT})"
     return line
-
-
-def _esc(v: Any) -> str:
-    from rich.markup import escape
-
-    return escape(str(v))
 
 
 def _table(title: str, columns: tuple[str, ...], rows: list[tuple[Any, ...]]) -> None:
     if not rows:
         return
-    from rich.table import Table
+    from ckpt_tool.cli._tables import Column, print_table
 
     more = len(rows) - _ROWS
-    table = Table(title=f"{title} ({len(rows)})", title_justify="left")
-    for c in columns:
-        table.add_column(c, overflow="fold")
-    for r in rows[:_ROWS]:
-        table.add_row(*(_esc(x) for x in r))
-    stdout.print(table)
+    print_table(f"{title} ({len(rows)})",
+                [Column(c, name=i == 0) for i, c in enumerate(columns)], rows[:_ROWS])
     if more > 0:
-        stdout.print(f"... {more} more (--json lists all)")
+        print_text(f"... {more} more (--json lists all)")
 
 
 def _num(x: Any) -> str:
@@ -162,5 +162,8 @@ def render(result: Any) -> None:
     _table("objects only in B", ("unique key",), [(k,) for k in d["objects_only_in_b"]])
     _table("object payloads", ("object.field", "kind", "A", "B"),
            [(c["path"], c["kind"], c["a"], c["b"]) for c in d["objects"]])
+    from ckpt_tool.ops._diff_resharded import HINT
+
     for note in d["notes"]:
-        message(f"note: {note}")
+        if note != HINT:  # (in the verdict line)
+            message(f"note: {note}")

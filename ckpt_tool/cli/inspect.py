@@ -7,7 +7,7 @@ import typer
 from ckpt_tool.cli._errors import handle_errors
 from ckpt_tool.cli._options import (CheckpointPath, DebugFlag, IterationOption, JsonFlag,
                                     TrustFlag, at_iteration)
-from ckpt_tool.cli._output import human_bytes, message, print_json, stdout
+from ckpt_tool.cli._output import human_bytes, message, print_json, print_text, stdout
 from ckpt_tool.errors import plural
 
 # The default view lists objects one per row up to this many, then one row per key.
@@ -81,19 +81,21 @@ def render(result: Any, *, tree: bool = False, all_objects: bool = False,
                                         "common_backend", "common_backend_version",
                                         "dcp_version") if ex.get(k) is not None]
     if backend:
-        stdout.print("backend: " + ", ".join(backend), highlight=False)
+        print_text("backend: " + ", ".join(backend))
+    if ex.get("common_state"):  # Megatron-Core dist checkpoints: where it is kept
+        print_text(f"common state: {ex['common_state']}")
     files = [f"{k}={ex[k]}" for k in ("data_files", "chunk_files", "object_files")
              if ex.get(k) is not None]
     if files:
-        stdout.print("files: " + ", ".join(files), highlight=False)
+        print_text("files: " + ", ".join(files))
     if full_common and result.full_common is not None:
         _render_full_common(result.full_common)
     else:
         _render_common(meta.common)
     if "optimizer_sharding" in ex:  # Megatron-Core formats only
         opt = ex["optimizer_sharding"]
-        stdout.print("optimizer sharding: " + (f"{opt['type']} ({opt['source']})" if opt
-                                               else "no optimizer state"), highlight=False)
+        print_text("optimizer sharding: " + (f"{opt['type']} ({opt['source']})" if opt
+                                             else "no optimizer state"))
 
     if tree:
         _render_tree(result)
@@ -104,21 +106,20 @@ def render(result: Any, *, tree: bool = False, all_objects: bool = False,
 
 
 def _render_table(result: Any) -> None:
-    from rich.table import Table
+    from ckpt_tool.cli._tables import Column, print_table
 
     meta = result.meta
-    table = Table(title=plural(len(meta.tensors), "tensor"), title_justify="left", expand=False)
-    for col, just in (("key", "left"), ("dtype", "left"), ("shape", "left"),
-                      ("chunks", "right"), ("split", "left"), ("bytes", "right")):
-        table.add_column(col, justify=just, overflow="fold")
+    rows = []
     for key in sorted(meta.tensors):
         t = meta.tensors[key]
         shape = _shape(t.shape)
         if t.stored_shape is not None:
             shape += f" (stored {_shape(t.stored_shape)})"
-        table.add_row(key, t.dtype, shape, str(len(t.chunks)), result.splits.get(key, ""),
-                      human_bytes(t.nbytes))
-    stdout.print(table)
+        rows.append((key, t.dtype, shape, len(t.chunks), result.splits.get(key, ""),
+                     human_bytes(t.nbytes)))
+    print_table(plural(len(meta.tensors), "tensor"),
+                (Column("key", name=True), Column("dtype"), Column("shape"),
+                 Column("chunks", "right"), Column("split"), Column("bytes", "right")), rows)
 
 
 def _render_tree(result: Any) -> None:
@@ -147,47 +148,40 @@ def _render_tree(result: Any) -> None:
 
 
 def _render_objects(meta: Any, all_objects: bool) -> None:
-    from rich.table import Table
-
+    from ckpt_tool.cli._tables import Column, print_table
     from ckpt_tool.ops.inspect import object_groups
 
     if not meta.objects:
         if all_objects:
-            stdout.print("objects: none", highlight=False)
+            print_text("objects: none")
         return
     if all_objects or len(meta.objects) <= _OBJECTS_IN_FULL:
-        objs = Table(title=f"{len(meta.objects)} sharded objects", title_justify="left")
-        for col in ("unique key", "file", "bytes"):
-            objs.add_column(col, overflow="fold")
-        for o in meta.objects:
-            size = "" if o.byte_length is None else human_bytes(o.byte_length)
-            objs.add_row(o.unique_key, o.file or "", size)
+        print_table(f"{len(meta.objects)} sharded objects",
+                    (Column("unique key", name=True), Column("file", name=True),
+                     Column("bytes", "right")),
+                    [(o.unique_key, o.file or "",
+                      "" if o.byte_length is None else human_bytes(o.byte_length))
+                     for o in meta.objects])
     else:
         groups = object_groups(meta)
-        objs = Table(title=f"{plural(len(meta.objects), 'sharded object')} in "
-                           f"{plural(len(groups), 'key')} (--objects lists each)",
-                     title_justify="left")
-        for col, just in (("key", "left"), ("objects", "right"), ("bytes", "right")):
-            objs.add_column(col, justify=just, overflow="fold")
-        for g in groups:
-            objs.add_row(g["key"], str(g["count"]), human_bytes(g["nbytes"]))
-    stdout.print(objs)
+        print_table(f"{plural(len(meta.objects), 'sharded object')} in "
+                    f"{plural(len(groups), 'key')} (--objects lists each)",
+                    (Column("key", name=True), Column("objects", "right"),
+                     Column("bytes", "right")),
+                    [(g["key"], g["count"], human_bytes(g["nbytes"])) for g in groups])
 
 
 def _render_totals(result: Any) -> None:
-    from rich.table import Table
+    from ckpt_tool.cli._tables import Column, print_table
 
     meta = result.meta
-    totals = Table(title="totals per dtype", title_justify="left")
-    for col, just in (("dtype", "left"), ("tensors", "right"), ("elements", "right"),
-                      ("bytes", "right")):
-        totals.add_column(col, justify=just)
-    for dtype, row in result.totals.items():
-        totals.add_row(dtype, str(row["tensors"]), f"{row['numel']:,}", human_bytes(row["nbytes"]))
-    totals.add_row("all", str(len(meta.tensors)),
-                   f"{sum(r['numel'] for r in result.totals.values()):,}",
-                   human_bytes(meta.total_bytes), style="bold")
-    stdout.print(totals)
+    rows = [(dtype, row["tensors"], f"{row['numel']:,}", human_bytes(row["nbytes"]))
+            for dtype, row in result.totals.items()]
+    rows.append(("all", len(meta.tensors), f"{sum(r['numel'] for r in result.totals.values()):,}",
+                 human_bytes(meta.total_bytes)))
+    print_table("totals per dtype", (Column("dtype"), Column("tensors", "right"),
+                                     Column("elements", "right"), Column("bytes", "right")),
+                rows, last_row_style="bold")
 
 
 def _render_full_common(common: dict[str, Any]) -> None:
@@ -201,7 +195,7 @@ def _render_full_common(common: dict[str, Any]) -> None:
 
 def _render_common(common: dict[str, Any]) -> None:
     if not common:
-        stdout.print("common state: none found", highlight=False)
+        print_text("common state: none found")
         return
     lines = []
     for k in ("architecture", "iteration", "checkpoint_version",
@@ -213,6 +207,4 @@ def _render_common(common: dict[str, Any]) -> None:
             lines.append(f"{k}: {_kv(common[k])}")
     if common.get("keys"):
         lines.append("common keys: " + ", ".join(common["keys"]))
-    from rich.markup import escape
-
-    stdout.print(escape("\n".join(lines)), highlight=False)
+    print_text("\n".join(lines))

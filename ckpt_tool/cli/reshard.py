@@ -8,8 +8,8 @@ import typer
 from ckpt_tool.cli._errors import handle_errors, state
 from ckpt_tool.cli._options import (DebugFlag, IterationOption, JsonFlag, NoProgressFlag,
                                     NoVerifyFlag, OverwriteFlag, QuietFlag, SourcePath,
-                                    TrustFlag, at_iteration, completer)
-from ckpt_tool.cli._output import human_bytes, message, print_json, stdout
+                                    TrustFlag, VerboseFlag, completer, source_place)
+from ckpt_tool.cli._output import human_bytes, message, print_json, print_text
 from ckpt_tool.cli._progress import progress_bar
 from ckpt_tool.errors import plural
 
@@ -67,9 +67,15 @@ def reshard(
         "converter) or zero.")] = "copy",
     local_spec: Annotated[Optional[bool], typer.Option(
         "--local-spec/--te-spec", show_default=False,
-        help="Legacy targets: name the layer norms as a local-spec model (--transformer-impl "
-        "local) holds them (input_layernorm.*, pre_mlp_layernorm.*), or by the fused "
-        "Transformer-Engine names (default: from args.transformer_impl).")] = None,
+        help="The model's layer spec (--transformer-impl local or transformer_engine): the "
+        "parameter order of DistributedOptimizer buckets, and for legacy targets the layer "
+        "norm names (input_layernorm.*, pre_mlp_layernorm.* or the fused ones) (default: "
+        "from the checkpoint's configuration).")] = None,
+    ddp_bucket_size: Annotated[_Int, typer.Option(
+        "--ddp-bucket-size", min=0, metavar="N", show_default=False,
+        help="The DDP bucket size in elements the source was trained with (0: "
+        "overlap_grad_reduce off, one bucket per buffer), where its configuration lacks it "
+        "and its optimizer form stores no bucket sizes (dp_zero_gather_scatter).")] = None,
     check: Annotated[bool, typer.Option(
         "--check", help="Only report whether the target layout can work (and why not).")] = False,
     dry_run: Annotated[bool, typer.Option(
@@ -84,12 +90,14 @@ def reshard(
     trust: TrustFlag = False,
     iteration: IterationOption = None,
     quiet: QuietFlag = False,
+    verbose: VerboseFlag = False,
     no_progress: NoProgressFlag = False,
     debug: DebugFlag = False,
 ) -> None:
     """Rewrite a checkpoint for another TP/PP/EP layout (feasibility is checked first: every
     reason the target cannot work is reported with its fix; exit 1 then). Sizes not given keep
-    the source's.
+    the source's. A training save directory gives a save directory (an iter_* directory an
+    iter_* directory inside DST); the last lines say how to resume (docs/resume.md).
 
     \b
     Examples:
@@ -102,70 +110,82 @@ def reshard(
 
     if vocab_fill not in ("copy", "zero"):
         raise UsageError(f"bad --vocab-fill {vocab_fill!r}", hint="use copy or zero")
-    src = at_iteration(src, iteration)
+    place = source_place(src, iteration)
     req = ReshardRequest(tp=tp, pp=pp, ep=ep, etp=etp, vpp=vpp, first_stage_layers=first_layers,
                          last_stage_layers=last_layers, to=to,
                          rules=tuple(str(r) for r in rules or ()),
                          drop_optimizer=drop_optimizer,
                          make_vocab_size_divisible_by=divisible_by, vocab_size=vocab_size,
-                         vocab_fill=vocab_fill, local_spec=local_spec)
+                         vocab_fill=vocab_fill, local_spec=local_spec,
+                         ddp_bucket_size=ddp_bucket_size)
     with progress_bar("reshard", enabled=not (check or dry_run or quiet or no_progress)) as bar:
-        result = run_reshard(src, dst, req, check=check, dry_run=dry_run, trust=trust,
+        result = run_reshard(place, dst, req, check=check, dry_run=dry_run, trust=trust,
                              overwrite=overwrite, verify=not no_verify, progress=bar,
                              workers=workers)
     state.verdict = 0 if result.ok else 1  # kept if stdout's reader goes away
+    problems = result.plan.get("problems") or []
     if json_:
         print_json(result.to_dict())
-    else:
+    elif check or dry_run or verbose or (not quiet and _to_act_on(problems)):
         _render(result.plan, show_ranks=dry_run)
+    else:  # a reshard that went through: what it changed, one message each (none with -q)
+        for p in problems:
+            message(_problem_line(p), failure=p["severity"] == "error")
     for note in getattr(result, "notes", None) or ():
         if note.startswith("reclaimed"):  # (the others are in the feasibility table)
             message(f"note: {note}")
     message(_verdict(result, check or dry_run), failure=not result.ok)
+    for line in result.resume.lines() if result.resume is not None else ():
+        message(line)
     if not result.ok:
         raise typer.Exit(1)
 
 
+def _to_act_on(problems: list[dict[str, Any]]) -> bool:
+    """The feasibility table is worth a table when a row asks for something: an error, a
+    warning, or a fix to apply; rows that only say what the reshard changes are notes."""
+    return any(p["severity"] != "note" or p.get("fix") for p in problems)
+
+
+def _problem_line(p: dict[str, Any]) -> str:
+    key = f"{p['key']}: " if p.get("key") else ""
+    fix = f" (fix: {p['fix']})" if p.get("fix") else ""
+    return f"{p['severity']}: {key}{p['reason']}{fix}"
+
+
 def _render(plan: dict[str, Any], *, show_ranks: bool) -> None:
-    from rich.markup import escape
-    from rich.table import Table
+    from ckpt_tool.cli._tables import SEVERITY_STYLES, Column, print_table
 
     for side in ("source", "target"):
         lay = plan.get(side) or {}
         if lay.get("origins"):
-            stdout.print(f"{side} layout: " + "  ".join(
+            print_text(f"{side} layout: " + "  ".join(
                 f"{k}{lay.get(k) if lay['origins'].get(k) != 'unknown' else '?'} "
-                f"({lay['origins'][k]})" for k in ("tp", "pp", "ep")), highlight=False)
+                f"({lay['origins'][k]})" for k in ("tp", "pp", "ep")))
     if (plan.get("target") or {}).get("norm_names"):
-        stdout.print(escape(f"legacy norm names: {plan['target']['norm_names']}"),
-                     highlight=False)
+        print_text(f"legacy norm names: {plan['target']['norm_names']}")
     opt = plan.get("optimizer") or {}
     if opt:
         said = (f"; content metadata says {opt['content_metadata_says']}"
                 if opt.get("content_metadata_says") else "")
-        stdout.print(escape(f"optimizer: {opt['description']} "
-                            f"({plural(opt['tensors'], 'tensor')}{said})"
-                            f" -> {opt['action']}"), highlight=False)
+        print_text(f"optimizer: {opt['description']} "
+                   f"({plural(opt['tensors'], 'tensor')}{said}) -> {opt['action']}")
 
     if plan.get("problems"):
-        table = Table(title="feasibility", title_justify="left")
-        for col in ("severity", "key", "reason", "fix"):
-            table.add_column(col, overflow="fold")
-        for p in plan["problems"]:
-            style = {"error": "red", "warning": "yellow"}.get(p["severity"], "cyan")
-            table.add_row(f"[{style}]{p['severity']}[/{style}]", escape(p.get("key") or ""),
-                          escape(p["reason"]), escape(p.get("fix") or ""))
-        stdout.print(table)
+        print_table("feasibility", (Column("severity"), Column("key", name=True),
+                                    Column("reason"), Column("fix")),
+                    [(p["severity"], p.get("key"), p["reason"], p.get("fix"))
+                     for p in plan["problems"]], styles=SEVERITY_STYLES)
     if show_ranks and plan.get("ranks"):
-        table = Table(title="plan: what each target rank reads", title_justify="left")
-        for col in ("rank", "tp", "pp", "ep", "writes", "tensors", "reads", "source files"):
-            table.add_column(col, overflow="fold")
-        for r in plan["ranks"]:
-            files = sorted({x["file"] or "" for x in r["reads"]})
-            table.add_row(str(r["rank"]), str(r["tp"]), str(r["pp"]), str(r["ep"]),
-                          escape(r["file"]), str(r["tensors"]), human_bytes(r["read_bytes"]),
-                          escape(", ".join(files)))
-        stdout.print(table)
+        print_table("plan: what each target rank reads",
+                    (Column("rank", "right"), Column("tp", "right"), Column("pp", "right"),
+                     Column("ep", "right"), Column("writes", name=True),
+                     Column("tensors", "right"), Column("reads", "right"),
+                     Column("source files")),
+                    [(r["rank"], r["tp"], r["pp"], r["ep"], r["file"], r["tensors"],
+                      human_bytes(r["read_bytes"]),
+                      ", ".join(sorted({x["file"] or "" for x in r["reads"]})))
+                     for r in plan["ranks"]])
 
 
 def _verdict(result: Any, planning_only: bool) -> str:

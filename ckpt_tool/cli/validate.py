@@ -13,7 +13,7 @@ import typer
 from ckpt_tool.cli._errors import describe, handle_errors, state
 from ckpt_tool.cli._options import (CheckpointPath, DebugFlag, IterationOption, JsonFlag,
                                     NoProgressFlag, QuietFlag, TrustFlag, at_iteration)
-from ckpt_tool.cli._output import message, print_json, stdout
+from ckpt_tool.cli._output import message, print_json
 from ckpt_tool.errors import plural
 
 
@@ -113,22 +113,13 @@ def verdict(result: Any) -> str:
 
 
 def render(result: Any) -> None:
-    """Rich table of findings (stdout); nothing when there are none."""
+    """The table of findings (stdout); nothing when there are none."""
     if not result.findings:
         return
-    from rich.table import Table
+    from ckpt_tool.cli._tables import SEVERITY_STYLES, Column, print_table
 
-    table = Table(title=plural(len(result.findings), "finding"), title_justify="left")
-    for col in ("severity", "key", "file", "message"):
-        table.add_column(col, overflow="fold")
-    for f in result.findings:
-        style = "red" if f.severity == "error" else "yellow"
-        table.add_row(f"[{style}]{f.severity}[/{style}]", _plain(f.key), _plain(f.file),
-                      _plain(f.message))
-    stdout.print(table)
-
-
-def _plain(text: str | None) -> str:
-    from rich.markup import escape
-
-    return "" if text is None else escape(text)
+    print_table(plural(len(result.findings), "finding"),
+                (Column("severity"), Column("key", name=True), Column("file", name=True),
+                 Column("message")),
+                [(f.severity, f.key, f.file, f.message) for f in result.findings],
+                styles=SEVERITY_STYLES)

@@ -27,6 +27,7 @@ import os
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator
 
+from ckpt_tool._pause_points import pause_point
 from ckpt_tool._program import interrupts_deferred
 
 __all__ = ["GuardedStream", "torch_save_file", "finish_failed_writer", "raise_write_failure",
@@ -96,17 +97,21 @@ def zip_writer_name(path: str | os.PathLike) -> Iterator[Any]:
 def uninterrupted(call: Any, *args: Any) -> Any:
     """``call(*args)`` with a Ctrl-C taking effect when it returns (see the module docstring)."""
     with interrupts_deferred():
+        pause_point("deferred")
         return call(*args)
 
 
 def torch_save_file(obj: Any, path: str | os.PathLike) -> None:
     """``torch.save(obj, path)`` that raises the real OSError when a write fails (a Ctrl-C
-    takes effect once the file is written)."""
+    takes effect once the file is written); stand-ins of classes not imported pickle as what
+    they stand for (``safe_pickle.pickle_module_for``)."""
     import torch
+
+    from ckpt_tool.formats.safe_pickle import pickle_module_for
 
     with zip_writer_name(path) as name:
         try:
-            uninterrupted(torch.save, obj, name)
+            uninterrupted(lambda: torch.save(obj, name, pickle_module=pickle_module_for(obj)))
         except RuntimeError as exc:
             raise_write_failure(Path(path), exc)
             raise

@@ -107,10 +107,20 @@ class Writer(abc.ABC):
     def __init__(self, directory: Path, options: WriterOptions | None = None):
         self.directory = Path(directory)
         self.options = options or WriterOptions()
+        #: Set by ``write`` when the output holds fewer of the request's tensors or objects
+        #: than it was given (what the format has no place for); None: all of them.
+        self.tensors_written: int | None = None
+        self.objects_written: int | None = None
 
     @abc.abstractmethod
     def write(self, request: WriteRequest) -> list[str]:
         """Write everything in ``request``; return notes on what the format could not hold."""
+
+    def written(self, meta: CheckpointMeta) -> tuple[int, int]:
+        """``(tensors, objects)`` of the request's ``meta`` that the output holds (after
+        ``write``)."""
+        return (len(meta.tensors) if self.tensors_written is None else self.tensors_written,
+                len(meta.objects) if self.objects_written is None else self.objects_written)
 
 
 def dropped_objects_note(request: WriteRequest, why: str) -> list[str]:

@@ -193,6 +193,12 @@ def check_storage(meta: CheckpointMeta, sizes: Mapping[str, int | None]) -> list
     for file, items in sorted(short.items()):
         size = sizes[file]
         key, what, off, end = min(items, key=lambda x: x[2])
+        if size == 0:
+            out.append(error(f"data file {file} is empty (0 bytes); it should hold "
+                             f"{plural(len(items), 'item')} in "
+                             f"{plural(max(x[3] for x in items), 'byte')} at least",
+                             key=key if len(items) == 1 else None, file=file))
+            continue
         if len(items) == 1:
             msg = f"{what} needs bytes [{off}, {end}), the file has {size}"
         else:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 import math
 import re
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ckpt_tool.errors import UnsupportedError, plural
@@ -23,32 +23,38 @@ from ckpt_tool.formats.base import Reader
 from ckpt_tool.model import CheckpointMeta, ChunkRef, TensorMeta, split_chained
 from ckpt_tool.ops._optim_model_space import _MAIN_0_15, ModelSpaceDistOptimizerView
 from ckpt_tool.planning.source_model import model_sizes_from
-from ckpt_tool.planning.source_layout import args_of, source_layout_from
+from ckpt_tool.planning.source_layout import (configured_args, optimizer_domains,
+                                              source_layout_from)
 from ckpt_tool.planning.layout import RuleSet
+from ckpt_tool.planning.bucket_choices import (LayoutChoice, dp_candidates, layout_choices,
+                                              spec_from_args, stored_bucket_sizes)
+from ckpt_tool.planning.bucket_proof import prove_bucket_layout
 from ckpt_tool.planning.optim_buckets import (STATES, Bucket, BucketLayoutError, BucketParam,
-                                              optimizer_bucket_layout, prove_bucket_layout)
+                                              BucketSizeUnknown, bucket_size_configured,
+                                              configured_dp, optimizer_bucket_layout)
 from ckpt_tool.planning.param_order import moe_expert_keys
 from ckpt_tool.planning.pieces import Piece
 
 __all__ = ["UnflattenedOptimizerView", "GatheredOptimizerView", "ModelSpaceDistOptimizerView",
-           "unflatten_bucketed_optimizer"]
+           "BucketLayoutHints", "unflatten_bucketed_optimizer"]
 
 _GROUP = re.compile(r"^(chained_\d+\.)?optimizer\.distributed\.dp_group_idx_(\d+)\."
                     r"(per_bucket_numel|per_bucket_numel_unpadded|optimizer|param_state)$")
 Domain = tuple[str, int]  # (chained prefix, dp_group_idx)
 
 
-def unflatten_bucketed_optimizer(reader: Reader, rules: RuleSet | None = None) -> Reader:
+def unflatten_bucketed_optimizer(reader: Reader, rules: RuleSet | None = None,
+                                 hints: BucketLayoutHints | None = None) -> Reader:
     """``reader`` itself unless it holds ``dp_reshardable`` optimizer state; then the proven
     model-space view (UnsupportedError, exit 2, naming what does not match, when the layout
-    cannot be rebuilt or proven)."""
+    cannot be rebuilt or proven). ``hints``: what the user's flags say about the buffers."""
     meta = reader.metadata()
     found = meta.extras.get("optimizer_sharding") or {}
     _refuse_unknown_forms(meta, found)
     if found.get("type") == "dp_reshardable":
-        return UnflattenedOptimizerView(reader, rules)
+        return UnflattenedOptimizerView(reader, rules, hints)
     if found.get("type") == "dp_zero_gather_scatter":
-        return GatheredOptimizerView(reader, rules)
+        return GatheredOptimizerView(reader, rules, hints)
     if found.get("type") == "fully_sharded_model_space":
         return ModelSpaceDistOptimizerView(
             reader, "converted from fully_sharded_model_space (flattened, read in model space)")
@@ -88,42 +94,126 @@ def _refuse_unknown_forms(meta: CheckpointMeta, found: dict[str, Any]) -> None:
                                    "--drop-optimizer (nothing is guessed)")
 
 
+@dataclass(frozen=True)
+class BucketLayoutHints:
+    """What the user says about the source's DDP buffers where the checkpoint's configuration
+    is silent or wrong (``--ddp-bucket-size``, ``--local-spec``/``--te-spec``): the bucket
+    size in elements (0: one bucket per buffer; None: from the checkpoint) and the layer
+    spec (``local`` / ``transformer_engine``; None: from the checkpoint)."""
+
+    bucket_size: int | None = None
+    spec: str | None = None
+
+    def args(self, args: dict[str, Any]) -> dict[str, Any]:
+        """``args`` with the bucket size given."""
+        if self.bucket_size is None:
+            return args
+        return {**args, "overlap_grad_reduce": self.bucket_size > 0,
+                "ddp_bucket_size": self.bucket_size or None}
+
+
 class UnflattenedOptimizerView(Reader):
     """See the module docstring."""
 
-    def __init__(self, reader: Reader, rules: RuleSet | None = None):
+    def __init__(self, reader: Reader, rules: RuleSet | None = None,
+                 hints: BucketLayoutHints | None = None):
         super().__init__(reader.path, trust=reader.trust)
         self.inner = reader
         self.format_name = reader.format_name
         meta = reader.metadata()
         self._common = reader.common()
-        args = args_of(meta, self._common)
+        hints = hints or BucketLayoutHints()
+        args = hints.args(configured_args(meta, self._common)[0])
         sizes = model_sizes_from(meta, self._common)
         source = source_layout_from(meta, self._common)
-        where = f"{meta.root}: {self.form} optimizer state"
         per_bucket, self._groups = self._group_objects(meta)
-        try:
-            self.buckets = optimizer_bucket_layout(meta, sizes, source, args, rules,
-                                                   dtype=self._dtype())
-        except BucketLayoutError as exc:
-            raise UnsupportedError(f"{where}: {exc}", hint="reshard with --drop-optimizer, or "
-                                   "re-save with --dist-ckpt-optim-fully-reshardable") from None
-        dp = int(args.get("data_parallel_size") or 1)
-        problems = self._prove(meta, per_bucket, dp)
-        if problems:
-            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-            raise UnsupportedError(f"{where}: the rebuilt bucket layout does not match the "
-                                   f"checkpoint: {problems[0]}{more}",
-                                   hint="reshard with --drop-optimizer (nothing is guessed)")
+        self.buckets, self.choice, how = self._proven_layout(
+            meta, sizes, source, args, rules, hints, per_bucket)
         domains = len({b.domain for b in self.buckets})
         self.summary = (f"unflattened from {self.form}: {plural(len(self.buckets), 'bucket')} in "
                         f"{plural(domains, 'model-parallel domain')} "
-                        f"proven against {self.proven_by}")
+                        f"proven against {self.proven_by} ({how})")
         self._sources: dict[str, list[tuple[Piece, BucketParam, Bucket]]] = {}
         self._meta = self._build_meta(meta)
 
     form = "dp_reshardable"
     proven_by = "per_bucket_numel and every stored piece"
+
+    def _proven_layout(self, meta: CheckpointMeta, sizes: Any, source: Any,
+                       args: dict[str, Any], rules: RuleSet | None, hints: BucketLayoutHints,
+                       per_bucket: dict[Domain, tuple[Any, Any]]
+                       ) -> tuple[list[Bucket], LayoutChoice, str]:
+        """The layout the configuration and the flags give, what they leave open tried
+        (docs/optimizer.md): the one proven choice, or UnsupportedError naming what does not
+        match or what the stored data cannot decide and the flag that decides it."""
+        where = f"{meta.root}: {self.form} optimizer state"
+        configured = configured_dp(source, args)
+        dps = [configured] if configured else (self._dp_candidates(meta, per_bucket) or [1])
+        stored = stored_bucket_sizes(per_bucket) if per_bucket else None
+        proven: list[tuple[LayoutChoice, list[Bucket]]] = []
+        failed: list[tuple[LayoutChoice, list[str]]] = []
+        padded = [n for buffers in stored_bucket_sizes(per_bucket, 0).values()
+                  for sizes_ in buffers for n in sizes_]
+        for choice in layout_choices(args, dps, hints.spec, padded):
+            try:
+                buckets = optimizer_bucket_layout(meta, sizes, source, choice.args(args),
+                                                  rules, spec=choice.spec,
+                                                  dtype=self._dtype(), dp=choice.dp,
+                                                  stored=stored)
+            except BucketSizeUnknown as exc:
+                raise UnsupportedError(f"{where}: {exc}", hint="pass the training run's "
+                                       "--ddp-bucket-size N (0: overlap_grad_reduce was "
+                                       "off), or reshard with --drop-optimizer") from None
+            except BucketLayoutError as exc:
+                raise UnsupportedError(f"{where}: {exc}", hint="reshard with --drop-optimizer, "
+                                       "or re-save with --dist-ckpt-optim-fully-reshardable"
+                                       ) from None
+            self.buckets = buckets
+            problems = self._prove(meta, per_bucket, choice.dp)
+            if problems:
+                failed.append((choice, problems))
+            else:
+                proven.append((choice, buckets))
+        if not proven:
+            choice, problems = min(failed, key=lambda f: len(f[1]))
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            tried = {c.spec_name for c, _p in failed}
+            with_ = (f" with the {choice.spec_name} parameter order" if len(tried) > 1 else "")
+            raise UnsupportedError(f"{where}: the rebuilt bucket layout does not match the "
+                                   f"checkpoint{with_}: {problems[0]}{more}",
+                                   hint="reshard with --drop-optimizer (nothing is guessed)")
+        specs = sorted({c.spec_name for c, _b in proven})
+        if len(specs) > 1:
+            raise UnsupportedError(
+                f"{where}: the stored pieces fit both the {' and the '.join(specs)} parameter "
+                "orders, and the checkpoint's configuration does not name the layer spec "
+                "(args.transformer_impl)", hint="pass --local-spec or --te-spec, as the model "
+                "was trained")
+        choice, buckets = proven[0]
+        return buckets, choice, self._how(args, hints, configured, proven, bool(stored))
+
+    def _how(self, args: dict[str, Any], hints: BucketLayoutHints, configured: int | None,
+             proven: list[tuple[LayoutChoice, list[Bucket]]], stored: bool) -> str:
+        """Where the layout came from, in a few words."""
+        choice = proven[0][0]
+        parts = [("bucket boundaries from --ddp-bucket-size" if hints.bucket_size is not None
+                  else "bucket boundaries from the configuration"
+                  if bucket_size_configured(args) else
+                  "bucket boundaries from per_bucket_numel_unpadded" if stored else
+                  "bucket boundaries not needed: no parameter start is padded")]
+        parts.append(f"{choice.spec_name} parameter order"
+                     + (" (--local-spec/--te-spec)" if hints.spec else
+                        "" if spec_from_args(args) else " (the only one that fits)"))
+        dps = sorted({c.dp for c, _b in proven})
+        parts.append(f"dp {choice.dp}" if configured else
+                     f"dp {dps[0]} (from the stored pieces)" if len(dps) == 1 else
+                     f"dp not decided by the stored pieces ({', '.join(map(str, dps))}), "
+                     "the same placement for each")
+        return "; ".join(parts)
+
+    def _dp_candidates(self, meta: CheckpointMeta,
+                       per_bucket: dict[Domain, tuple[Any, Any]]) -> list[int]:
+        return dp_candidates(meta, per_bucket)
 
     def _dtype(self) -> str | None:
         return None
@@ -176,9 +266,9 @@ class UnflattenedOptimizerView(Reader):
         extras = dict(meta.extras)
         extras["optimizer_sharding"] = {"type": "fully_reshardable", "source": self.summary,
                                         "declared": self.form}
+        extras["optimizer_domains"] = optimizer_domains(meta)
         common = dict(meta.common)
-        if isinstance(common.get("content_metadata"), dict):
-            common["content_metadata"] = self._content_metadata(common["content_metadata"])
+        common["content_metadata"] = self._content_metadata(common.get("content_metadata"))
         return replace(meta, tensors=tensors, objects=objects, extras=extras, common=common)
 
     def _state_dtype(self, meta: CheckpointMeta) -> str:
@@ -190,19 +280,23 @@ class UnflattenedOptimizerView(Reader):
         """The ChainedOptimizer's prefixes (``chained_0.``, ...); empty for one optimizer."""
         return sorted({b.prefix for b in self.buckets if b.prefix})
 
-    def _content_metadata(self, cm: dict[str, Any]) -> dict[str, Any]:
+    def _content_metadata(self, cm: Any) -> dict[str, Any]:
+        """The content metadata with the form the state now has (a source saved without
+        content metadata gets it: a resume must build the fully_reshardable form)."""
         # fully_reshardable keys carry no chained prefix only with chained_optim_avoid_prefix
         extra = {"chained_optim_avoid_prefix": True} if self.chained else {}
-        return {**cm, "distrib_optim_sharding_type": "fully_reshardable", **extra}
+        return {**(cm if isinstance(cm, dict) else {}),
+                "distrib_optim_sharding_type": "fully_reshardable", **extra}
 
     def metadata(self) -> CheckpointMeta:
         return self._meta
 
+    def objects_in_common(self) -> frozenset[str]:
+        return self.inner.objects_in_common()
+
     def common(self) -> dict[str, Any]:
         common = dict(self._common)
-        cm = common.get("content_metadata")
-        if isinstance(cm, dict):
-            common["content_metadata"] = self._content_metadata(cm)
+        common["content_metadata"] = self._content_metadata(common.get("content_metadata"))
         stored = common.get("optimizer") or {}
         if not self.chained:
             common["optimizer"] = self._one_optimizer(stored, "")

@@ -28,8 +28,17 @@ HF name with the Megatron tensor it comes from (``mapped_from``); what HF cannot
 settings ``config.json`` shares with ``args`` (sizes, heads, vocab, norm epsilon, rope theta, tied
 embeddings) are compared, each disagreement a common-state difference.
 
+Megatron-LM legacy files against a Megatron-Core dist checkpoint (torch_dist, zarr): the legacy
+side is seen as Megatron-Core saves that model (``_stacked_view``: stacked layers, its
+``_extra_state`` and ``rng_state`` objects), what ``convert`` writes from it; a legacy
+checkpoint and its conversion are identical.
+
 A dtype change is a difference, except with a tolerance (and values read): then the values
 decide, so a bf16 export is identical to its fp32 source within ``rtol=2**-8``.
+
+``resharded``: B is a reshard of A (or the reverse): both are seen as ``reshard`` reads a
+source, the re-padded vocabulary is compared on the rows both hold, and what a reshard changes
+by design is a note (``_diff_resharded``).
 """
 
 from __future__ import annotations
@@ -40,7 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Protocol
 
-from ckpt_tool.errors import UsageError
+from ckpt_tool.errors import UsageError, plural
 from ckpt_tool.parallel import ranks as current_ranks
 from ckpt_tool.parallel import split_by_bytes
 from ckpt_tool.ops._diff_values import CommonDiff, TensorDiff, js
@@ -217,6 +226,24 @@ def _match(keys_a: Iterable[str], keys_b: Iterable[str], rn: Callable[[str], str
             sorted(common))
 
 
+def _vocab_pairs(pairs: list[tuple[str, Any, Any]], R: Any
+                 ) -> tuple[list[tuple[str, Any, Any]], list[str]]:
+    """``pairs`` with each re-padded vocabulary tensor trimmed to the rows both sides hold,
+    and a note per pair of row counts."""
+    out, padded = [], {}
+    for n, t, u in pairs:
+        rows = R.vocab_rows(n, t, u)
+        if rows is None:
+            out.append((n, t, u))
+            continue
+        padded.setdefault((t.shape[0], u.shape[0]), []).append(n)
+        out.append((n, R.trimmed(t, rows), R.trimmed(u, rows)))
+    return out, [f"expected after a reshard: the vocabulary re-padded, {x} rows in A and {y} in "
+                 f"B, in {plural(len(names), 'tensor')} ({', '.join(names[:2])}"
+                 f"{', …' if len(names) > 2 else ''}): compared on the {min(x, y)} rows both hold"
+                 for (x, y), names in padded.items()]
+
+
 def _merge_ranks(ranks: Any, values: list[TensorDiff], stats: dict[str, int]
                  ) -> tuple[list[TensorDiff], dict[str, int]]:
     """Every rank's differing tensors and counts, merged on rank 0 and shared with all (so
@@ -234,15 +261,17 @@ def _merge_ranks(ranks: Any, values: list[TensorDiff], stats: dict[str, int]
 
 def diff(a: str | Path, b: str | Path, *, rename: Iterable[tuple[str, str]] = (),
          filter: str | None = None, keys_only: bool = False, atol: float = 0.0,
-         rtol: float = 0.0, trust: bool = False, progress: Progress | None = None
-         ) -> DiffResult:
+         rtol: float = 0.0, trust: bool = False, progress: Progress | None = None,
+         resharded: bool = False) -> DiffResult:
     """Compare checkpoint ``a`` with ``b`` (see the module docstring); ``progress`` is told the
     bytes read (both sides) and the tensors finished."""
     from ckpt_tool.formats.base import open_checkpoint
     from ckpt_tool.ops._hf_view import hf_view
+    from ckpt_tool.ops._stacked_view import stacked_view
     from ckpt_tool.ops._diff_bytes import fast_equal
     from ckpt_tool.ops._diff_values import (compare_common, compare_objects, compare_values,
                                             same_common_file)
+    from ckpt_tool.ops import _diff_resharded as R
 
     if atol < 0 or rtol < 0:
         raise UsageError("--atol and --rtol must be >= 0")
@@ -253,14 +282,29 @@ def diff(a: str | Path, b: str | Path, *, rename: Iterable[tuple[str, str]] = ()
                          ) from None
     rn = _renamer(rename)
     with open_checkpoint(a, trust=trust) as ra, open_checkpoint(b, trust=trust) as rb:
+        if resharded:
+            ra, rb = R.resharded_views(ra), R.resharded_views(rb)
         view = hf_view(ra, rb)  # a Megatron side against an HF directory: in HF names
         ra, rb = view.a, view.b
+        notes: list[str] = list(view.notes)
+        if not resharded:  # (--resharded sees legacy sides stacked already)
+            # legacy files against a Megatron-Core dist checkpoint: in its stacked names
+            stacked_a = stacked_view(ra, rb.metadata().format)
+            stacked_b = stacked_view(rb, ra.metadata().format)
+            for side, stacked in (("A", stacked_a), ("B", stacked_b)):
+                if stacked is not None:
+                    notes.append(f"{side} (legacy) seen as Megatron-Core saves it, as convert "
+                                 "writes it to a dist format: stacked layers, _extra_state "
+                                 "and rng_state objects")
+            ra, rb = stacked_a or ra, stacked_b or rb
         ma, mb = ra.metadata(), rb.metadata()
         common, only_a, only_b, names = _match(ma.tensors, mb.tensors, rn, rx)
         pairs = [(n, ma.tensors[common[n]], mb.tensors[n]) for n in names]
+        if resharded:  # a re-padded vocabulary: compared on the rows both sides hold
+            pairs, padded = _vocab_pairs(pairs, R)
+            notes += padded
         dtypes = tuple(MetaChange(n, t.dtype, u.dtype) for n, t, u in pairs if t.dtype != u.dtype)
         shapes = tuple(MetaChange(n, t.shape, u.shape) for n, t, u in pairs if t.shape != u.shape)
-        notes: list[str] = list(view.notes)
         ina, inb = ra.objects_in_common(), rb.objects_in_common()  # compared as common state
         oa = [o.unique_key for o in ma.objects if o.unique_key not in ina]
         ob = [o.unique_key for o in mb.objects if o.unique_key not in inb]
@@ -318,6 +362,9 @@ def diff(a: str | Path, b: str | Path, *, rename: Iterable[tuple[str, str]] = ()
         elif keys_only or not same_common_file(ma, mb):
             ca = {k: v for k, v in ma.common.items() if k != "keys"} if keys_only else ra.common()
             cb = {k: v for k, v in mb.common.items() if k != "keys"} if keys_only else rb.common()
+            if ca and cb and resharded:
+                ca, cb, note = R.aligned_optimizer_entries(ca, cb)
+                notes += [note] if note else []
             if ca and cb:
                 cdiffs = compare_common(ca, cb)
                 # a side may keep the other's objects in its common state (legacy per-rank
@@ -329,6 +376,13 @@ def diff(a: str | Path, b: str | Path, *, rename: Iterable[tuple[str, str]] = ()
             elif ca or cb:
                 notes.append(_none_note("common state", mb if ca else ma, "B" if ca else "A",
                                         sorted(str(k) for k in (ca or cb))))
+        if resharded:
+            cdiffs, expected = R.split_expected_common(cdiffs)
+            notes += expected
+            for side, keys in (("A", obj_a), ("B", obj_b)):
+                kept, note = R.split_expected_objects(keys, side)
+                keys[:] = kept
+                notes += [note] if note else []
         objects: list[CommonDiff] = []
         if both and (keys_only or rx is not None):
             notes.append("object payloads not compared (--keys-only / --filter)")
@@ -340,6 +394,12 @@ def diff(a: str | Path, b: str | Path, *, rename: Iterable[tuple[str, str]] = ()
             notes.append("some common-state values cannot be compared (listed as not_compared)")
         if any(c.kind == "not_compared" for c in objects):
             notes.append("some object payloads cannot be compared (listed as not_compared)")
+    if resharded:
+        notes.append(f"--resharded: {stats.get('tensors_compared', 0)} of "
+                     f"{plural(len(pairs), 'tensor')} compared in model space (weights and "
+                     "optimizer state, whatever each side's layout)")
+    elif any(n for n in (only_a, only_b, shapes)) and R.looks_resharded(cdiffs):
+        notes.append(R.HINT)
     shown = {*only_a, *only_b, *(c.key for c in (*dtypes, *shapes)), *(v.key for v in values)}
     return DiffResult(
         str(a), str(b), ma.format, mb.format, tuple(only_a), tuple(only_b), dtypes, shapes,

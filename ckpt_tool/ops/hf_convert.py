@@ -6,7 +6,9 @@
   architecture's rules, as safetensors (sharded with an index above ``--max-shard-size``).
 * ``--to torch_dist`` / ``--to legacy`` from an HF directory: stacked ``decoder.layers.*``
   tensors as Megatron-Core saves them, ``args`` derived from ``config.json`` (``--tp``/``--pp``
-  recorded, ``--local-spec`` picks the local layer spec's norm names; default the TE spec).
+  recorded, ``--local-spec`` picks the local layer spec's norm names; default the TE spec);
+  torch_dist also holds the model's ``_extra_state`` objects as that spec saves them
+  (:mod:`ckpt_tool.planning.extra_state`).
 
 Planning is pure (``planning.hf_plan``); ``_hf_source.HfSource`` computes each target piece
 from its sources when the writer asks, so memory stays near one layer's tensor; the output is
@@ -18,6 +20,7 @@ DCP items or rank files for torch_dist/legacy) and rank 0 the index and ``config
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +28,12 @@ from ckpt_tool.errors import UsageError
 from ckpt_tool.formats.base import Reader, open_checkpoint
 from ckpt_tool.formats.writer import WriteRequest, WriterOptions, writer_for
 from ckpt_tool.model import CheckpointMeta, ChunkRef, TensorMeta
+from ckpt_tool.ops._extra_state import ExtraStates
 from ckpt_tool.ops._hf_source import HfSource
 from ckpt_tool.ops._staging import check_output_target, staged_output_ranks, verify_output
 from ckpt_tool.parallel import JobProgress
 from ckpt_tool.parallel import ranks as current_ranks
+from ckpt_tool.planning.extra_state import LOCAL, TE
 from ckpt_tool.planning.hf_extras import gpt2_token_ids
 from ckpt_tool.planning.hf_plan import Recipe, plan_export, plan_import
 from ckpt_tool.planning.hf_rules import (args_from_hf_config, guess_arch, hf_config_from_args,
@@ -75,7 +80,8 @@ def _export(reader: Reader, meta: CheckpointMeta, options: Any
                                                        if v is not None}}
     vocab = int(base.get("vocab_size") or args.get("vocab_size")
                 or args.get("padded_vocab_size"))
-    recipes = plan_export(meta, args, rule, vocab=vocab)
+    recipes = plan_export(meta, args, rule, vocab=vocab, settings=(
+        "--hf-config and the checkpoint's args" if base else "the checkpoint's args"))
     dtype = next((r.dtype for r in recipes if r.key == rule.embed), recipes[0].dtype)
     notes = []
     if rule.name == "gpt2" and not {"bos_token_id", "eos_token_id"} & base.keys():
@@ -142,6 +148,11 @@ def convert_hf(src: str | Path, dst: str | Path, options: Any, *, trust: bool = 
     """Convert between a Megatron checkpoint and an HF directory (see the module doc);
     returns the fields of ``ops.convert.ConvertResult``."""
     start = time.perf_counter()
+    if options.filter or options.exclude or options.rename:
+        raise UsageError("--filter, --exclude and --rename do not apply to an HF conversion: "
+                         "the architecture rules place every tensor, and one left out would "
+                         "change the model", hint="--to safetensors keeps a subset of the "
+                         "tensors under their own names")
     r = current_ranks()
     out = check_output_target(dst, sources=(src,), overwrite=overwrite)
     with open_checkpoint(src, trust=trust) as reader:
@@ -154,11 +165,16 @@ def convert_hf(src: str | Path, dst: str | Path, options: Any, *, trust: bool = 
         else:
             recipes, common, extra = _import(reader, meta, options, tp or 1, pp or 1)
         target = _target(recipes, options.to)
+        extra_states = None
+        if options.to == "torch_dist":  # the model's _extra_state objects, as it saves them
+            extra_states = ExtraStates(target.tensors, LOCAL if options.local_spec else TE)
+            target = replace(target, objects=extra_states.objects)
         source = HfSource(reader, {r.key: r for r in recipes})
         if progress is not None:
             progress.start(target.total_bytes, len(target.tensors))
         job = JobProgress(progress, r)
         request = WriteRequest(meta=target, source=source, common=common,
+                               objects=extra_states.payload if extra_states else lambda k: None,
                                progress=lambda n: job.update(n, source.tensors_done),
                                ranks=r if r.world > 1 else None,
                                source_description=f"ckpt convert from {meta.format} "
@@ -167,16 +183,18 @@ def convert_hf(src: str | Path, dst: str | Path, options: Any, *, trust: bool = 
                               max_memory=options.max_memory, tp=tp or 1, pp=pp or 1,
                               extra=extra)
         notes: list[str] = list(extra.pop("notes", ()))
-        writer = writer_for(options.to)
+        writer_cls = writer_for(options.to)
         with staged_output_ranks(out, r, overwrite=overwrite, notes=notes) as staging:
-            if r.is_main or writer.supports_ranks:
-                notes += writer(staging, wopts).write(request)
+            writer = writer_cls(staging, wopts)
+            if r.is_main or writer_cls.supports_ranks:
+                notes += writer.write(request)
             r.barrier()
             job.catch_up(source.tensors_done)
             if verify:
                 verify_output(staging, trust=trust, what="converted", ranks=r)
+    tensors, objects = writer.written(target)
     return dict(
         source=str(meta.root), source_format=meta.format, target=str(out), format=options.to,
-        tensors=len(target.tensors), objects=0, nbytes=target.total_bytes,
+        tensors=tensors, objects=objects, nbytes=target.total_bytes,
         seconds=time.perf_counter() - start, verified=verify,
         largest_piece=source.largest_piece, notes=notes)

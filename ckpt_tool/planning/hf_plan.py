@@ -133,9 +133,18 @@ def _shape(meta: CheckpointMeta, s: Src) -> tuple[int, ...]:
     return tuple(meta.tensors[s.key].shape[len(s.index):])
 
 
-def _contradiction(what: str, root: str) -> InputError:
-    return InputError(f"the config contradicts the weights: {what}", path=root,
-                      hint="pass the matching config (--hf-config) or fix config.json")
+def _contradiction(what: str, root: str, settings: str = "config.json",
+                   architecture: str | None = None) -> InputError:
+    """The weights do not match what ``settings`` (where the model's settings come from) say;
+    for an export, ``architecture`` names the HF class the weights were mapped to, which may
+    be the wrong one rather than the settings."""
+    if architecture is None:
+        return InputError(f"the config contradicts the weights: {what}", path=root,
+                          hint="pass the matching config (--hf-config) or fix config.json")
+    return InputError(f"the weights do not fit {architecture} as {settings} describe them: "
+                      f"{what}", path=root,
+                      hint="pick the architecture the weights have (--hf-arch), or pass a "
+                           "--hf-config that matches them; otherwise use --to safetensors")
 
 
 def _layer_items(rule: ArchRule, features: set[str], layers: int, experts: int):
@@ -146,9 +155,13 @@ def _layer_items(rule: ArchRule, features: set[str], layers: int, experts: int):
                 yield i, m, e
 
 
-def plan_export(meta: CheckpointMeta, args: dict[str, Any], rule: ArchRule, *, vocab: int
-                ) -> list[Recipe]:
-    """HF tensors (names, shapes, dtypes, recipes) for Megatron-Core checkpoint ``meta``."""
+def plan_export(meta: CheckpointMeta, args: dict[str, Any], rule: ArchRule, *, vocab: int,
+                settings: str | None = None) -> list[Recipe]:
+    """HF tensors (names, shapes, dtypes, recipes) for Megatron-Core checkpoint ``meta``.
+    ``settings``: where ``args`` came from, for the errors (``"the checkpoint's args"``);
+    None: from an HF config.json (``diff`` against an HF directory)."""
+    where = {} if settings is None else {"settings": settings,
+                                         "architecture": rule.architecture}
     layers = int(args["num_layers"])
     heads = int(args["num_attention_heads"])
     groups = int(args.get("num_query_groups") or heads) \
@@ -179,14 +192,14 @@ def plan_export(meta: CheckpointMeta, args: dict[str, Any], rule: ArchRule, *, v
         if src is None:
             raise _contradiction(f"no {name} for layer {i}" + (f" expert {e}" if m.expert
                                                                 else "")
-                                 + f" ({layers} layers)", meta.root)
+                                 + f" ({layers} layers)", meta.root, **where)
         shape = _shape(meta, src)
         if m.transform == "qkv":
             rows = groups * (geo.q_per_group + 2) * hd
             if shape[0] != rows:
                 raise _contradiction(f"{src.key} has {shape[0]} rows, {groups} query groups "
                                      f"of {geo.q_per_group} heads x {hd} need {rows}",
-                                     meta.root)
+                                     meta.root, **where)
             for part, hf in enumerate(m.hf):
                 n = groups * (geo.q_per_group if part == 0 else 1) * hd
                 add(prefix + hf, src, "qkv_split", (n, *shape[1:]),

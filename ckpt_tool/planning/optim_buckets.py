@@ -22,7 +22,8 @@ chunk (``gbuf_idx`` counts them in chunk order) and, as Megatron-LM builds DDP
 (``disable_bucketing`` for every chunk but the first), only each stage's first chunk is
 bucketed. A rebuilt layout is accepted only when it reproduces
 the stored ``per_bucket_numel`` / ``per_bucket_numel_unpadded`` and the boundaries of every
-stored piece (each parameter's part on each DP rank, and each padding, is its own chunk).
+stored piece (each parameter's part on each DP rank, and each padding, is its own chunk):
+:mod:`ckpt_tool.planning.bucket_proof`.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, Sequence
 
-from ckpt_tool.errors import plural
 from ckpt_tool.model import CheckpointMeta, is_optimizer_key
 from ckpt_tool.planning.layout import RuleSet, rule_for
 from ckpt_tool.planning.param_order import (GPT_PARAMETER_ORDER, MOE_MLP_ORDER, moe_expert_keys,
@@ -41,15 +41,25 @@ from ckpt_tool.planning.pieces import LocalTensor, rank_pieces
 from ckpt_tool.planning.sizes import Layout, LayerMap, ModelSizes
 
 __all__ = ["GPT_PARAMETER_ORDER", "MOE_MLP_ORDER", "BucketParam", "Bucket", "BucketLayoutError",
-           "optimizer_bucket_layout", "prove_bucket_layout", "bucket_key", "STATES"]
+           "BucketSizeUnknown", "optimizer_bucket_layout", "bucket_key", "bucket_size_configured",
+           "configured_dp", "STATES", "StoredBuckets", "BUCKET_KEY"]
 
 STATES = ("param", "exp_avg", "exp_avg_sq")
-_BUCKET_RE = re.compile(r"^(chained_\d+\.)?optimizer\.distributed\.dp_group_idx_(\d+)\."
+BUCKET_KEY = re.compile(r"^(chained_\d+\.)?optimizer\.distributed\.dp_group_idx_(\d+)\."
                         r"gbuf_idx_(\d+)\.dtype_(.+)\.bucket_idx_(\d+)\.([a-z_0-9]+)$")
 
 
 class BucketLayoutError(ValueError):
     """The rebuilt bucket layout does not match the checkpoint (message: where and how)."""
+
+
+class BucketSizeUnknown(BucketLayoutError):
+    """Where DDP closed its buckets is neither configured nor stored."""
+
+
+#: The stored ``per_bucket_numel_unpadded`` of each optimizer domain ``(prefix,
+#: dp_group_idx)``: one list of bucket sizes per buffer (``gbuf_idx``).
+StoredBuckets = Mapping[tuple[str, int], Sequence[Sequence[int]]]
 
 
 @dataclass(frozen=True)
@@ -105,11 +115,58 @@ def _model_keys(meta: CheckpointMeta) -> list[str]:
     return [k for k in meta.tensors if not is_optimizer_key(k)]
 
 
-def _bucket_size(args: Mapping[str, Any], dp: int, pp_rank: int) -> int | None:
-    if pp_rank > 0 or not args.get("overlap_grad_reduce"):
-        return None
+def bucket_size_configured(args: Mapping[str, Any]) -> bool:
+    """Whether the configuration decides DDP's bucket size: Megatron-LM's
+    ``overlap_grad_reduce`` (with ``ddp_bucket_size``; without it buckets are not split)."""
+    return "overlap_grad_reduce" in args
+
+
+_PARAM_ALIGN = 64  # DDP starts each parameter at a multiple of 64 elements
+
+
+@dataclass(frozen=True)
+class _Closing:
+    """Where one buffer's buckets close: after ``size`` elements (None: never, a single
+    bucket) and at a shared embedding, as DDP decides from its configuration; or, with
+    ``stored`` (the buffer's ``per_bucket_numel_unpadded``), where the checkpoint says."""
+
+    size: int | None = None
+    stored: tuple[int, ...] | None = None
+
+    def after(self, bucket: int, filled: int, shared: bool) -> bool:
+        """Whether the bucket closes after a parameter that fills it to ``filled``."""
+        if self.stored is not None:
+            return bucket < len(self.stored) and filled >= self.stored[bucket]
+        return (self.size is not None and filled >= self.size) or shared
+
+    def before(self, bucket: int, filled: int, shared: bool) -> bool:
+        """Whether the bucket closes before a parameter that would start at ``filled``
+        (DDP: before a shared embedding; its unpadded size then ends at that start)."""
+        if self.stored is not None:
+            return bucket < len(self.stored) and filled == self.stored[bucket]
+        return shared
+
+
+def _closing(args: Mapping[str, Any], dp: int, pp_rank: int, bucketed: bool,
+             stored: Sequence[int] | None, numels: Sequence[int]) -> _Closing:
+    """How one buffer's buckets close; ``numels``: its parameters' sizes in layout order.
+    Without a configured bucket size nor ``stored`` sizes, the buckets' unpadded ranges back
+    to back (``dp_zero_gather_scatter``) place every parameter alike wherever the buckets
+    close as long as no parameter start is padded (each size but the last a multiple of 64):
+    one bucket then; else BucketSizeUnknown."""
+    if not bucket_size_configured(args):
+        if stored is not None:
+            return _Closing(stored=tuple(int(n) for n in stored))
+        if any(n % _PARAM_ALIGN for n in numels[:-1]):
+            raise BucketSizeUnknown("the DDP bucket size is not in the checkpoint's "
+                                    "configuration, this form stores no bucket sizes, and "
+                                    "where buckets close moves the parameters (sizes not "
+                                    f"multiples of {_PARAM_ALIGN})")
+        return _Closing()
+    if not bucketed or pp_rank > 0 or not args.get("overlap_grad_reduce"):
+        return _Closing()
     size = args.get("ddp_bucket_size")
-    return int(size) if size else max(40_000_000, 1_000_000 * dp)
+    return _Closing(int(size) if size else max(40_000_000, 1_000_000 * dp))
 
 
 @dataclass(frozen=True)
@@ -125,13 +182,20 @@ class _Sizes:
     divisor: Callable[[int], int]
 
 
-def _parallel_sizes(source: Layout, args: Mapping[str, Any]) -> _Sizes:
-    if int(args.get("context_parallel_size") or 1) > 1:
-        raise BucketLayoutError("context parallelism: the bucket layout over the data-and-"
-                                "context-parallel group is not rebuilt")
+def configured_dp(source: Layout, args: Mapping[str, Any]) -> int | None:
+    """The data-parallel size the configuration gives (``data_parallel_size`` or
+    ``world_size``), None when it gives none."""
     world = args.get("world_size")
     dp = int(args.get("data_parallel_size") or (int(world) // (source.tp * source.pp)
                                                  if world else 0))
+    return dp or None
+
+
+def _parallel_sizes(source: Layout, args: Mapping[str, Any], dp: int | None) -> _Sizes:
+    if int(args.get("context_parallel_size") or 1) > 1:
+        raise BucketLayoutError("context parallelism: the bucket layout over the data-and-"
+                                "context-parallel group is not rebuilt")
+    dp = dp or configured_dp(source, args) or 0
     if dp < 1:
         raise BucketLayoutError("the data-parallel size is unknown (no args.data_parallel_size "
                                 "or world_size)")
@@ -148,12 +212,18 @@ def _parallel_sizes(source: Layout, args: Mapping[str, Any]) -> _Sizes:
 
 def optimizer_bucket_layout(meta: CheckpointMeta, sizes: ModelSizes, source: Layout,
                             args: Mapping[str, Any], rules: RuleSet | None = None,
-                            spec: str | None = None, dtype: str | None = None) -> list[Bucket]:
+                            spec: str | None = None, dtype: str | None = None,
+                            stored: StoredBuckets | None = None,
+                            dp: int | None = None) -> list[Bucket]:
     """Every bucket of every model-parallel domain, with its parameters, as DDP built them
     for the source layout. ``spec``: ``local`` / ``transformer_engine`` (default: from
     ``args.transformer_impl``, Megatron-LM's default being Transformer Engine). ``dtype``: the
     buffer's ``(param dtype, grad dtype)`` as Megatron-Core prints it (default: from the
-    per-bucket tensor keys).
+    per-bucket tensor keys). ``dp``: the data-parallel size (default: from ``args``).
+
+    Buckets close where the configuration's bucket size puts them (``args.overlap_grad_reduce``
+    / ``ddp_bucket_size``); a configuration that does not say closes them at the ``stored``
+    ``per_bucket_numel_unpadded`` (BucketSizeUnknown without them).
 
     MoE at ``ep > 1``: per stage the dense optimizer (``chained_0.``; domain
     ``tp_rank + tp * pp_rank``, padded over the data-parallel size) and the expert optimizer
@@ -167,8 +237,9 @@ def optimizer_bucket_layout(meta: CheckpointMeta, sizes: ModelSizes, source: Lay
                                 "one dense optimizer per model chunk is not rebuilt")
     if sizes.num_layers is None:
         raise BucketLayoutError("the number of layers is unknown (no args.num_layers)")
-    ps = _parallel_sizes(source, args)
-    tied = not args.get("untie_embeddings_and_output_weights", True)
+    ps = _parallel_sizes(source, args, dp)
+    # tied embeddings are DDP's "shared_embedding" (a bucket of their own) only at pp > 1
+    tied = not args.get("untie_embeddings_and_output_weights", True) and ps.pp > 1
     dtype = dtype or _buffer_dtype(meta)
     rules = rules or RuleSet()
     lm = LayerMap(sizes.num_layers, source)
@@ -189,14 +260,24 @@ def optimizer_bucket_layout(meta: CheckpointMeta, sizes: ModelSizes, source: Lay
         for vp in range(vpp):
             out += _chunk_buckets(meta, sizes, ps, spec, rules, lm, experts, pp_rank, vp, vpp,
                                   has_experts, dtype, tied, gbufs,
-                                  _bucket_size(args, ps.dp, pp_rank) if vp == 0 else None)
+                                  lambda dp_, gbuf, domain, numels, vp=vp, pp_rank=pp_rank:
+                                  _closing(args, dp_, pp_rank, vp == 0,
+                                           None if stored is None else _stored_of(
+                                               stored, domain, gbuf), numels))
     return out
+
+
+def _stored_of(stored: StoredBuckets, domain: tuple[str, int], gbuf: int) -> Sequence[int]:
+    buffers = stored.get(domain) or ()
+    return buffers[gbuf] if gbuf < len(buffers) else ()
 
 
 def _chunk_buckets(meta: CheckpointMeta, sizes: ModelSizes, ps: _Sizes, spec: str,
                    rules: RuleSet, lm: LayerMap, experts: list[list[int]], pp_rank: int, vp: int,
                    vpp: int, has_experts: bool, dtype: str, tied: bool,
-                   gbufs: dict[tuple[str, int], int], size: int | None) -> list[Bucket]:
+                   gbufs: dict[tuple[str, int], int],
+                   closing: Callable[[int, int, tuple[str, int], list[int]], _Closing]
+                   ) -> list[Bucket]:
     """The buckets of one model chunk's buffers on every rank of pipeline stage ``pp_rank``
     (Megatron-LM buckets only each stage's first chunk: ``disable_bucketing`` for the
     others)."""
@@ -210,7 +291,9 @@ def _chunk_buckets(meta: CheckpointMeta, sizes: ModelSizes, ps: _Sizes, spec: st
             return
         gbuf = gbufs.get(template.domain, 0)
         gbufs[template.domain] = gbuf + 1
-        out.extend(_lay_out(replace(template, gbuf_idx=gbuf), locals_, size, ps.divisor(dp),
+        numels = [math.prod(local.local_shape) for _k, local in reversed(locals_)]
+        out.extend(_lay_out(replace(template, gbuf_idx=gbuf), locals_,
+                            closing(ps.dp, gbuf, template.domain, numels), ps.divisor(dp),
                             tied))
 
     dense = [p for p in stage_params(model_keys, spec, layers, first, last, experts[0])
@@ -256,7 +339,7 @@ def _expert_split(meta: CheckpointMeta, sizes: ModelSizes, ps: _Sizes,
 
 def _buffer_dtype(meta: CheckpointMeta) -> str:
     for k in meta.tensors:
-        m = _BUCKET_RE.match(k)
+        m = BUCKET_KEY.match(k)
         if m:
             return m.group(4)
     raise BucketLayoutError("no per-bucket optimizer tensors")
@@ -274,7 +357,7 @@ def _local(meta: CheckpointMeta, key: str, layer: int | None, experts: list[int]
     return key, found[0]
 
 
-def _lay_out(template: Bucket, params: list[tuple[str, LocalTensor]], bucket_size: int | None,
+def _lay_out(template: Bucket, params: list[tuple[str, LocalTensor]], closing: _Closing,
              divisor: int, tied: bool) -> list[Bucket]:
     def pad(n: int, d: int) -> int:
         return -(-n // d) * d
@@ -295,83 +378,16 @@ def _lay_out(template: Bucket, params: list[tuple[str, LocalTensor]], bucket_siz
 
     for key, local in reversed(params):
         numel = math.prod(local.local_shape)
-        start = pad(start, 64)
+        start = pad(start, _PARAM_ALIGN)
         shared = tied and key in ("embedding.word_embeddings.weight", "output_layer.weight")
-        if shared and current.params:
+        if current.params and closing.before(len(buckets), start - bucket_start, shared):
             start = close(start)
         end = start + numel
         current.params.append(BucketParam(key, local, start - bucket_start, numel))
-        if (bucket_size is not None and end - bucket_start >= bucket_size) or shared:
+        if closing.after(len(buckets), end - bucket_start, shared):
             start = close(end)
         else:
             start = end
     if current.params:
         close(end)
     return buckets
-
-
-def prove_bucket_layout(buckets: Sequence[Bucket], meta: CheckpointMeta,
-                        per_bucket: Mapping[Any, tuple[Any, Any]], dp: int) -> list[str]:
-    """Every disagreement between the rebuilt ``buckets`` and the checkpoint: the stored
-    ``per_bucket_numel`` / ``per_bucket_numel_unpadded`` (``per_bucket[(prefix,
-    dp_group_idx)]``, or ``per_bucket[dp_group_idx]`` without a chained prefix; as saved: a list
-    over buffers of ``{(param dtype, grad dtype): [numel, ...]}``), the bucket tensors' keys and
-    lengths, and the chunk boundaries of each bucket tensor. ``dp``: the data-parallel size of
-    buckets that do not carry their own."""
-    problems: list[str] = []
-    by_group: dict[tuple[str, int], list[Bucket]] = {}
-    for b in buckets:
-        by_group.setdefault(b.domain, []).append(b)
-    stored_keys = {k for k in meta.tensors if _BUCKET_RE.match(k)}
-    expected_keys = {b.key(s) for b in buckets for s in STATES}
-    if stored_keys - expected_keys:
-        problems.append(f"{plural(len(stored_keys - expected_keys), 'stored bucket tensor')} "
-                        "not in the "
-                        f"rebuilt layout, e.g. {sorted(stored_keys - expected_keys)[0]}")
-    for (prefix, idx), group in sorted(by_group.items()):
-        where = f"{prefix}dp_group_idx_{idx}"
-        stored = per_bucket.get((prefix, idx), per_bucket.get(idx) if not prefix else None)
-        if stored is None:
-            problems.append(f"{where}: per_bucket_numel is missing")
-            continue
-        numel, unpadded = (_flat_numels(v) for v in stored)
-        want = [b.numel for b in group], [b.numel_unpadded for b in group]
-        if (numel, unpadded) != want:
-            problems.append(f"{where}: rebuilt buckets of {want[0]} elements "
-                            f"({want[1]} unpadded), stored per_bucket_numel {numel} "
-                            f"({unpadded} unpadded)")
-            continue
-        for b in group:
-            problems += _prove_chunks(b, meta, b.dp or dp)
-    return problems
-
-
-def _flat_numels(value: Any) -> list[int]:
-    out: list[int] = []
-    for per_dtype in value or []:
-        for numels in dict(per_dtype).values():
-            out += [int(n) for n in numels]
-    return out
-
-
-def _prove_chunks(b: Bucket, meta: CheckpointMeta, dp: int) -> list[str]:
-    local = b.numel // dp
-    points = {0} | {r * local for r in range(dp)}
-    for p in b.params:
-        points |= {p.start, p.start + p.numel}
-    want = sorted(x for x in points if x < b.numel_unpadded)
-    out = []
-    for state in STATES:
-        t = meta.tensors.get(b.key(state))
-        if t is None:
-            out.append(f"{b.key(state)}: missing")
-            continue
-        if tuple(t.shape) != (b.numel_unpadded,):
-            out.append(f"{b.key(state)}: {list(t.shape)} stored, {b.numel_unpadded} rebuilt")
-            continue
-        got = sorted(c.offsets[0] for c in t.chunks)
-        if got != want:
-            diff = sorted(set(got) ^ set(want))
-            out.append(f"{b.key(state)}: stored pieces start at {len(got)} offsets, the rebuilt "
-                       f"layout at {len(want)} (first difference at element {diff[0]})")
-    return out

@@ -35,7 +35,15 @@ from ckpt_tool.planning.source_model import (RESHARDABLE_OPTIMIZERS, OptimizerIn
                                              model_sizes_from, optimizer_info_from)
 
 __all__ = ["ReshardOptions", "PiecePlan", "TensorPlan", "RankPlan", "ReshardPlan",
-           "plan_reshard", "target_file"]
+           "plan_reshard", "target_file", "RESHARD_ARGS"]
+
+#: The ``args`` fields a reshard rewrites: the target's parallel sizes and padded vocabulary
+#: (``ReshardPlan.args_updates``, the same names), and ``world_size`` (the source's data-parallel size times the
+#: new tp x pp; ``ops.reshard``).
+RESHARD_ARGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                "expert_model_parallel_size", "expert_tensor_parallel_size",
+                "virtual_pipeline_model_parallel_size", "decoder_first_pipeline_num_layers",
+                "decoder_last_pipeline_num_layers", "padded_vocab_size", "world_size")
 
 
 

@@ -28,6 +28,21 @@ def test_json_summary_and_notes(tmp_path):
     assert (out / "latest_checkpointed_iteration.txt").exists()
 
 
+def test_the_summary_counts_what_was_written(tmp_path):
+    """Objects the target has no place for (safetensors, torch) and optimizer tensors legacy
+    files leave out are not counted as written."""
+    src = FIX / "mcore016_gpt_tp2pp2_bf16_optim"  # 64 tensors (48 optimizer), 20 objects
+    for to, dst, tensors, objects in (("safetensors", "st", 64, 0), ("torch", "m.pt", 64, 0),
+                                      ("legacy", "leg", 16, 20), ("torch_dist", "td", 64, 20)):
+        result = runner.invoke(app, ["convert", str(src), str(tmp_path / dst), "--to", to,
+                                     "--json"])
+        assert result.exit_code == 0, result.output
+        doc = json.loads(result.stdout)
+        assert (doc["tensors"], doc["objects"]) == (tensors, objects), to
+        summary = next(x for x in result.stderr.splitlines() if x.startswith("converted "))
+        assert f"{tensors} tensors, {objects} objects" in summary
+
+
 def test_refuses_existing_output_and_output_inside_source(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
@@ -138,3 +153,25 @@ def test_one_safetensors_file_with_shards_asked_is_one_line_exit_2(tmp_path):
                                  "--max-shard-size", "1000"])
     assert result.exit_code == 2 and "names one safetensors file" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and not out.exists()
+
+
+def test_an_export_the_weights_do_not_fit_names_the_architecture_not_a_config(tmp_path):
+    """No config.json was given: the error names the architecture the args picked and the
+    options that change it, never "fix config.json"."""
+    src = FIX / "mcore016_moe_ep2_distopt_buckets"  # a shared expert without its gate
+    result = runner.invoke(app, ["convert", str(src), str(tmp_path / "hf"), "--to", "hf"])
+    assert result.exit_code == 2 and not (tmp_path / "hf").exists()
+    [line] = result.stderr.splitlines()
+    assert "the weights do not fit Qwen2MoeForCausalLM as the checkpoint's args describe " \
+           "them: no mlp.shared_experts.gate_weight for layer 0" in line
+    assert "--hf-arch" in line and "config.json" not in line
+
+
+def test_key_selection_is_refused_for_an_hf_conversion(tmp_path):
+    """--exclude 'bias$' used to be ignored silently (the same refusal as without it)."""
+    src = FIX / "mcore016_gpt_tp2pp2_bf16_optim"
+    result = runner.invoke(app, ["convert", str(src), str(tmp_path / "hf"), "--to", "hf",
+                                 "--exclude", "bias$"])
+    assert result.exit_code == 2 and not (tmp_path / "hf").exists()
+    [line] = result.stderr.splitlines()
+    assert "--filter, --exclude and --rename do not apply to an HF conversion" in line

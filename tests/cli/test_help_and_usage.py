@@ -34,11 +34,12 @@ def test_reshard_help_at_80_columns():
     assert lines[0].startswith("Usage: ckpt reshard [OPTIONS]")
     assert max(map(len, lines)) <= 80
     for flag in ("--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",
-                 "--make-vocab-size-divisible-by", "--local-spec / --te-spec", "--drop-optimizer"):
+                 "--make-vocab-size-divisible-by", "--local-spec / --te-spec", "--drop-optimizer",
+                 "--ddp-bucket-size N"):
         assert flag in proc.stdout
     # the descriptions are wrapped, never cut off
-    assert "…" not in proc.stdout and "args.transformer_impl)." in proc.stdout
-    assert "pre_mlp_layernorm.*), or by the fused" in " ".join(proc.stdout.split())
+    assert "…" not in proc.stdout and "checkpoint's configuration)." in proc.stdout
+    assert "pre_mlp_layernorm.* or the fused ones)" in " ".join(proc.stdout.split())
     assert "--to FORMAT" in proc.stdout and "torch_dist or legacy" in proc.stdout
 
 
@@ -77,6 +78,22 @@ def test_convert_to_lists_every_target_format():
     listed = text.split("--to FORMAT")[1].split("[required]")[0]
     for name in WRITERS:
         assert re.search(rf"\b{name}\b", listed), name
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_examples_heading_counts_the_examples(command):
+    text = runner.invoke(app, [command, "--help"], env={"COLUMNS": "80"}).stdout
+    heading = "Examples:" if "Examples:" in text else "Example:"
+    block = text.split(heading)[1].split("\n\n")[0]
+    examples = [ln for ln in block.splitlines() if ln.strip().startswith("ckpt ")]
+    assert heading == ("Examples:" if len(examples) > 1 else "Example:"), text
+
+
+def test_convert_dst_names_both_single_file_targets():
+    text = " ".join(runner.invoke(app, ["convert", "--help"], env={"COLUMNS": "80"})
+                    .stdout.split())
+    dst = text.split("Arguments:")[1].split(" DST ")[1].split("[required]")[0]
+    assert ".safetensors" in dst and ".pt" in dst, dst
 
 
 @pytest.mark.parametrize("argv, line", [

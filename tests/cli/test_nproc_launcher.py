@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from ckpt_tool.cli._launch import outcome
+from ckpt_tool.cli._launch import MIN_BYTES, MIN_BYTES_ENV, one_process_reason, outcome
 
 REPO = Path(__file__).resolve().parents[2]
 FP32 = REPO / "fixtures" / "mcore016_gpt_tp2pp2_fp32"
@@ -21,13 +21,15 @@ OPTIM = REPO / "fixtures" / "mcore016_gpt_tp2pp2_bf16_optim"
 MISSING_LINE = "ckpt: error: {}: no such file or directory (check the path)"
 
 
-def _env() -> dict[str, str]:
-    return dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1",
-                PYTHONPATH=str(REPO), PYTHONWARNINGS="ignore")
+def _env(**extra: str) -> dict[str, str]:
+    """The ranks start whatever the work (the fixtures are far below the size where
+    ``--nproc`` runs in one process)."""
+    return {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore", MIN_BYTES_ENV: "0", **extra}
 
 
-def _ckpt(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ckpt_tool", *args], env=_env(),
+def _ckpt(*args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ckpt_tool", *args], env=_env(**env),
                           capture_output=True, text=True, timeout=600, cwd=REPO)
 
 
@@ -107,3 +109,40 @@ def test_plain_torchrun_one_error_line_never_tagged_by_rank(tmp_path, form):
 def test_findings_stopped_rank0_after_it_printed_add_no_error_line():
     assert outcome({0: (-signal.SIGTERM, "", 3.0), 1: (1, "To enable traceback see: …", 3.0)}) \
         == (1, None)
+
+
+# -- work too small to gain runs in one process ----------------------------------------------
+
+def test_small_or_metadata_only_work_runs_in_one_process(tmp_path, monkeypatch):
+    monkeypatch.delenv(MIN_BYTES_ENV, raising=False)
+    assert MIN_BYTES == 1 << 30
+    assert "inspect reads metadata only" in one_process_reason("inspect", {"path": FP32}, 2)
+    assert "metadata only" in one_process_reason("diff", {"a": FP32, "b": OPTIM,
+                                                          "keys_only": True}, 2)
+    assert "metadata only" in one_process_reason("reshard", {"src": FP32, "check": True}, 2)
+    note = one_process_reason("convert", {"src": FP32}, 4)
+    assert note.startswith("--nproc 4 ignored: 1005.7 KiB of input is less than 1.0 GiB")
+    assert one_process_reason("validate", {"path": tmp_path / "nope"}, 2) == ""
+    big = tmp_path / "big"
+    big.mkdir()
+    (big / "a.distcp").write_bytes(b"x" * 3000)
+    monkeypatch.setenv(MIN_BYTES_ENV, "2000")  # above the bound: the ranks start
+    assert one_process_reason("validate", {"path": big}, 2) is None
+    assert one_process_reason("diff", {"a": big, "b": FP32}, 2) is None
+    monkeypatch.setenv(MIN_BYTES_ENV, "0")  # 0: always
+    assert one_process_reason("inspect", {"path": FP32}, 2) is None
+
+
+def test_nproc_on_a_small_checkpoint_says_it_runs_in_one_process():
+    one = _ckpt("validate", str(FP32), "--json")
+    two = _ckpt("--nproc", "2", "validate", str(FP32), "--json", **{MIN_BYTES_ENV: str(MIN_BYTES)})
+    assert one.returncode == two.returncode == 0, two.stderr
+    assert json.loads(one.stdout)["counts"] == json.loads(two.stdout)["counts"]
+    assert two.stderr.startswith("ckpt: note: --nproc 2 ignored: "), two.stderr
+    two = _ckpt("--nproc", "2", "validate", str(FP32), **{MIN_BYTES_ENV: str(MIN_BYTES)})
+    assert two.stderr.splitlines()[0].startswith("ckpt: note: --nproc 2 ignored: ")
+    assert two.stderr.splitlines()[1].startswith("valid: ")
+    bad = _ckpt("--nproc", "2", "validate", str(FP32), "--frob",
+                **{MIN_BYTES_ENV: str(MIN_BYTES)})  # a usage error: one line, at once
+    assert bad.returncode == 2 and bad.stderr.splitlines() == [
+        "ckpt: error: no such option: --frob (try 'ckpt validate --help')"]

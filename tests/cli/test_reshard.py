@@ -57,3 +57,33 @@ def test_bucketed_optimizer_check_reports_the_proof_and_a_mismatch_is_one_line(t
     lines = [line for line in res.stderr.splitlines() if line.strip()]
     assert len(lines) <= 2 and "does not match the checkpoint" in lines[0], res.stderr
     assert "Traceback" not in res.stderr and not (tmp_path / "o").exists()
+
+
+def test_a_reshard_that_works_is_quiet(tmp_path):
+    """The feasibility table only when it asks for something (or --check/--dry-run/-v); the
+    changes a reshard makes are notes on stderr; -q prints nothing at all."""
+    res = runner.invoke(app, ["reshard", str(DIST), str(tmp_path / "a"), "--tp", "4"])
+    assert res.exit_code == 0, res.output
+    assert res.stdout == ""
+    notes = [line for line in res.stderr.splitlines() if line.startswith("note: ")]
+    assert any(line.startswith("note: rng_state: 4 rng_state objects") for line in notes)
+    lines = res.stderr.splitlines()
+    verdict = next(i for i, line in enumerate(lines) if line.startswith("resharded "))
+    assert lines[verdict + 1:] and all(line.startswith(("resume with ", "  - "))
+                                       for line in lines[verdict + 1:])  # how to resume, last
+    res = runner.invoke(app, ["reshard", str(DIST), str(tmp_path / "b"), "--tp", "4", "-q"])
+    assert res.exit_code == 0 and res.stdout == "" and res.stderr == "", res.output
+    res = runner.invoke(app, ["reshard", str(DIST), str(tmp_path / "c"), "--tp", "4", "-v"])
+    assert res.exit_code == 0 and "feasibility" in res.stdout
+    assert "target layout: tp4" in res.stdout and "note: " not in res.stderr
+
+
+def test_an_infeasible_reshard_shows_its_table_and_q_keeps_only_the_errors(tmp_path):
+    res = runner.invoke(app, ["reshard", str(DIST), str(tmp_path / "a"), "--tp", "3"])
+    assert res.exit_code == 1
+    assert "feasibility" in res.stdout and "choose tp among 1, 2, 4" in res.stdout
+    res = runner.invoke(app, ["reshard", str(DIST), str(tmp_path / "a"), "--tp", "3", "-q"])
+    assert res.exit_code == 1 and res.stdout == ""
+    lines = res.stderr.splitlines()
+    assert lines[0].startswith("error: ") and lines[-1].startswith("cannot reshard ")
+    assert not any(line.startswith("note: ") for line in lines)

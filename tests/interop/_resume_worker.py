@@ -28,6 +28,7 @@ def main() -> int:
     import _mcore_resume as R
 
     tp, pp, kind = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    R.sizes_from_checkpoint(sys.argv[4])  # the model the reference holds
     H.patch_cuda_for_cpu()
     H.init_parallel(tp, pp)
 

@@ -335,6 +335,13 @@ def test_many_truncated_items_are_one_finding_per_file(mcore):
     assert len(short) == 1 and "items end past its 10 bytes" in short[0].message
 
 
+def test_an_emptied_data_file_is_called_empty(mcore):
+    (mcore / "__0_0.distcp").write_bytes(b"")
+    r = validate(mcore)
+    [empty] = [f for f in r.errors if f.file == "__0_0.distcp"]
+    assert empty.message.startswith("data file __0_0.distcp is empty (0 bytes); it should hold ")
+
+
 def test_damaged_common_pt_still_checks_the_data(mcore):
     b = (mcore / "common.pt").read_bytes()
     (mcore / "common.pt").write_bytes(b[:len(b) // 2])

@@ -229,9 +229,12 @@ class DcpReader(Reader):
         }
         if duplicates:
             extras["replicated_items"] = duplicates
-        if (self.root / "common.pt").is_file() or "megatron" in str(metadata_class):
-            extras["note"] = ("looks like an interrupted Megatron-Core save (common.pt or "
-                              f"MCoreMetadata but no {MCORE_METADATA_JSON}); read as plain DCP")
+        mcore = _megatron_core_signs(self.root, metadata_class, objects)
+        if mcore:
+            # Megatron-Core writes metadata.json last and refuses a directory without it
+            extras["megatron_core_save"] = mcore
+            extras["note"] = (f"looks like an interrupted Megatron-Core save ({mcore} but no "
+                              f"{MCORE_METADATA_JSON}); read as plain DCP")
         self._meta = CheckpointMeta(
             format=self.format_name, root=str(self.root), tensors=tensors,
             objects=tuple(objects), common=self._summary(objects), extras=extras,
@@ -336,6 +339,20 @@ class DcpReader(Reader):
             md = read_dcp_metadata_light(self.root, trust=self.trust, rank=rank)
             paths.update(getattr(md, "planner_data", None) or {})
         return nest({k: self.read_object(k) for k in keys}, paths)
+
+
+def _megatron_core_signs(root: Path, metadata_class: Any, objects: list[ObjectMeta]) -> str:
+    """What shows a DCP directory to be a Megatron-Core dist checkpoint's data (``""`` when
+    nothing does): ``common.pt`` (0.12-0.18 write it first), Megatron-Core's ``MCoreMetadata``
+    class of ``.metadata`` (0.15), the ``common_state`` object (0.19's common state)."""
+    signs = []
+    if (root / "common.pt").is_file():
+        signs.append("common.pt")
+    if "megatron" in str(metadata_class):
+        signs.append("MCoreMetadata")
+    if any(o.key == "common_state" for o in objects):
+        signs.append("the common_state object of Megatron-Core 0.19")
+    return " and ".join(signs)
 
 
 def nest(flat: dict[str, Any], paths: dict[str, Any]) -> dict[str, Any]:

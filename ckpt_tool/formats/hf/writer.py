@@ -27,6 +27,7 @@ class HfWriter(Writer):
 
     def write(self, request: WriteRequest) -> list[str]:
         """The safetensors shards, then ``config.json`` (+ ``generation_config.json``)."""
+        self.objects_written = 0  # the format holds tensors only
         notes = dropped_objects_note(request, "an HF model directory holds weights only")
         weights = replace(request, common={}, meta=replace(request.meta, objects=()))
         writer_for("safetensors")(self.directory, replace(self.options, file_name=None)

@@ -119,6 +119,7 @@ class TorchSaveWriter(Writer):
 
     def write(self, request: WriteRequest) -> list[str]:
         """Write ``<directory>/<file_name or model.pt>``; return what was dropped."""
+        self.objects_written = 0  # the format holds tensors only
         notes: list[str] = []
         tensors = list(request.meta.tensors.values())
         state: dict[str, Any] = {}
