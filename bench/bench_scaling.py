@@ -93,9 +93,10 @@ def disk_floor(work: Path, nbytes: int, streams: int) -> float:
 
 
 def run_once(argv: list[str], out: Path, code: str | None,
-             timeout: float | None = None) -> tuple[float, float, float, float] | None:
+             timeout: float | None = None) -> tuple[float, float, float, float, int] | None:
     """(command's own seconds, wall seconds, peak RSS MB of the largest process, CPU
-    seconds of the whole process tree: less sensitive to a loaded machine), or None when the
+    seconds of the whole process tree: less sensitive to a loaded machine, its context
+    switches: voluntary ones count the waits for the GIL, locks and I/O), or None when the
     command failed or ran past ``timeout`` (said on stderr); ``code``: the checkout to import
     ``ckpt_tool`` from (first on PYTHONPATH), None: as installed."""
     shutil.rmtree(out, ignore_errors=True)
@@ -137,7 +138,7 @@ def run_once(argv: list[str], out: Path, code: str | None,
         return None
     doc = json.loads(stdout.decode()) if stdout.strip() else {}
     return (float(doc.get("seconds", wall)), wall, usage.ru_maxrss / 1024,
-            usage.ru_utime + usage.ru_stime)
+            usage.ru_utime + usage.ru_stime, usage.ru_nvcsw + usage.ru_nivcsw)
 
 
 def command(target: str, src: Path, out: Path, n: int, ranks: bool, tp: int) -> list[str]:
@@ -216,7 +217,7 @@ def main() -> None:
     codes = [("this", here)] + ([("other", a.compare_with)] if a.compare_with else [])
     configs = [(t, m, n, c) for t in a.targets for m in a.modes for n in a.counts
                for c, _ in codes]
-    times: dict[tuple, list[tuple[float, float, float, float]]] = {c: [] for c in configs}
+    times: dict[tuple, list[tuple[float, float, float, float, int]]] = {c: [] for c in configs}
     left_out = 0
     for rep in range(a.repeat):  # round robin: every configuration sees the same load
         for c in configs:
@@ -229,7 +230,7 @@ def main() -> None:
             if r:
                 times[c].append(r)
                 print(f"  {code} {t} {m} N={n}: own {r[0]:.2f} s, wall {r[1]:.2f} s, "
-                      f"{r[2]:.0f} MB, CPU {r[3]:.2f} s", flush=True)
+                      f"{r[2]:.0f} MB, CPU {r[3]:.2f} s, {r[4]} context switches", flush=True)
         print(f"  round {rep + 1}/{a.repeat} done; {uptime()}", flush=True)
     if left_out:
         print(f"budget of {a.budget_s:.0f} s spent: {left_out} of {len(configs) * a.repeat} "
@@ -237,7 +238,7 @@ def main() -> None:
 
     print(f"\n{'code':5s} {'target':12s} {'mode':9s} {'N':>2s} {'own s':>7s} {'wall s':>7s} "
           f"{'speed-up':>8s} {'MB/s':>7s} {'floor MB/s':>10s} {'peak RSS MB':>11s} "
-          f"{'CPU s':>6s}")
+          f"{'CPU s':>6s} {'ctx sw':>8s}")
     med = {}
     for code, _ in codes:
         for t in a.targets:
@@ -252,11 +253,12 @@ def main() -> None:
                     wall = statistics.median(r[1] for r in runs)
                     rss = max(r[2] for r in runs)
                     cpu = statistics.median(r[3] for r in runs)
+                    csw = statistics.median(r[4] for r in runs)
                     med[(t, m, n, code)] = own
                     base = base or own
                     print(f"{code:5s} {t:12s} {m:9s} {n:2d} {own:7.2f} {wall:7.2f} "
                           f"{base / own:7.2f}x {nbytes / own / 1e6:7.0f} {floors[n]:10.0f} "
-                          f"{rss:11.0f} {cpu:6.2f}")
+                          f"{rss:11.0f} {cpu:6.2f} {csw:8.0f}")
     for code, _ in codes:
         for m in a.modes:
             for n in a.counts:

@@ -18,6 +18,7 @@ import threading
 from typing import Any, Iterator
 
 from ckpt_tool._crc import crc32
+from ckpt_tool.writeback import Writeback
 
 __all__ = ["FollowingDigest", "DigestedFile", "digested_file", "note", "noted", "take", "give"]
 
@@ -47,10 +48,13 @@ class FollowingDigest:
         self._thread.start()
 
     def advance(self, written: int) -> None:
-        """``written`` bytes of the file (from its start) are on disk."""
+        """``written`` bytes of the file (from its start) are on disk. The thread is woken
+        once a block's worth is waiting (not for every small item: each wake-up costs the
+        writer a thread switch), and by :meth:`finish`."""
         with self._cond:
             self._written = max(self._written, written)
-            self._cond.notify()
+            if self._written - self._done >= _BLOCK:
+                self._cond.notify()
 
     def _run(self) -> None:
         buf = bytearray(_BLOCK)
@@ -105,36 +109,73 @@ class DigestedFile:
     (big buffers in slices the digest follows) and :meth:`advanced` (tell the digest what
     has reached the OS)."""
 
-    def __init__(self, file: Any, follower: FollowingDigest | None):
+    def __init__(self, file: Any, follower: FollowingDigest | None,
+                 writeback: Writeback | None = None):
         self.file = file
         self.follower = follower
+        self.writeback = writeback
+        self.position = 0  # bytes written through :meth:`write` (the file is new)
+        self._told = 0
 
     def write(self, buf: Any) -> int:
         """Write ``buf`` (any buffer); returns its length."""
         view = memoryview(buf)
-        if self.follower is None or view.nbytes <= _SLICE:
-            return self.file.write(view)
+        if (self.follower is None and self.writeback is None) or view.nbytes <= _SLICE:
+            n = self.file.write(view)
+            self.position += view.nbytes
+            return n
         for start in range(0, view.nbytes, _SLICE):
             self.file.write(view[start:start + _SLICE])
+            self.position += min(_SLICE, view.nbytes - start)
             self.advanced()
         return view.nbytes
 
+    def writev(self, buffers: Any) -> int:
+        """Write ``buffers`` one after the other in one system call (the small ones are not
+        copied into the stream's buffer first); returns their total length. Big ones go
+        through :meth:`write` (in slices the digest follows)."""
+        views = [memoryview(b).cast("B") for b in buffers]
+        total = sum(v.nbytes for v in views)
+        if total > _SLICE:
+            for v in views:
+                self.write(v)
+            return total
+        self.file.flush()  # what the stream holds goes first
+        fd = self.file.fileno()
+        while views:
+            n = os.writev(fd, views)
+            while views and n >= views[0].nbytes:
+                n -= views[0].nbytes
+                views.pop(0)
+            if views and n:
+                views[0] = views[0][n:]
+        self.position += total
+        return total
+
     def advanced(self) -> None:
-        """What the file holds so far (its OS position) may be hashed."""
-        if self.follower is not None:
-            self.follower.advance(os.lseek(self.file.fileno(), 0, os.SEEK_CUR))
+        """What the file holds so far (its OS position) may be hashed, and its write-back
+        started (asked of the OS once a block more has been written: cheap to call after
+        every small item)."""
+        if (self.follower is not None or self.writeback is not None) \
+                and self.position - self._told >= _BLOCK:
+            self._told = os.lseek(self.file.fileno(), 0, os.SEEK_CUR)
+            if self.follower is not None:
+                self.follower.advance(self._told)
+            if self.writeback is not None:
+                self.writeback.wrote(self._told)
 
 
 @contextlib.contextmanager
 def digested_file(path: str | os.PathLike, algorithm: str | None, *,
                   sync: bool = True) -> Iterator[DigestedFile]:
     """A new file ``path`` written in the ``with`` block: flushed and (``sync``) fsynced at
-    its end, its ``algorithm`` digest (None: none) computed by a :class:`FollowingDigest`
-    while it is written and noted once it is complete; on an error the digest is abandoned."""
+    its end, with its write-back started as it grows (``ckpt_tool.writeback``), its
+    ``algorithm`` digest (None: none) computed by a :class:`FollowingDigest` while it is
+    written and noted once it is complete; on an error the digest is abandoned."""
     with open(path, "wb") as f:
         follower = FollowingDigest(path, algorithm) if algorithm else None
         try:
-            yield DigestedFile(f, follower)
+            yield DigestedFile(f, follower, Writeback(f.fileno()) if sync else None)
             f.flush()
             if sync:
                 os.fsync(f.fileno())

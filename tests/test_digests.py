@@ -56,3 +56,35 @@ def test_an_abandoned_follower_notes_nothing(tmp_path):
     follower.advance(50)
     follower.abandon()
     assert digests.noted(path, "sha256") is None
+
+
+def test_a_digested_file_starts_its_write_back_as_it_grows(tmp_path, monkeypatch):
+    """``sync``: the write-back of each further window is started while the file is written
+    (``sync_file_range``), contiguous from the start; the digest and the bytes stay right,
+    also through ``writev``. Without ``sync`` none is started."""
+    from ckpt_tool import writeback
+
+    started: list[tuple[int, int, int]] = []
+    monkeypatch.setattr(writeback, "_SYNC_FILE_RANGE",
+                        lambda fd, off, n, flags: started.append((off, n, flags)))
+    piece = os.urandom(1 << 20)
+    path = tmp_path / "f"
+    with digests.digested_file(path, "sha256", sync=True) as f:
+        for n in range(40):
+            if n % 2:
+                f.write(piece)
+            else:
+                f.writev([b"head", piece, b"tail"])
+            f.advanced()
+    data = path.read_bytes()
+    assert digests.noted(path, "sha256") == (len(data), hashlib.sha256(data).hexdigest())
+    assert data[:4] == b"head" and data[4:4 + len(piece)] == piece
+    assert len(started) >= 2 and started[0][0] == 0
+    assert all(a[0] + a[1] == b[0] for a, b in zip(started, started[1:]))  # contiguous
+    assert all(n >= writeback.WINDOW and flags == 2 for _, n, flags in started)
+    started.clear()
+    with digests.digested_file(tmp_path / "g", "sha256", sync=False) as f:
+        for _ in range(40):
+            f.write(piece)
+            f.advanced()
+    assert started == []

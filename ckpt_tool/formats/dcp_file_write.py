@@ -103,6 +103,7 @@ def _write_items(out: DigestedFile, path: str, storage_key: str, items: Sequence
         del data  # on disk: let it go before resolving the next item
         if item.type != WriteItemType.BYTE_IO:
             on_written(item, nbytes)
+        out.position = f.tell()  # some items were written around ``out``
         out.advanced()  # what has reached the OS so far
     return results
 

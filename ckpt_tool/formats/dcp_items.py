@@ -21,6 +21,7 @@ from typing import Any, Callable
 from ckpt_tool.errors import CorruptCheckpointError, IntegrityError, UnsupportedError, UsageError
 from ckpt_tool.formats.torch_zip import torch_dtype
 from ckpt_tool.model import ChunkRef, TensorMeta
+from ckpt_tool.planning.overlap import chunk_index
 
 __all__ = ["read_item_bytes", "load_chunk", "load_chunk_view", "item_ranges", "normalize_slices",
            "assemble", "torch_dtype"]
@@ -284,7 +285,9 @@ def assemble(meta: TensorMeta, slices: tuple[slice, ...] | None,
     region = normalize_slices(meta.shape, slices)
     out = torch.empty([b - a for a, b in region], dtype=torch_dtype(meta.dtype))
     covered = 0
-    for chunk in meta.chunks:
+    index = chunk_index(meta)  # the chunks that can overlap the region, not all of them
+    for chunk in (index.chunks[i] for i in index.candidates([a for a, _ in region],
+                                                            [b - a for a, b in region])):
         inter = []
         for (a, b), off, size in zip(region, chunk.offsets, chunk.sizes):
             lo, hi = max(a, off), min(b, off + size)

@@ -26,6 +26,7 @@ from typing import Any, Callable, Sequence
 from ckpt_tool.errors import UsageError
 from ckpt_tool.formats.pickle_refs import Call, dumps, instance, ref
 from ckpt_tool.model import TensorMeta, dtype_itemsize
+from ckpt_tool.planning.overlap import grid_tiling
 
 __all__ = ["PlannedItem", "check_grid", "planned_items", "rank_plans", "assign_files",
            "metadata_pickle", "DCP_VERSION"]
@@ -78,6 +79,8 @@ def check_grid(t: TensorMeta) -> None:
         raise UsageError(f"tensor {t.key}: target chunks hold {volume} elements, the tensor "
                          f"{math.prod(t.shape)} (the chunk grid must tile the tensor)")
     boxes = sorted((tuple(c.offsets), tuple(c.sizes)) for c in t.chunks if math.prod(c.sizes))
+    if grid_tiling(t.shape, boxes):  # the usual layouts, in one pass
+        return
     for n, (oa, sa) in enumerate(boxes):  # sorted by offsets: a later box starting past
         for ob, sb in boxes[n + 1:]:     # this one's end along axis 0 cannot overlap it
             if t.shape and ob[0] >= oa[0] + sa[0]:

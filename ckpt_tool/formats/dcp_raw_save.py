@@ -35,7 +35,7 @@ from ckpt_tool.formats.dcp_raw_metadata import (
     planned_items,
     rank_plans,
 )
-from ckpt_tool.formats.torch_zip_write import TensorArchive, supported
+from ckpt_tool.formats.torch_zip_write import STORAGE_TYPES, TensorArchive, supported
 from ckpt_tool.formats.writer import WriteRequest, Writer, WriterOptions
 from ckpt_tool.model import CheckpointMeta, dtype_itemsize
 
@@ -82,13 +82,13 @@ def _write_file(path: Path, items: Sequence[PlannedItem], tensor: Callable[[Plan
     out = []
     with digested_file(path, digest, sync=sync) as f:
         for item in items:
-            offset = f.file.tell()
+            offset = f.position
             if item.is_bytes:
-                length = f.file.write(payload(item.fqn))
+                length = f.write(payload(item.fqn))
             else:
                 data = chunk_buffer(item, tensor(item))
                 archive = TensorArchive(item.dtype, item.sizes, data.nbytes)
-                length = archive.write(f.write, data)
+                length = archive.write(f.write, data, writev=f.writev)
                 del data  # on disk: let it go before resolving the next item
                 on_written(item.nbytes)
             out.append((offset, length))
@@ -207,7 +207,13 @@ def raw_path_applies(meta: CheckpointMeta, options: WriterOptions) -> bool:
     ``extra["raw_save"]`` is not False."""
     if options.extra.get("raw_save", True) is False:
         return False
-    return raw_save_applies(planned_items(list(meta.tensors.values()), []))
+    for t in meta.tensors.values():  # the largest item of each tensor (not every item)
+        if t.dtype not in STORAGE_TYPES:
+            return False
+        largest = max((math.prod(c.sizes) for c in t.chunks), default=math.prod(t.shape))
+        if not supported(t.dtype, largest * dtype_itemsize(t.dtype)):
+            return False
+    return True
 
 
 def raw_write(writer: Writer, request: WriteRequest, bytes_keys: Sequence[str],

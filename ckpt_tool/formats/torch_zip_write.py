@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import math
 import struct
-from typing import Any, Callable, Sequence
+from functools import lru_cache
+from typing import Any, Callable, NamedTuple, Sequence
 
 from ckpt_tool._crc import crc32
 
@@ -63,6 +64,7 @@ _VERSION = b"3\n"
 _NAMES_ID = "15728199511854643026"
 _OBJECT_NAMES_ID = "02908468677762923104"  # the same without data/0 (an object, no tensors)
 _MASK = (1 << 64) - 1
+_CD_CRC = 16  # the CRC's offset in a central directory entry
 
 
 def supported(dtype: str, nbytes: int) -> bool:
@@ -146,32 +148,43 @@ class _Records:
         out += full + b"FB" + struct.pack("<H", pad) + b"Z" * pad
         return at
 
-    def record(self, out: bytearray, base: int, name: str, data: bytes) -> None:
+    def record(self, out: bytearray, base: int, name: str, data: bytes) -> int:
+        """Append the record; returns where its data starts in ``out``."""
         at = self.local(out, base, name, len(data))
         crc = crc32(data) & 0xFFFFFFFF
+        start = len(out)
         out += data
         if data:  # an empty record has no data descriptor
             out += _DESCRIPTOR.pack(b"PK\x07\x08", crc, len(data), len(data))
         self.records.append(((self.prefix + name).encode(), at, len(data), crc))
+        return start
 
-    def finish(self, out: bytearray, base: int, names_id: str) -> None:
-        """``version``, ``.data/serialization_id``, the central directory and end records."""
+    def finish(self, out: bytearray, base: int, names_id: str) -> dict[str, int]:
+        """``version``, ``.data/serialization_id``, the central directory and end records;
+        returns where in ``out`` the fields that depend on the CRCs are (for
+        :class:`TensorArchive`'s template): ``"id"`` the serialization id's data, ``"id_crc"``
+        its descriptor's CRC, ``"cd_<n>"`` the CRC in the central directory entry of the
+        n-th record."""
         self.record(out, base, "version", _VERSION)
         combined = 0
         for _, _, size, c in self.records:
             if size:  # torch combines the CRCs of non-empty records only
                 combined = _combine(combined, c)
-        self.record(out, base, ".data/serialization_id", f"{names_id}{combined:020d}".encode())
+        sid = f"{names_id}{combined:020d}".encode()
+        at = {"id": self.record(out, base, ".data/serialization_id", sid)}
+        at["id_crc"] = at["id"] + len(sid) + 4
         cd_start = base + len(out)
-        for full, at, size, c in self.records:
+        for n, (full, at_, size, c) in enumerate(self.records):
+            at[f"cd_{n}"] = len(out) + _CD_CRC
             out += _CDIR.pack(b"PK\x01\x02", 0, 0, _flags(size), 0, 0, 0, c, size, size,
-                              len(full), 0, 0, 0, 0, 0, at) + full
+                              len(full), 0, 0, 0, 0, 0, at_) + full
         end = base + len(out)
         n = len(self.records)
         out += _EOCD64.pack(b"PK\x06\x06", 44, 0x031E, 0x002D, 0, 0, n, n, end - cd_start,
                             cd_start)
         out += _LOC64.pack(b"PK\x06\x07", 0, end, 1)
         out += _EOCD.pack(b"PK\x05\x06", 0, 0, n, n, end - cd_start, cd_start, 0)
+        return at
 
 
 def object_archive(pkl: bytes, prefix: str = "archive") -> bytes:
@@ -203,45 +216,87 @@ class TensorArchive:
 
     ``head()`` is every byte before the tensor's data (it does not depend on the data);
     ``tail(crc)`` every byte after it, given the data's CRC-32. ``write`` does all three.
+    Both come from a template made once per dtype, shape and size (layers repeat them):
+    a tail is the template with the five fields that depend on the CRC filled in.
     """
 
     def __init__(self, dtype: str, shape: Sequence[int], nbytes: int):
         if not supported(dtype, nbytes):
             raise ValueError(f"no raw torch.save archive for {dtype} of {nbytes} bytes")
         self.nbytes = nbytes
-        head = bytearray()
-        zf = _Records(_PREFIX)
-        for name, data in (("data.pkl", tensor_pickle(dtype, shape)), *_SMALL):
-            zf.record(head, 0, name, data)
-        self._head_records = list(zf.records)
-        self._data_at = zf.local(head, 0, "data/0", nbytes)
-        self._head = bytes(head)
+        self._t = _template(dtype, tuple(int(s) for s in shape), nbytes)
 
     def head(self) -> bytes:
         """The bytes before the data."""
-        return self._head
+        return self._t.head
 
     def tail(self, crc: int) -> bytes:
         """The bytes after the data (``crc``: CRC-32 of the data)."""
-        base = len(self._head) + self.nbytes  # the archive offset of what follows
-        zf = _Records(_PREFIX)
-        zf.records = [*self._head_records, ((_PREFIX + "data/0").encode(), self._data_at,
-                                            self.nbytes, crc)]
-        out = bytearray(_DESCRIPTOR.pack(b"PK\x07\x08", crc, self.nbytes, self.nbytes)
-                        if self.nbytes else b"")  # an empty record has no descriptor
-        zf.finish(out, base, _NAMES_ID)
+        t = self._t
+        out = bytearray(t.tail)
+        combined = t.seed
+        if self.nbytes:  # torch combines the CRCs of non-empty records only
+            combined = _combine(combined, crc)
+            _U32.pack_into(out, 4, crc)  # the data's descriptor
+        combined = _combine(combined, t.version_crc)
+        sid = f"{_NAMES_ID}{combined:020d}".encode()
+        sid_crc = crc32(sid) & 0xFFFFFFFF
+        out[t.sid:t.sid + len(sid)] = sid
+        _U32.pack_into(out, t.sid_crc, sid_crc)
+        _U32.pack_into(out, t.cd_data, crc)
+        _U32.pack_into(out, t.cd_sid, sid_crc)
         return bytes(out)
 
-    def write(self, write: Callable[[Any], Any], data: Any) -> int:
-        """Write the archive of ``data`` (a buffer of ``nbytes`` bytes) through ``write``;
-        returns the archive's length."""
-        view = memoryview(data).cast("B") if memoryview(data).ndim != 1 or \
-            memoryview(data).format != "B" else memoryview(data)
+    def write(self, write: Callable[[Any], Any], data: Any, *,
+              writev: Callable[[list], Any] | None = None) -> int:
+        """Write the archive of ``data`` (a buffer of ``nbytes`` bytes) through ``write``
+        (or in one call of ``writev`` with the three parts); returns the archive's length."""
+        view = memoryview(data)
+        if view.ndim != 1 or view.format != "B":
+            view = view.cast("B")
         if view.nbytes != self.nbytes:
             raise ValueError(f"{view.nbytes} bytes of data for an archive of {self.nbytes}")
-        write(self._head)
-        if view.nbytes:
-            write(view)
+        head = self._t.head
         tail = self.tail(crc32(view) & 0xFFFFFFFF)
-        write(tail)
-        return len(self._head) + view.nbytes + len(tail)
+        if writev is not None:
+            writev([head, view, tail])
+        else:
+            write(head)
+            if view.nbytes:
+                write(view)
+            write(tail)
+        return len(head) + view.nbytes + len(tail)
+
+
+_U32 = struct.Struct("<L")
+
+
+class _Template(NamedTuple):
+    head: bytes
+    tail: bytes  # with the data's CRC 0
+    seed: int  # the CRCs of the records before data/0, combined
+    version_crc: int
+    sid: int  # where in the tail: the serialization id's data,
+    sid_crc: int  # its descriptor's CRC,
+    cd_data: int  # the CRC of data/0's central directory entry,
+    cd_sid: int  # the CRC of the serialization id's entry
+
+
+@lru_cache(maxsize=1024)
+def _template(dtype: str, shape: tuple[int, ...], nbytes: int) -> _Template:
+    head = bytearray()
+    zf = _Records(_PREFIX)
+    for name, data in (("data.pkl", tensor_pickle(dtype, shape)), *_SMALL):
+        zf.record(head, 0, name, data)
+    head_records = list(zf.records)
+    data_at = zf.local(head, 0, "data/0", nbytes)
+    seed = 0
+    for _, _, size, c in head_records:
+        if size:
+            seed = _combine(seed, c)
+    zf.records = [*head_records, ((_PREFIX + "data/0").encode(), data_at, nbytes, 0)]
+    tail = bytearray(_DESCRIPTOR.pack(b"PK\x07\x08", 0, nbytes, nbytes) if nbytes else b"")
+    at = zf.finish(tail, len(head) + nbytes, _NAMES_ID)
+    n_data = len(head_records)
+    return _Template(bytes(head), bytes(tail), seed, crc32(_VERSION) & 0xFFFFFFFF, at["id"],
+                     at["id_crc"], at[f"cd_{n_data}"], at[f"cd_{n_data + 2}"])

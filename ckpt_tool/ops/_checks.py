@@ -13,6 +13,7 @@ from typing import Any, Iterable, Mapping
 
 from ckpt_tool.errors import plural
 from ckpt_tool.model import DTYPE_ITEMSIZE, CheckpointMeta, ChunkRef, Finding, TensorMeta
+from ckpt_tool.planning.overlap import grid_tiling
 
 __all__ = ["Finding", "error", "warning", "check_coverage", "check_storage",
            "check_expectations", "MAX_REPORTED", "nonfinite", "count_nonfinite", "count_slabs",
@@ -124,7 +125,8 @@ def check_coverage(t: TensorMeta) -> list[Finding]:
                          key=key))
     total = math.prod(shape)
     nonempty = [c for c in good if c.numel > 0]
-    overlaps = _find_overlaps(nonempty, MAX_REPORTED + 1)
+    tiled = not bad and grid_tiling(shape, [(c.offsets, c.sizes) for c in nonempty])
+    overlaps = [] if tiled else _find_overlaps(nonempty, MAX_REPORTED + 1)
     for a, b in overlaps[:MAX_REPORTED]:
         out.append(error(f"chunks {_box(a)} and {_box(b)} overlap", key=key, file=b.file))
     if len(overlaps) > MAX_REPORTED:

@@ -1,8 +1,9 @@
 """A torch-free ``TensorSource`` for byte-moving conversions (DCP-based source -> safetensors).
 
 When no dtype changes and every chunk of a tensor is a plain ``torch.save`` item, the bytes can
-be moved without torch: each item is located in place over mmap (``formats.torch_zip``) and its
-elements copied with numpy into the requested rectangle. Pieces are numpy arrays of unsigned
+be moved without torch: each item is located in place over mmap (``formats.torch_zip``); a
+request for one stored chunk gets its elements in place, any other rectangle is assembled from
+them with numpy. Pieces are numpy arrays of unsigned
 integers of the element's size (the bytes are what matter); anything unusual falls back to the
 torch path, per tensor. Skipping ``import torch`` (about 1 s) is most of a small conversion.
 """
@@ -13,6 +14,7 @@ import math
 import mmap
 import os
 import threading
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,7 @@ from ckpt_tool.formats.torch_zip import raw_item
 from ckpt_tool.formats.zip_directory import NotSimple
 from ckpt_tool.formats.base import Reader
 from ckpt_tool.model import ChunkRef, TensorMeta, dtype_itemsize
+from ckpt_tool.planning.overlap import chunk_index
 
 __all__ = ["RawSource", "raw_source_applies"]
 
@@ -43,7 +46,12 @@ def _movable(t: TensorMeta) -> bool:
 
 
 class RawSource:
-    """``TensorSource`` yielding numpy arrays; see the module docstring."""
+    """``TensorSource`` yielding numpy arrays; see the module docstring.
+
+    A request for exactly one stored chunk (a conversion keeping the chunk grid) gets the
+    item's elements in place: a read-only array over the mapped item, no copy (the mapping
+    goes when the array does). Other requests are assembled into a fresh array. Each data
+    file is opened once (:meth:`close`, or when the source is collected)."""
 
     raw_bytes = True  # writers may take the pieces as bytes (numpy arrays, not tensors)
 
@@ -57,16 +65,34 @@ class RawSource:
         self._per_key: dict[str, int] = {}
         self._chunks: dict[str, dict[tuple, ChunkRef]] = {}
         self._lock = threading.Lock()
+        self._files: dict[str, tuple[int, int]] = {}  # name -> (descriptor, size)
+        self._closer = weakref.finalize(self, _close_all, self._files)
+
+    def close(self) -> None:
+        """Close the data files opened so far (a later read opens them again)."""
+        _close_all(self._files)
 
     def read(self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Any:
         import numpy as np
 
         meta = self.reader.metadata().tensors[self.key_map[key]]
         dt = np.dtype(_UINT[dtype_itemsize(meta.dtype)])
+        exact = self._exact(meta).get((tuple(offsets), tuple(sizes)))
+        if exact is not None:
+            try:
+                out = self._in_place(exact, meta.dtype, dt)
+            except NotSimple:  # an unusual item: this tensor goes through torch
+                return self._through_torch(key, offsets, sizes, dt)
+            except CorruptCheckpointError as exc:  # a damaged item: which tensor's
+                if not exc.message.startswith("tensor "):
+                    exc.message = f"tensor {meta.key}: {exc.message}"
+                raise
+            return self._count(key, out)
         out = np.empty(sizes, dtype=dt)
         covered = 0
-        exact = self._exact(meta).get((tuple(offsets), tuple(sizes)))
-        for chunk in (exact,) if exact is not None else meta.chunks:
+        index = chunk_index(meta)  # only the chunks that can overlap the request
+        for i in index.candidates(offsets, sizes):
+            chunk = index.chunks[i]
             inter = [(max(o, c), min(o + n, c + m)) for o, n, c, m in
                      zip(offsets, sizes, chunk.offsets, chunk.sizes)]
             if any(lo >= hi for lo, hi in inter):
@@ -74,17 +100,20 @@ class RawSource:
             src = tuple(slice(lo - c, hi - c) for (lo, hi), c in zip(inter, chunk.offsets))
             dst = tuple(slice(lo - o, hi - o) for (lo, hi), o in zip(inter, offsets))
             try:
-                self._copy_chunk(chunk, meta.dtype, dt, src, out, dst)
+                out[dst] = self._in_place(chunk, meta.dtype, dt)[src]
             except NotSimple:  # an unusual item: this tensor goes through torch
                 return self._through_torch(key, offsets, sizes, dt)
             except CorruptCheckpointError as exc:  # a damaged item: which tensor's
                 if not exc.message.startswith("tensor "):
                     exc.message = f"tensor {meta.key}: {exc.message}"
                 raise
-            covered += int(np.prod([hi - lo for lo, hi in inter]))
+            covered += math.prod(hi - lo for lo, hi in inter)
         if covered < out.size:
             raise CorruptCheckpointError(f"tensor {meta.key}: stored chunks cover {covered} of "
                                          f"{out.size} requested elements", path=self.root)
+        return self._count(key, out)
+
+    def _count(self, key: str, out: Any) -> Any:
         n = out.nbytes
         with self._lock:
             self.largest_piece = max(self.largest_piece, n)
@@ -114,54 +143,54 @@ class RawSource:
         t = ReaderSource(self.reader, self.key_map).read(key, offsets, sizes)
         return t.reshape(-1).view(torch.uint8).numpy().view(dt).reshape(sizes)
 
-    def _copy_chunk(self, chunk: ChunkRef, dtype: str, dt: Any, src: tuple, out: Any,
-                    dst: tuple) -> None:
-        start = chunk.byte_offset - chunk.byte_offset % mmap.ALLOCATIONGRANULARITY
-        path = self.root / str(chunk.file)
-        with open(path, "rb") as f:
-            if chunk.byte_offset + chunk.byte_length > os.fstat(f.fileno()).st_size:
-                raise CorruptCheckpointError(f"data file {chunk.file} is truncated",
-                                             path=self.root)
-            mapped = mmap.mmap(f.fileno(), chunk.byte_offset + chunk.byte_length - start,
-                               access=mmap.ACCESS_READ, offset=start)
-            try:
-                self._copy_mapped(f.fileno(), mapped, chunk.byte_offset - start, chunk, dtype,
-                                  dt, src, out, dst)
-            finally:
-                mapped.close()
+    def _file(self, name: str) -> tuple[int, int]:
+        got = self._files.get(name)
+        if got is None:
+            fd = os.open(self.root / name, os.O_RDONLY)
+            got = (fd, os.fstat(fd).st_size)
+            with self._lock:
+                if name in self._files:  # another thread opened it meanwhile
+                    os.close(fd)
+                    return self._files[name]
+                self._files[name] = got
+        return got
 
-    def _copy_mapped(self, fd: int, mapped: Any, at: int, chunk: ChunkRef, dtype: str,
-                     dt: Any, src: tuple, out: Any, dst: tuple) -> None:
-        """Copy ``src`` of the item at ``at`` of ``mapped`` (of ``fd``) into ``out[dst]``,
-        its CRC-32s checked first over the same mapping (the copy then finds its pages)."""
+    def _in_place(self, chunk: ChunkRef, dtype: str, dt: Any) -> Any:
+        """The chunk's elements as a read-only array over the mapped item (in the chunk's
+        shape; the mapping lives as long as the array), the item's CRC-32s checked first over
+        the same mapping (the copy then finds its pages). The stored item is the ground truth:
+        one that contradicts the metadata's dtype or element count is damage (IntegrityError)."""
         import numpy as np
 
-        raw = item = data = None
-        try:
-            with memoryview(mapped) as whole:
-                item = whole[at:]
-                records = None
-                if self.reader.verify:  # every record's CRC-32 before a byte is copied
-                    records = check_item(fd, chunk.byte_offset, chunk.byte_length, item,
-                                         f"item at bytes [{chunk.byte_offset}, "
-                                         f"{chunk.byte_offset + chunk.byte_length})",
-                                         path=self.root / str(chunk.file))
-                raw = raw_item(item, records)
-                if raw.dtype != dtype or raw.numel != math.prod(chunk.sizes):
-                    raise IntegrityError(
-                        f"the stored item of chunk at {list(chunk.offsets)} ({chunk.file}) "
-                        f"holds {raw.numel} {raw.dtype} elements, the metadata says "
-                        f"{math.prod(chunk.sizes)} {dtype}",
-                        hint="the metadata contradicts the data: the checkpoint is damaged")
-                size = dt.itemsize
-                data = np.ndarray(raw.shape, dtype=dt, buffer=raw.data,
-                                  offset=raw.storage_offset * size,
-                                  strides=[s * size for s in raw.stride])
-                if data.shape != tuple(chunk.sizes):
-                    data = data.reshape(chunk.sizes)
-                out[dst] = data[src]
-        finally:  # every view released before the unmap, also on an error (else the
-            del data  # BufferError of close() would hide it)
-            for view in (None if raw is None else raw.data, item):
-                if view is not None:
-                    view.release()
+        fd, size = self._file(str(chunk.file))
+        if chunk.byte_offset + chunk.byte_length > size:
+            raise CorruptCheckpointError(f"data file {chunk.file} is truncated", path=self.root)
+        start = chunk.byte_offset - chunk.byte_offset % mmap.ALLOCATIONGRANULARITY
+        mapped = mmap.mmap(fd, chunk.byte_offset + chunk.byte_length - start,
+                           access=mmap.ACCESS_READ, offset=start)
+        item = memoryview(mapped)[chunk.byte_offset - start:]
+        records = None
+        if self.reader.verify:  # every record's CRC-32 before a byte is used
+            records = check_item(fd, chunk.byte_offset, chunk.byte_length, item,
+                                 f"item at bytes [{chunk.byte_offset}, "
+                                 f"{chunk.byte_offset + chunk.byte_length})",
+                                 path=self.root / str(chunk.file))
+        raw = raw_item(item, records)
+        if raw.dtype != dtype or raw.numel != math.prod(chunk.sizes):
+            raise IntegrityError(
+                f"the stored item of chunk at {list(chunk.offsets)} ({chunk.file}) holds "
+                f"{raw.numel} {raw.dtype} elements, the metadata says "
+                f"{math.prod(chunk.sizes)} {dtype}",
+                hint="the metadata contradicts the data: the checkpoint is damaged")
+        size = dt.itemsize
+        data = np.ndarray(raw.shape, dtype=dt, buffer=raw.data,
+                          offset=raw.storage_offset * size,
+                          strides=[s * size for s in raw.stride])
+        if data.shape != tuple(chunk.sizes):
+            data = data.reshape(chunk.sizes)
+        return data
+
+def _close_all(files: dict[str, tuple[int, int]]) -> None:
+    while files:
+        _name, (fd, _size) = files.popitem()
+        os.close(fd)

@@ -13,12 +13,15 @@
 from __future__ import annotations
 
 import bisect
+import itertools
+import threading
 from dataclasses import dataclass
 from typing import Sequence
 
 from ckpt_tool.model import ChunkRef, TensorMeta, dtype_itemsize
 
-__all__ = ["Box", "intersect", "SourceRead", "ChunkIndex", "reads_for", "flat_block"]
+__all__ = ["Box", "intersect", "grid_tiling", "SourceRead", "ChunkIndex", "chunk_index",
+           "reads_for", "flat_block"]
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
 
@@ -34,6 +37,28 @@ def intersect(a_off: Sequence[int], a_sizes: Sequence[int], b_off: Sequence[int]
         off.append(lo)
         sizes.append(hi - lo)
     return tuple(off), tuple(sizes)
+
+
+def grid_tiling(shape: Sequence[int], boxes: Sequence[Box]) -> bool:
+    """True when ``boxes`` are the cells of a grid that tiles ``shape`` exactly: along each
+    axis their intervals partition ``[0, shape[axis])`` and every cell of that grid is one
+    box, once (no overlap, no gap). Linear in the boxes: the usual chunk layouts (stacked
+    layers x tensor-parallel or expert shards) are proven in one pass; False says only that
+    they are not such a grid (a pairwise check must then decide)."""
+    if not shape:
+        return len(boxes) == 1
+    cells = 1
+    for axis, size in enumerate(shape):
+        pos = 0
+        intervals = sorted({(b[0][axis], b[1][axis]) for b in boxes})
+        for start, length in intervals:  # a repeated start with two lengths fails here too
+            if start != pos or length <= 0:
+                return False
+            pos += length
+        if pos != size:
+            return False
+        cells *= len(intervals)
+    return cells == len(boxes) == len({tuple(b[0]) for b in boxes})
 
 
 @dataclass(frozen=True)
@@ -83,8 +108,10 @@ def flat_block(meta: TensorMeta, chunk: ChunkRef) -> Box:
 
 
 class ChunkIndex:
-    """A tensor's chunks sorted along axis 0 for quick candidate lookup (chunks of one
-    checkpoint do not overlap, so a window of the longest chunk suffices)."""
+    """A tensor's chunks arranged for quick candidate lookup. When they form a grid
+    (:func:`grid_tiling`: stacked layers x tensor-parallel or expert shards) a request finds
+    exactly the cells it touches, axis by axis; otherwise the chunks are sorted along axis 0
+    and a window of the longest chunk is searched (chunks of one checkpoint do not overlap)."""
 
     def __init__(self, meta: TensorMeta):
         self.meta = meta
@@ -96,13 +123,51 @@ class ChunkIndex:
         self.chunks = [meta.chunks[i] for i in order]
         self.starts = [b[0][0] if b[0] else 0 for b in self.boxes]
         self.longest = max((b[1][0] for b in self.boxes if b[1]), default=1)
+        self._axes: list[list[int]] | None = None  # a grid: each axis's cell starts
+        self._cells: dict[tuple[int, ...], int] = {}
+        if not self.flat and len(self.boxes) > 1 and meta.shape and all(
+                len(b[0]) == len(meta.shape) for b in self.boxes) \
+                and grid_tiling(meta.shape, self.boxes):
+            self._axes = [sorted({b[0][d] for b in self.boxes}) for d in range(len(meta.shape))]
+            self._cells = {tuple(b[0]): i for i, b in enumerate(self.boxes)}
 
-    def candidates(self, offsets: Sequence[int], sizes: Sequence[int]) -> range:
+    def candidates(self, offsets: Sequence[int], sizes: Sequence[int]) -> Sequence[int]:
+        """Indices (into ``chunks``/``boxes``) of the chunks that may overlap the rectangle."""
         if not offsets:
             return range(len(self.chunks))
+        if self._axes is not None and len(offsets) == len(self._axes):
+            ranges = []
+            for starts, o, n in zip(self._axes, offsets, sizes):
+                lo = max(0, bisect.bisect_right(starts, o) - 1)
+                hi = bisect.bisect_left(starts, o + n)
+                if hi <= lo:
+                    return []
+                ranges.append(starts[lo:hi])
+            return [self._cells[cell] for cell in itertools.product(*ranges)]
         lo = bisect.bisect_left(self.starts, offsets[0] - self.longest + 1)
         hi = bisect.bisect_left(self.starts, offsets[0] + sizes[0])
         return range(lo, hi)
+
+
+_INDEXES: dict[int, tuple[TensorMeta, ChunkIndex]] = {}
+_INDEXES_KEPT = 64
+_INDEXES_LOCK = threading.Lock()
+
+
+def chunk_index(meta: TensorMeta) -> ChunkIndex:
+    """The :class:`ChunkIndex` of ``meta``, built once per metadata object (readers hand out
+    the same ``TensorMeta`` for every read of a tensor: a lookup per read instead of a scan
+    of all its chunks, which made reading every chunk of a tensor quadratic in its chunks)."""
+    with _INDEXES_LOCK:
+        hit = _INDEXES.get(id(meta))  # the entry holds meta: its id is not reused meanwhile
+    if hit is not None and hit[0] is meta:
+        return hit[1]
+    index = ChunkIndex(meta)
+    with _INDEXES_LOCK:
+        if len(_INDEXES) >= _INDEXES_KEPT:
+            _INDEXES.pop(next(iter(_INDEXES)))
+        _INDEXES[id(meta)] = (meta, index)
+    return index
 
 
 def reads_for(index: ChunkIndex, offsets: Sequence[int], sizes: Sequence[int]

@@ -48,6 +48,7 @@ from ckpt_tool.formats.write_pieces import (
 from ckpt_tool.formats.writer import WriteRequest, Writer, dropped_objects_note
 from ckpt_tool.model import TensorMeta, dtype_itemsize, is_optimizer_key
 from ckpt_tool.printable import is_printable, printable
+from ckpt_tool.writeback import start_writeback
 
 __all__ = ["scalar_common", "SAFETENSORS_CODES", "plan_shards", "SafetensorsWriter",
            "OPTIMIZER_STEM"]
@@ -56,6 +57,7 @@ __all__ = ["scalar_common", "SAFETENSORS_CODES", "plan_shards", "SafetensorsWrit
 OPTIMIZER_STEM = "optimizer"
 
 _MIN_PIECE = 16 << 20  # smaller pieces only cost calls
+_WRITEBACK_FROM = 1 << 20  # slabs this big have their write-back started at once
 
 #: torch dtype name -> safetensors dtype code, for the dtypes safetensors.torch can load.
 SAFETENSORS_CODES: dict[str, str] = {
@@ -245,6 +247,8 @@ class SafetensorsWriter(Writer):
         data = pull_piece(request, t, *piece)
         view = tensor_bytes(data)
         _pwrite_all(fd, view, at)
+        if view.nbytes >= _WRITEBACK_FROM:  # to disk now, not all at the final fsync
+            start_writeback(fd, at, view.nbytes)
         del data
         progress(view.nbytes)
 
