@@ -24,7 +24,9 @@ HF_FIXTURES = {"mcore016_llama_tp2pp2_distopt", "mcore016_mixtral_ep2"}
 
 def readme_blocks() -> list[tuple[str, list[str]]]:
     """``(where, [command, ...])`` for each ``bash`` block with ``ckpt`` commands: its lines
-    (and the parts of ``&&`` chains) that start with ``ckpt ``."""
+    (and the parts of ``&&`` chains) that start with ``ckpt ``; and, per document, its
+    ``console`` blocks (a command and what it printed) as one sequence: their ``$ ckpt ``
+    lines in order (a later example may read what an earlier one wrote)."""
     out = []
     for doc in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
         text = doc.read_text(encoding="utf-8")
@@ -34,11 +36,16 @@ def readme_blocks() -> list[tuple[str, list[str]]]:
                     for part in line.split("&&") if part.strip().startswith("ckpt ")]
             if cmds:
                 out.append((f"{doc.name} block {n + 1}", cmds))
+        shown = [line[2:].strip()
+                 for block in re.findall(r"^```console\n(.*?)^```", text, re.M | re.S)
+                 for line in block.splitlines() if line.startswith("$ ckpt ")]
+        if shown:
+            out.append((f"{doc.name} console examples", shown))
     return out
 
 
 def _run(cmd: str, cwd: Path) -> subprocess.CompletedProcess:
-    argv = shlex.split(cmd)
+    argv = shlex.split(cmd, comments=True)
     env = {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""}
     return subprocess.run([sys.executable, "-m", "ckpt_tool", *argv[1:]], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=900)
@@ -62,6 +69,8 @@ def ran(tmp_path_factory) -> list[tuple[str, Path]]:
 
 def test_every_readme_command_runs_as_printed(ran):
     assert any(cmd.startswith("ckpt inspect fixtures/") for cmd, _ in ran)
+    shown = {where for where, _ in readme_blocks() if where.endswith("console examples")}
+    assert "README.md console examples" in shown, "the README shows no command with its output"
 
 
 def _hf_exports(ran) -> dict[str, Path]:
