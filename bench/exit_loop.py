@@ -4,10 +4,10 @@
 
 Each run is ``torchrun --standalone --nproc-per-node 2 tests/dist_checkpointing/_workers/
 exit_worker.py`` (2 gloo ranks, CPU) in a fresh directory. A run is *bad* when torchrun exits
-non-zero, a rank did not print ``ok``, or the output holds "terminate called" (the SIGABRT of
-issue 15 item 5). Prints one line per bad run (its output tail) and a summary line
-``ours: 0 of 50 runs bad``; exits 1 when any run was bad. The README's reliability section
-quotes its figures; ``tests/dist_checkpointing/test_exit_clean.py`` runs the same script a few
+non-zero, a rank did not print ``ok``, or the output holds "terminate called" (a SIGABRT at
+interpreter exit). Prints one line per bad run (its output tail) and a summary line
+``ours: 0 of 50 runs bad``; exits 1 when any run was bad. docs/reliability.md quotes its
+figures; ``tests/dist_checkpointing/test_exit_clean.py`` runs the same script a few
 times in the suite.
 """
 

@@ -14,7 +14,7 @@ Work too small to gain runs in one process, with a note saying so (:func:`one_pr
 starting the ranks costs seconds whatever the work — the launcher's agent, the rendezvous, and
 every rank importing torch for its gloo group (measured on 2 cores: ``--nproc 2`` on a 1 MB
 checkpoint 7 s, one process under 1 s; on 497 MB, 2 ranks took twice as long as one process
-for every target, README "Writing torch_dist at the speed of its bytes") — while one process
+for every target, docs/performance.md "One process against workers and ranks on 2 cores") — while one process
 moves 160-330 MB/s of checkpoint on the same machine: below :data:`MIN_BYTES` of input it is
 done in about the time the ranks take to start. Commands that read metadata only (``inspect``,
 ``diff --keys-only``, ``reshard --check``/``--dry-run``) never gain.

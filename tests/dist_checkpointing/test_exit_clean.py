@@ -3,7 +3,7 @@ end cleanly under torchrun (issue 15 item 5: "terminate called without an active
 SIGABRT, in some runs after every rank printed ok).
 
 The suite runs the script a few times (``bench/exit_loop.py --runs 50`` is the long loop whose
-figure the README quotes) and fails on any non-zero exit, any rank that did not print ok, and
+figure docs/reliability.md quotes) and fails on any non-zero exit, any rank that did not print ok, and
 any "terminate called" in the output. ``bad_exit`` itself is checked on outputs of the kinds a
 bad run produces, so this test cannot pass by not recognising an abort.
 """

@@ -39,7 +39,7 @@ def _torch_save(obj, path: Path) -> bytes:
 def test_common_state_bytes_are_torch_saves(tmp_path, name):
     """Loaded without torch (dtypes as TorchRef) and saved without torch == loaded with torch
     and ``torch.save``d, as is and with reshard's args changes (in one process: which strings
-    are interned decides which strings the pickle shares, see the README)."""
+    are interned decides which strings the pickle shares, see docs/performance.md, "Reshard without torch")."""
     f = next((FIX / name).glob("iter_*")) / "common.pt"
     light, full = load_exact(f), load_torch_file(f)
     assert isinstance(light, dict) and isinstance(light["args"].params_dtype, TorchRef)

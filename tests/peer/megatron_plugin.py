@@ -241,7 +241,7 @@ if not os.environ.get("CKPT_PEER_NO_PSUTIL_PATCH"):
 _patch_utils()
 patch_destroy_model_parallel()
 # Our switch for ShardedObjects holding io.BytesIO (refused by the allowlist by default):
-# torch's own add_safe_globals, honoured by ckpt_tool's unpickler (README, peer suite).
+# torch's own add_safe_globals, honoured by ckpt_tool's unpickler (docs/testing.md, peer suite).
 if IMPL == "ours":
     import io
 

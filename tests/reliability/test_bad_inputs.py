@@ -78,7 +78,7 @@ def _run_isolated(argv: list[str], where: Path) -> tuple[int, str, str]:
 
 
 def _record(case_id, cmd, code, stderr, broken) -> None:
-    """``CKPT_CORPUS_LOG=FILE``: one JSON line per run (the README's figures come from it)."""
+    """``CKPT_CORPUS_LOG=FILE``: one JSON line per run (docs/reliability.md's figures come from it)."""
     log = os.environ.get("CKPT_CORPUS_LOG")
     if log:
         import json
