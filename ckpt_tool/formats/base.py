@@ -27,6 +27,7 @@ from typing import Any, Callable
 
 from ckpt_tool.errors import CorruptCheckpointError, InputError, NotACheckpointError
 from ckpt_tool.model import CheckpointMeta, ObjectMeta, TensorMeta
+from ckpt_tool.storage import as_path, is_remote
 
 __all__ = ["Reader", "Format", "register", "formats", "detect", "open_checkpoint", "inside_name",
            "check_readable", "os_input_error"]
@@ -38,7 +39,7 @@ class Reader(abc.ABC):
     format_name: str = ""
 
     def __init__(self, path: Path, *, trust: bool = False):
-        self.path = Path(path)
+        self.path = as_path(path)
         self.trust = trust
 
     @abc.abstractmethod
@@ -94,13 +95,15 @@ class Format:
     """A registered format: its name, how to recognise it and how to open it.
 
     ``sniff(path)`` returns ``None`` on a match or a short reason why the path is not this format
-    (so detection failures can list what was tried and why).
+    (so detection failures can list what was tried and why). ``remote``: its reader reads
+    object-store locations (``ckpt_tool.storage.ObjectPath``) as well as local paths.
     """
 
     name: str
     sniff: Callable[[Path], str | None]
     open: Callable[..., Reader]
     description: str = ""
+    remote: bool = False
 
 
 _REGISTRY: dict[str, Format] = {}
@@ -166,8 +169,14 @@ def inside_name(name: Any, what: str, source: str) -> str:
 
 def check_readable(path: str | Path) -> None:
     """InputError naming the problem when ``path`` cannot be read at all: missing, a symlink
-    loop or broken symlink (the path or a marker file in it), no permission."""
-    p = Path(path)
+    loop or broken symlink (the path or a marker file in it), no permission; on an object
+    store: neither an object nor a prefix with objects under it."""
+    p = as_path(path)
+    if is_remote(p):
+        if not p.exists():
+            raise InputError("no such object or prefix", path=p,
+                             hint="check the URL (the bucket, the prefix) and the endpoint")
+        return
     try:
         st = os.stat(p)
         if stat.S_ISDIR(st.st_mode):
@@ -192,8 +201,9 @@ def detect(path: str | Path) -> Format:
     a tracker file with garbage content)."""
     from ckpt_tool.formats.save_dir import resolve_checkpoint_dir
 
-    p = Path(path)
+    p = as_path(path)
     check_readable(p)
+    remote = is_remote(p)
     reasons = []
     try:
         try:
@@ -203,6 +213,10 @@ def detect(path: str | Path) -> Format:
         except InputError as exc:
             raise NotACheckpointError(exc.message, path=exc.path, hint=exc.hint) from None
         for fmt in formats().values():
+            if remote and not fmt.remote:
+                reasons.append(f"{fmt.name}: not read from object stores (copy it to a local "
+                               "disk)")
+                continue
             why = fmt.sniff(p)
             if why is None:
                 return fmt
@@ -217,4 +231,4 @@ def detect(path: str | Path) -> Format:
 
 def open_checkpoint(path: str | Path, *, trust: bool = False) -> Reader:
     """Detect the format of ``path`` and open a reader on it."""
-    return detect(path).open(Path(path), trust=trust)
+    return detect(path).open(as_path(path), trust=trust)

@@ -21,6 +21,7 @@ from typing import Any, Callable
 from ckpt_tool.errors import CorruptCheckpointError, UnsupportedError, UsageError
 from ckpt_tool.formats.torch_zip import torch_dtype
 from ckpt_tool.model import ChunkRef, TensorMeta
+from ckpt_tool.storage import is_remote, read_into
 
 __all__ = ["read_item_bytes", "load_chunk", "load_chunk_view", "normalize_slices", "assemble", "torch_dtype"]
 
@@ -31,9 +32,14 @@ def read_item_bytes(root: Path, file: str | None, offset: int | None, length: in
         raise CorruptCheckpointError("no storage location recorded for the item", path=root)
     path = root / file
     try:
-        with open(path, "rb") as f:
-            f.seek(offset)
-            data = f.read(length)
+        if is_remote(path):
+            data = bytearray(length)
+            del data[read_into(path, offset, data):]
+            data = bytes(data)
+        else:
+            with open(path, "rb") as f:
+                f.seek(offset)
+                data = f.read(length)
     except FileNotFoundError:
         raise CorruptCheckpointError(f"data file {file} is missing", path=root) from None
     if len(data) != length:
@@ -54,6 +60,8 @@ def _load_chunk_raw(path: Path, offset: int, length: int, copy: bool = True) -> 
     from ckpt_tool.formats.torch_zip import (NotSimple, as_byte_view, as_tensor,
                                              frombuffer_u8, raw_item)
 
+    if is_remote(path):
+        return _load_chunk_fetched(path, offset, length)
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -94,6 +102,26 @@ def _load_chunk_raw(path: Path, offset: int, length: int, copy: bool = True) -> 
             mapped.close()
         except BufferError:  # a view still alive somewhere: the GC unmaps it later
             pass
+
+
+def _load_chunk_fetched(path: Any, offset: int, length: int) -> Any:
+    """:func:`_load_chunk_raw` of an object-store item: its bytes fetched (parallel ranged
+    GETs) into a private buffer, the tensor a view of it (never shared with anything else);
+    None when the item is short or unusual (the caller's fallback reports or handles it)."""
+    from ckpt_tool.formats.torch_zip import NotSimple, as_tensor, raw_item
+
+    if length <= 0 or offset < 0:
+        return None
+    buf = bytearray(length)
+    try:
+        if read_into(path, offset, buf) != length:
+            return None
+    except FileNotFoundError:
+        return None
+    try:
+        return as_tensor(raw_item(buf))
+    except NotSimple:
+        return None
 
 
 class ByteView:

@@ -317,11 +317,16 @@ def load_torch_file(path_or_fileobj: str | os.PathLike | IO[bytes], *, trust: bo
     """
     import torch
 
-    where = path_or_fileobj if isinstance(path_or_fileobj, (str, os.PathLike)) else None
-    if where is not None and not Path(where).is_file():
+    from ckpt_tool.storage import as_path, is_remote
+
+    where = path_or_fileobj if isinstance(path_or_fileobj, (str, os.PathLike)) \
+        or is_remote(path_or_fileobj) else None
+    if where is not None and not as_path(where).is_file():
         from ckpt_tool.errors import InputError
 
         raise InputError("no such file", path=where, hint="check the path")
+    if where is not None and is_remote(where):
+        path_or_fileobj = as_path(where).open("rb")
     try:
         return torch.load(path_or_fileobj, map_location=map_location, weights_only=False,
                           pickle_module=safe_pickle_module(trust=trust))
