@@ -13,12 +13,13 @@ import math
 import mmap
 import os
 import threading
-from pathlib import Path
 from typing import Any
 
 from ckpt_tool.formats.torch_zip import NotSimple, raw_item
 from ckpt_tool.formats.base import Reader
 from ckpt_tool.model import ChunkRef, TensorMeta, dtype_itemsize
+from ckpt_tool.ops._mapping import Fetched
+from ckpt_tool.storage import as_path, is_remote, read_into
 
 __all__ = ["RawSource", "raw_source_applies"]
 
@@ -46,7 +47,7 @@ class RawSource:
 
     def __init__(self, reader: Reader, key_map: dict[str, str], sizes: dict[str, int]):
         self.reader = reader
-        self.root = Path(reader.metadata().root)
+        self.root = as_path(reader.metadata().root)
         self.key_map = key_map
         self.sizes = sizes
         self.largest_piece = 0
@@ -113,15 +114,24 @@ class RawSource:
                     dst: tuple) -> None:
         import numpy as np
 
-        start = chunk.byte_offset - chunk.byte_offset % mmap.ALLOCATIONGRANULARITY
-        with open(self.root / str(chunk.file), "rb") as f:
-            if chunk.byte_offset + chunk.byte_length > os.fstat(f.fileno()).st_size:
+        path = self.root / str(chunk.file)
+        if is_remote(path):  # the item fetched (parallel ranged GETs) in place of a mapping
+            start, mapped = chunk.byte_offset, Fetched(chunk.byte_length)
+            if read_into(path, start, mapped) < chunk.byte_length:
                 from ckpt_tool.errors import CorruptCheckpointError
 
                 raise CorruptCheckpointError(f"data file {chunk.file} is truncated",
                                              path=self.root)
-            mapped = mmap.mmap(f.fileno(), chunk.byte_offset + chunk.byte_length - start,
-                               access=mmap.ACCESS_READ, offset=start)
+        else:
+            start = chunk.byte_offset - chunk.byte_offset % mmap.ALLOCATIONGRANULARITY
+            with open(path, "rb") as f:
+                if chunk.byte_offset + chunk.byte_length > os.fstat(f.fileno()).st_size:
+                    from ckpt_tool.errors import CorruptCheckpointError
+
+                    raise CorruptCheckpointError(f"data file {chunk.file} is truncated",
+                                                 path=self.root)
+                mapped = mmap.mmap(f.fileno(), chunk.byte_offset + chunk.byte_length - start,
+                                   access=mmap.ACCESS_READ, offset=start)
         raw = item = data = None
         try:
             with memoryview(mapped) as whole:
