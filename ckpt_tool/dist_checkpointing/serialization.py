@@ -17,6 +17,7 @@ import torch
 
 from ckpt_tool._torchrun import group_initialized
 from ckpt_tool.formats.mcore_dist.config import config_bytes
+from ckpt_tool.storage import as_path, is_remote
 
 from ._manifest import remove_integrity_json, write_integrity_json
 from ._mcore_names import MultiStorageClientFeature, log_single_rank  # noqa: F401 (re-exported as in MCore)
@@ -166,7 +167,7 @@ def load_tensors_metadata(
     N-D reformulated (flattened optimizer state) are described by their original shape.
     """
     sharded_strategy, _ = verify_checkpoint_and_load_strategy(checkpoint_dir, sharded_strategy)
-    return sharded_strategy.load_tensors_metadata(Path(checkpoint_dir))
+    return sharded_strategy.load_tensors_metadata(as_path(checkpoint_dir))
 
 
 def load_sharded_metadata(
@@ -266,6 +267,13 @@ def save(
     Returns:
         the AsyncRequest with ``async_sharded_save``, else None.
     """
+    if is_remote(checkpoint_dir):  # s3:// or msc://: saved locally, then uploaded in order
+        from ._remote_save import save_remote
+
+        return save_remote(lambda spool: save(
+            sharded_state_dict, spool, sharded_strategy, common_strategy,
+            validate_access_integrity, async_sharded_save,
+            preprocess_common_before_consistancy_check, content_metadata), str(checkpoint_dir))
     checkpoint_dir = str(checkpoint_dir)
     if _rank() == 0:
         if os.path.isdir(checkpoint_dir) and os.listdir(checkpoint_dir):

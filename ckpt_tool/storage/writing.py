@@ -44,7 +44,7 @@ from ckpt_tool.errors import UsageError
 
 __all__ = ["WRITING_MARK", "HEARTBEAT", "STALE", "Lock", "run_marker", "remote_leftovers",
            "describe_remote_leftovers", "remote_target_lock", "reclaim_remote", "exists",
-           "upload_tree", "delete_output", "upload_order"]
+           "upload_tree", "delete_output", "upload_order", "is_marker"]
 
 WRITING_MARK = ".ckpt-writing"
 HEARTBEAT = 60.0
@@ -69,6 +69,12 @@ def _phase(rel: str) -> tuple[int, int]:
     if name.endswith(".index.json"):  # a sharded safetensors index names its shards
         return 1, 0
     return 0, 0
+
+
+def is_marker(rel: str) -> bool:
+    """Whether the output file ``rel`` is one a reader takes as (part of) "complete": it is
+    uploaded after every data file."""
+    return _phase(rel)[0] > 0
 
 
 def upload_order(names: list[str]) -> list[list[str]]:
