@@ -194,8 +194,9 @@ def validate(path: str | Path, *, trust: bool = False, deep: bool = False,
             meta, expect_tp=expect_tp, expect_pp=expect_pp,
             expect_keys=None if expect_keys is None else list(expect_keys),
             expect_iteration=expect_iteration))
-        findings.extend(check_object_pickles(reader, meta, findings, deep=deep, trust=trust,
-                                             stats=stats))
+        if deep or not is_remote(base):  # (object items are data, like the CRCs)
+            findings.extend(check_object_pickles(reader, meta, findings, deep=deep,
+                                                 trust=trust, stats=stats))
         if deep:
             findings.extend(deep_read(reader, meta, findings, stats, counted, nonfinite,
                                       progress))

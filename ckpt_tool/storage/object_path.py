@@ -140,8 +140,8 @@ class ObjectPath:
         store = self.store
         if not self.key:
             return ObjectStat(stat_.S_IFDIR | 0o755, 0, 0.0)
-        listing = store.listing(self.parent.key)
         name = self.name
+        listing = store.listing(self.parent.key, looking_for=name)
         if name in listing.files:
             size, mtime = listing.files[name]
             return ObjectStat(stat_.S_IFREG | 0o644, size, mtime)

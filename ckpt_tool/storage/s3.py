@@ -13,8 +13,10 @@ threads (botocore clients are thread-safe).
 * Ranges bigger than :data:`PART` are fetched as parts on :data:`CONCURRENCY` threads.
 * Files bigger than :data:`MULTIPART` are uploaded in parts on the same threads; a failed or
   interrupted upload is aborted (``AbortMultipartUpload``) before the error goes on.
-* Listings of a "directory" (``Delimiter='/'``) are cached per store until something is written
-  through it: sniffing a checkpoint asks about the same few names many times.
+* Listings of a "directory" (``Delimiter='/'``) are cached per store, forgotten when something
+  is written through it: sniffing a checkpoint asks about the same few names many times. A
+  name missing from a listing older than :data:`FRESH` seconds lists the directory again (a
+  long-lived process sees what others wrote since).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ __all__ = ["Store", "store_for", "Listing", "fetch_into", "forget_stores", "PART
 PART = 8 << 20  # a ranged GET or an upload part
 MULTIPART = 64 << 20  # files bigger than this are uploaded in parts
 CONCURRENCY = max(1, int(os.environ.get("CKPT_S3_CONCURRENCY", "16") or 16))
+FRESH = 2.0
 _READ_TRIES = 4  # a body cut short is fetched again this many times at most
 _MAX_PARTS = 10_000  # S3's limit on the parts of one upload
 
@@ -46,6 +49,7 @@ class Listing:
 
     files: dict[str, tuple[int, float]]
     dirs: set[str]
+    taken: float = 0.0  # time.monotonic() of the LIST
 
 
 _STORES: dict[StoreSpec, "Store"] = {}
@@ -140,7 +144,11 @@ class Store:
             or os.environ.get("AWS_ENDPOINT_URL") or _profile_endpoint(session)
         s3_opts = {"addressing_style": "path"} if custom and not _profile_addressing(session) \
             else {}
-        config = Config(retries={"max_attempts": 5, "mode": "standard"},
+        # retries: the environment's or the profile's (AWS_MAX_ATTEMPTS, AWS_RETRY_MODE,
+        # max_attempts, retry_mode) when set, else 5 attempts in "standard" mode
+        configured = any(os.environ.get(v) for v in ("AWS_MAX_ATTEMPTS", "AWS_RETRY_MODE")) \
+            or _profile_value(session, "max_attempts") or _profile_value(session, "retry_mode")
+        config = Config(retries=None if configured else {"max_attempts": 5, "mode": "standard"},
                         max_pool_connections=2 * CONCURRENCY, s3=s3_opts or None,
                         connect_timeout=10, read_timeout=60)
         kw: dict[str, Any] = {"config": config}
@@ -165,10 +173,13 @@ class Store:
         return _error(exc, self.url(key), self, writing)
 
     # -- listings -------------------------------------------------------------------------
-    def listing(self, key: str) -> Listing:
-        """The children of ``key`` taken as a directory (cached)."""
+    def listing(self, key: str, *, looking_for: str | None = None) -> Listing:
+        """The children of ``key`` taken as a directory (cached; listed again when
+        ``looking_for`` is not in a listing older than :data:`FRESH` seconds)."""
         got = self._listings.get(key)
-        if got is not None:
+        if got is not None and (looking_for is None or looking_for in got.files
+                                or looking_for in got.dirs
+                                or time.monotonic() - got.taken < FRESH):
             return got
         prefix = self._key(key) + "/" if key else self.spec.key_prefix
         files: dict[str, tuple[int, float]] = {}
@@ -185,7 +196,7 @@ class Store:
                     dirs.add(p["Prefix"][len(prefix):].rstrip("/"))
         except Exception as exc:  # noqa: BLE001 - mapped to one clear error
             raise self.error(exc, key) from None
-        got = Listing(files, dirs)
+        got = Listing(files, dirs, time.monotonic())
         self._listings[key] = got
         return got
 
@@ -371,20 +382,25 @@ class Store:
                 raise self.error(exc, key, writing=True) from None
 
 
-def _profile_endpoint(session: Any) -> str | None:
+def _scoped(session: Any) -> dict[str, Any]:
     try:
-        cfg = session._session.get_scoped_config()  # the profile's own keys
+        return session._session.get_scoped_config()  # the profile's own keys
     except Exception:  # noqa: BLE001 - a profile that does not exist: botocore says so later
-        return None
+        return {}
+
+
+def _profile_value(session: Any, name: str) -> Any:
+    return _scoped(session).get(name)
+
+
+def _profile_endpoint(session: Any) -> str | None:
+    cfg = _scoped(session)
     s3 = cfg.get("s3") if isinstance(cfg.get("s3"), dict) else {}
     return cfg.get("endpoint_url") or s3.get("endpoint_url")
 
 
 def _profile_addressing(session: Any) -> str | None:
-    try:
-        cfg = session._session.get_scoped_config()
-    except Exception:  # noqa: BLE001
-        return None
+    cfg = _scoped(session)
     s3 = cfg.get("s3") if isinstance(cfg.get("s3"), dict) else {}
     return s3.get("addressing_style")
 
