@@ -167,6 +167,20 @@ def inside_name(name: Any, what: str, source: str) -> str:
     return name
 
 
+def _interrupted_write(p: Any) -> InputError | None:
+    """An object-store location that holds only what an unfinished write left (its run
+    marker is beside it: ``ckpt_tool.storage.writing``), as one clear error; else None."""
+    from ckpt_tool.leftovers import describe_leftovers, leftovers
+
+    left = leftovers(p)
+    if not left:
+        return None
+    return InputError(f"no checkpoint here, but an unfinished write left "
+                      f"{describe_leftovers(left)}", path=p,
+                      hint="rerun the command that writes it (the rerun reclaims them), or "
+                           "delete them")
+
+
 def check_readable(path: str | Path) -> None:
     """InputError naming the problem when ``path`` cannot be read at all: missing, a symlink
     loop or broken symlink (the path or a marker file in it), no permission; on an object
@@ -174,8 +188,9 @@ def check_readable(path: str | Path) -> None:
     p = as_path(path)
     if is_remote(p):
         if not p.exists():
-            raise InputError("no such object or prefix", path=p,
-                             hint="check the URL (the bucket, the prefix) and the endpoint")
+            raise _interrupted_write(p) or InputError(
+                "no such object or prefix", path=p,
+                hint="check the URL (the bucket, the prefix) and the endpoint")
         return
     try:
         st = os.stat(p)
@@ -223,6 +238,8 @@ def detect(path: str | Path) -> Format:
             reasons.append(f"{fmt.name}: {why}")
     except OSError as exc:
         raise os_input_error(exc, p) from None
+    if remote and (left := _interrupted_write(p)) is not None:
+        raise left
     raise NotACheckpointError(
         "not a checkpoint of any known format [" + "; ".join(reasons) + "]", path=p,
         hint="pass a checkpoint directory, an iter_* directory or a training save directory",

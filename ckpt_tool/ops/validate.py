@@ -143,6 +143,8 @@ def validate(path: str | Path, *, trust: bool = False, deep: bool = False,
     if root == p:
         root = resolve_checkpoint_dir(p)
     if root.is_dir() and not _check_markers(root, findings):
+        if is_remote(p):
+            findings.extend(_beside(p))
         return done(root)
 
     from ckpt_tool.formats import detect
@@ -399,8 +401,13 @@ def _leftovers(root: Path) -> list[Finding]:
 
 
 def _beside(target: Path) -> list[Finding]:
-    from ckpt_tool.leftovers import leftovers
+    from ckpt_tool.leftovers import describe_leftovers, leftovers
 
+    if is_remote(target):  # the run marker and the objects of an unfinished write: one line
+        left = leftovers(target)
+        return [warning(f"an unfinished write left {describe_leftovers(left)} (a rerun of the "
+                        "command that writes it reclaims it)", file=f"../{left[0].name}")
+                ] if left else []
     return [warning("what an interrupted write of this path left (a rerun of the command "
                     "that writes it reclaims it)", file=f"../{f.name}")
             for f in leftovers(target)]

@@ -30,6 +30,8 @@ class Proxy:
 
     * ``cut_down_once(n)``: the first connection whose response bytes pass ``n`` (counted
       from the arming) is closed mid-stream, once;
+    * ``cut_up_once(n)``: the first connection whose request bytes pass ``n`` (counted from
+      the arming) is closed mid-stream, once;
     * ``cut_big_requests(n)``: every request carrying more than ``n`` bytes before the server
       answers (a big upload) is closed mid-body;
     * ``cut_down_after(n)``: once the server has sent ``n`` more bytes, every connection is
@@ -43,6 +45,8 @@ class Proxy:
         self._once: int | None = None
         self._big_up: int | None = None
         self._after: int | None = None
+        self.up = 0
+        self._up_once: int | None = None
         self._lock = threading.Lock()
         self._socks: list[socket.socket] = []
         self._srv = socket.create_server(("127.0.0.1", 0))
@@ -51,12 +55,16 @@ class Proxy:
 
     def reset(self) -> None:
         with self._lock:
-            self.down, self.cuts = 0, 0
-            self._once = self._big_up = self._after = None
+            self.down, self.up, self.cuts = 0, 0, 0
+            self._once = self._big_up = self._after = self._up_once = None
 
     def cut_down_once(self, n: int) -> None:
         with self._lock:
             self._once = self.down + n
+
+    def cut_up_once(self, n: int) -> None:
+        with self._lock:
+            self._up_once = self.up + n
 
     def cut_big_requests(self, n: int) -> None:
         self._big_up = n
@@ -91,7 +99,10 @@ class Proxy:
                     if up:
                         state["up"] += len(data)
                         state["down"] = 0
+                        self.up += len(data)
                         cut = self._big_up is not None and state["up"] > self._big_up
+                        if self._up_once is not None and self.up > self._up_once:
+                            self._up_once, cut = None, True
                     else:
                         state["down"] += len(data)
                         state["up"] = 0
