@@ -82,6 +82,8 @@ def render(result: Any, *, tree: bool = False, all_objects: bool = False,
                                         "dcp_version") if ex.get(k) is not None]
     if backend:
         print_text("backend: " + ", ".join(backend))
+    if ex.get("common_state"):  # Megatron-Core dist checkpoints: where it is kept
+        print_text(f"common state: {ex['common_state']}")
     files = [f"{k}={ex[k]}" for k in ("data_files", "chunk_files", "object_files")
              if ex.get(k) is not None]
     if files:

@@ -18,6 +18,7 @@ import torch
 from ckpt_tool._torchrun import group_initialized
 from ckpt_tool.formats.mcore_dist.config import config_bytes
 from ckpt_tool.storage import as_path, is_remote
+from ckpt_tool.formats.mcore_dist.forms import COMMON_STATE_KEY
 
 from ._manifest import remove_integrity_json, write_integrity_json
 from ._mcore_names import MultiStorageClientFeature, log_single_rank  # noqa: F401 (re-exported as in MCore)
@@ -129,6 +130,10 @@ def load(
     if StrictHandling.requires_explicit_ckpt_mismatch_check(strict):
         ckpt_sharded_metadata = load_sharded_metadata(
             checkpoint_dir, sharded_strategy, common_strategy)
+        # Megatron-Core 0.19's common state is a ShardedObject, loaded above as the common
+        # state: not a key any request is expected to ask for
+        ckpt_sharded_metadata = {k: v for k, v in ckpt_sharded_metadata.items()
+                                 if v.key != COMMON_STATE_KEY}
     if validate_access_integrity or StrictHandling.requires_global_app_metadata(strict):
         local_metadata, global_metadata = determine_global_metadata(sharded_state_dict)
     sharded_state_dict, missing_keys, unexpected_keys = validate_integrity_and_strict_load(
@@ -152,7 +157,8 @@ def load(
 
 
 def load_common_state_dict(checkpoint_dir: Union[str, Path]) -> StateDict:
-    """The common (non-sharded) state dict of a checkpoint."""
+    """The common (non-sharded) state dict of a checkpoint: ``common.pt``, else (Megatron-Core
+    0.19) the ``common_state`` object of its torch_dist data."""
     checkpoint_dir = str(checkpoint_dir)
     _, common_strategy = verify_checkpoint_and_load_strategy(checkpoint_dir)
     return common_strategy.load_common(checkpoint_dir)

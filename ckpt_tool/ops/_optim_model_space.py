@@ -56,6 +56,9 @@ class ModelSpaceDistOptimizerView(Reader):
     def metadata(self) -> CheckpointMeta:
         return self._meta
 
+    def objects_in_common(self) -> frozenset[str]:
+        return self.inner.objects_in_common()
+
     def common(self) -> dict[str, Any]:
         common = dict(self.inner.common())
         optimizer = dict(common.get("optimizer") or {})

@@ -291,6 +291,9 @@ class UnflattenedOptimizerView(Reader):
     def metadata(self) -> CheckpointMeta:
         return self._meta
 
+    def objects_in_common(self) -> frozenset[str]:
+        return self.inner.objects_in_common()
+
     def common(self) -> dict[str, Any]:
         common = dict(self._common)
         common["content_metadata"] = self._content_metadata(common.get("content_metadata"))

@@ -23,20 +23,26 @@ __all__ = ["InspectResult", "inspect", "describe_split", "dtype_totals", "filter
 class InspectResult:
     """What ``ckpt inspect`` shows: the metadata, how each tensor is split, totals per dtype.
 
-    ``full_common`` is the whole common state (every field, args in full) when asked for."""
+    ``full_common`` is the whole common state (every field, args in full) when asked for.
+    ``meta.objects`` are the objects of their own; ``common_items`` the stored items that hold
+    the common state instead (``Reader.objects_in_common``: Megatron-Core 0.19's
+    ``common_state`` object, a DCP checkpoint's bytes items), shown as the common state."""
 
     meta: CheckpointMeta
     splits: dict[str, str] = field(default_factory=dict)
     totals: dict[str, dict[str, int]] = field(default_factory=dict)
     full_common: dict[str, Any] | None = None
+    common_items: tuple[str, ...] = ()
 
     def to_dict(self, *, tree: bool = False) -> dict[str, Any]:
-        """``CheckpointMeta.to_dict()`` with a ``split`` per tensor and ``dtype_totals``
-        (plus ``tree`` when asked for, ``common`` in full when it was loaded)."""
+        """``CheckpointMeta.to_dict()`` with a ``split`` per tensor, ``dtype_totals`` and
+        ``common_items`` (plus ``tree`` when asked for, ``common`` in full when it was
+        loaded)."""
         d = self.meta.to_dict()
         for key, entry in d["tensors"].items():
             entry["split"] = self.splits.get(key, "")
         d["dtype_totals"] = self.totals
+        d["common_items"] = list(self.common_items)
         if self.full_common is not None:
             d["common"] = self.full_common
         if tree:
@@ -58,11 +64,14 @@ def inspect(path: str | Path, *, trust: bool = False, pattern: str | None = None
         meta = reader.metadata()
         if full_common:
             full = _full_common(reader, meta)
-    meta = filter_meta(meta, rx)
+        in_common = reader.objects_in_common()
+    meta = filter_meta(replace(meta, objects=tuple(
+        o for o in meta.objects if o.unique_key not in in_common)), rx)
     tp = tp_size(meta)
     return InspectResult(meta=meta,
                          splits={k: describe_split(t, tp=tp) for k, t in meta.tensors.items()},
-                         totals=dtype_totals(meta), full_common=full)
+                         totals=dtype_totals(meta), full_common=full,
+                         common_items=tuple(sorted(in_common)))
 
 
 def tp_size(meta: CheckpointMeta) -> int | None:

@@ -109,7 +109,7 @@ def reshard(src: str | Path, dst: str | Path | None, req: ReshardRequest, *,
         reader = unflatten_bucketed_optimizer(reader, load_rules(req.rules),
                                               BucketLayoutHints(req.ddp_bucket_size, spec))
     with reader:
-        meta = reader.metadata()
+        meta = _own_objects(reader.metadata(), reader.objects_in_common())
         common, light = _source_common(reader)
         layout, target_origins = _target_layout(req, meta, common)
         options = ReshardOptions(target_format=to, drop_optimizer=req.drop_optimizer,
@@ -139,7 +139,8 @@ def reshard(src: str | Path, dst: str | Path | None, req: ReshardRequest, *,
         new_common = _new_common(reader, common, plan, layout)
         if to != "legacy":
             target = _dist_objects_only(target, new_common, result.notes)
-        wopts = WriterOptions(extra={"threads": max(1, workers)})
+        # the writer keeps the source's form of the common state (``formats.mcore_dist.forms``)
+        wopts = WriterOptions(extra={"threads": max(1, workers), "source_extras": meta.extras})
         if light and not (
                 to == "torch_dist" and writes_raw(target, wopts, common_alone=True)
                 and torch_free_pickle(new_common) is not None):
@@ -175,6 +176,15 @@ def reshard(src: str | Path, dst: str | Path | None, req: ReshardRequest, *,
     result.nbytes = r.broadcast(sum(r.gather(mine) or [0])) if r.world > 1 else mine
     result.seconds = time.perf_counter() - start
     return result
+
+
+def _own_objects(meta: Any, in_common: frozenset[str]) -> Any:
+    """``meta`` without the stored objects that are the source's common state
+    (``Reader.objects_in_common``: Megatron-Core 0.19's ``common_state``): the target gets the
+    new common state, never the source's again."""
+    if not in_common:
+        return meta
+    return replace(meta, objects=tuple(o for o in meta.objects if o.unique_key not in in_common))
 
 
 def _source_common(reader: Any) -> tuple[dict[str, Any], bool]:

@@ -35,6 +35,7 @@ from ckpt_tool.model import CheckpointMeta
 from ckpt_tool.storage import as_path, is_remote
 from ckpt_tool.ops._checks import (Finding, check_coverage, check_expectations, check_storage,
                                    error, warning)
+from ckpt_tool.ops._common_states import common_state_differences
 from ckpt_tool.ops._integrity import BoundedReader, check_zip_item, scan_archives
 from ckpt_tool.ops.manifest import manifest_findings
 from ckpt_tool.ops._validate_deep import deep_read
@@ -174,7 +175,7 @@ def validate(path: str | Path, *, trust: bool = False, deep: bool = False,
         findings.extend(check_storage(meta, sizes) + check_overlaps(meta))
         for key in sorted(meta.tensors):
             findings.extend(check_coverage(meta.tensors[key]))
-        findings.extend(_check_common_state(base, meta))
+        findings.extend(_check_completion(meta) + _check_common_state(base, meta, trust))
         if meta.format == "legacy":
             findings.extend(_legacy_rank_findings(reader))
         counted: dict[str, tuple[int, int]] = {}
@@ -293,12 +294,19 @@ def _check_markers(root: Path, findings: list[Finding]) -> bool:
                 "Megatron-Core save: metadata.json is written last)", file="metadata.json"))
             return False
         return True  # not a dist checkpoint: detection decides (safetensors, torch files, ...)
-    if (root / "common.pt").is_file():
-        findings.append(error(
-            "not a complete checkpoint: .metadata and common.pt but no metadata.json (an "
-            "interrupted Megatron-Core save: metadata.json is written last); data checked as "
-            "plain DCP", file="metadata.json"))
-    return True
+    return True  # DCP data: what shows it to be a Megatron-Core save is checked with its meta
+
+
+def _check_completion(meta: CheckpointMeta) -> list[Finding]:
+    """DCP data that is a Megatron-Core dist checkpoint (its ``common.pt``, ``MCoreMetadata``
+    or 0.19's ``common_state`` object: the DCP reader's ``megatron_core_save``) without the
+    ``metadata.json`` that every Megatron-Core version writes last to mark it complete."""
+    signs = meta.extras.get("megatron_core_save") if meta.format == "dcp" else None
+    if not signs:
+        return []
+    return [error(f"not a complete checkpoint: a Megatron-Core save ({signs}) without "
+                  "metadata.json (interrupted: Megatron-Core writes it last and refuses the "
+                  "directory without it); data checked as plain DCP", file="metadata.json")]
 
 
 def _sharded_only(fmt: Any, root: Path, trust: bool) -> tuple[Any, CheckpointMeta | None]:
@@ -328,15 +336,31 @@ def _legacy_rank_findings(reader: Any) -> list[Finding]:
             for p in getattr(reader, "problems", ())]
 
 
-def _check_common_state(root: Path, meta: CheckpointMeta) -> list[Finding]:
-    """Megatron-Core dist checkpoints keep their common state in ``common.pt`` (or, newest
-    MCore, in the ``common_state`` object): without either, MCore cannot load them."""
+def _check_common_state(root: Path, meta: CheckpointMeta, trust: bool) -> list[Finding]:
+    """Megatron-Core dist checkpoints keep their common state in ``common.pt`` (0.12-0.18) or
+    in the ``common_state`` object (0.19): without either, Megatron-Core cannot load them; with
+    both (no version writes both), 0.19 loads ``common.pt`` and ignores the object: an error
+    when the two disagree, a warning when they are the same."""
     if meta.format not in ("torch_dist", "zarr"):
         return []
-    if (root / "common.pt").is_file() or any(o.key == "common_state" for o in meta.objects):
+    obj = meta.extras.get("common_object")
+    has_file = (root / "common.pt").is_file()
+    if not has_file and not obj:
+        return [error("common.pt is missing (and there is no common_state object): the "
+                      "non-sharded state (iteration, args, ...) is lost", file="common.pt")]
+    if not (has_file and obj):
         return []
-    return [error("common.pt is missing (and there is no common_state object): the "
-                  "non-sharded state (iteration, args, ...) is lost", file="common.pt")]
+    differ = common_state_differences(root, meta, obj, trust)
+    if differ is None:  # one of them is unreadable: reported with the objects and files
+        return []
+    if differ:
+        more = f" (and {len(differ) - 4} more)" if len(differ) > 4 else ""
+        return [error(f"two contradicting common states: common.pt and the {obj} object "
+                      f"differ in {'; '.join(differ[:4])}{more}. Megatron-Core 0.19 loads "
+                      "common.pt and ignores the object, older versions never read the "
+                      "object: remove the one that is wrong", file="common.pt")]
+    return [warning(f"the common state is stored twice, as common.pt and as the {obj} "
+                    "object (the same; no Megatron-Core version writes both)", file="common.pt")]
 
 
 # -- 2. files -------------------------------------------------------------------------------

@@ -6,10 +6,14 @@ and ``exp_avg_sq`` slice the optimizers hold (each chained optimizer's own ``gbu
 be bit-identical to the fixture's expected per-parameter state, and every bf16 model parameter
 must equal its expected main parameter rounded to bf16.
 
-    torchrun --nproc-per-node N _moe_resume_worker.py TP PP EP CKPT [FIXTURE]
+    torchrun --nproc-per-node N _moe_resume_worker.py TP PP EP CKPT [FIXTURE] [--verify-integrity]
 
 FIXTURE's ``generate.py`` provides ``init(tp, pp, ep)`` and ``build(tp, pp, ep)`` (no virtual
 pipeline at the target) and its ``expected/optim.safetensors`` the per-parameter state.
+The Megatron-Core is the installed one, or with ``$CKPT_MEGATRON_SRC`` the ``megatron/core``
+source tree it names (0.19's: ``fixtures/_mcore_cpu.megatron_core_from_source``);
+``--verify-integrity`` loads as Megatron-LM 0.18+'s ``--verify-integrity`` does (``integrity.json``
+checked first).
 """
 
 from __future__ import annotations
@@ -20,7 +24,9 @@ import sys
 
 os.environ.setdefault("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-FIXTURE = os.path.join(REPO, "fixtures", sys.argv[5] if len(sys.argv) > 5
+VERIFY_INTEGRITY = "--verify-integrity" in sys.argv
+ARGS = [a for a in sys.argv if a != "--verify-integrity"]
+FIXTURE = os.path.join(REPO, "fixtures", ARGS[5] if len(ARGS) > 5
                        else "mcore016_moe_ep2_distopt_buckets")
 sys.path.insert(0, os.path.join(REPO, "fixtures"))
 
@@ -53,19 +59,23 @@ def tp_local(p, full):
 
 
 def main() -> int:
+    import _mcore_cpu as H
+
+    if os.environ.get(H.MEGATRON_SRC_ENV):
+        H.megatron_core_from_source("core_v0.19.0")
     import torch
     from safetensors.torch import load_file
 
     import _mcore_resume as R
 
-    tp, pp, ep, ckpt = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    tp, pp, ep, ckpt = int(ARGS[1]), int(ARGS[2]), int(ARGS[3]), ARGS[4]
     gen = _generator()
     gen.init(tp, pp, ep)
     gpt, _model, optimizer, names = gen.build(tp, pp, ep)
     with torch.no_grad():
         for p in gpt.parameters():
             p.fill_(float("nan"))
-    R.load_as_megatron_lm(ckpt, gpt, optimizer)
+    R.load_as_megatron_lm(ckpt, gpt, optimizer, verify_integrity=VERIFY_INTEGRITY)
     from megatron.core import parallel_state as ps
 
     for p, name in names.items():
@@ -101,8 +111,10 @@ def main() -> int:
     if errors or not checked:
         print(f"rank {rank}: {len(errors)} differences: {errors[:6]}", file=sys.stderr)
         return 1
+    from megatron.core import package_info
+
     print(f"rank {rank}: OK {len(names)} parameters, {len(chained)} optimizers, {checked} "
-          "optimizer elements bit-identical")
+          f"optimizer elements bit-identical (megatron-core {package_info.__version__})")
     return 0
 
 

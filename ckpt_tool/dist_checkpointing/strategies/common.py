@@ -4,6 +4,11 @@
 (rank 0). Backends that cannot store objects themselves (zarr) keep each ShardedObject main
 replica as ``<checkpoint>/<key>/shard_<offsets>_<shape>.pt``. Everything is read back through
 the allowlisting unpickler of :mod:`ckpt_tool.formats.safe_pickle`, never plain pickle.
+
+Megatron-Core 0.19 checkpoints have no ``common.pt``: their common state is the
+``common_state`` ShardedObject of the torch_dist data (``formats.mcore_dist.forms``), which
+:meth:`TorchCommonLoadStrategy.load_common` reads when there is no ``common.pt`` (0.19's
+``load_common_state_dict`` reads the file first too).
 """
 
 from __future__ import annotations
@@ -50,6 +55,18 @@ def _load_file(path: Union[str, Path], trust: bool = False):
     return load_torch_file(path, trust=trust, map_location="cpu")
 
 
+def _common_state_object(checkpoint_dir: Path, trust: bool):
+    """The payload of the ``common_state`` object of a torch_dist checkpoint (Megatron-Core
+    0.19's common state), or None when it has none."""
+    if not (checkpoint_dir / ".metadata").is_file():
+        return None
+    from ckpt_tool.formats.mcore_dist.reader import TorchDistReader
+
+    with TorchDistReader(checkpoint_dir, trust=trust) as reader:
+        keys = sorted(reader.objects_in_common())
+        return reader.read_object(keys[0]) if keys else None
+
+
 class TorchCommonSaveStrategy(SaveCommonStrategy):
     """Writes ``common.pt`` with ``torch.save`` and ShardedObjects as ``.pt`` files."""
 
@@ -85,14 +102,20 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
         self.trust = trust
 
     def load_common(self, checkpoint_dir: Union[str, Path]) -> StateDict:
-        """The common state dict; CheckpointingException if ``common.pt`` is absent."""
+        """The common state dict: ``common.pt``, else (Megatron-Core 0.19) the torch_dist
+        data's ``common_state`` object; CheckpointingException when there is neither."""
         path = as_path(checkpoint_dir) / COMMON_STATE_FNAME
-        if not path.is_file():
+        if path.is_file():
+            return _load_file(path, self.trust)
+        state = _common_state_object(as_path(checkpoint_dir), self.trust)
+        if state is None:
             listing = sorted(p.name for p in as_path(checkpoint_dir).iterdir()) \
                 if as_path(checkpoint_dir).is_dir() else []
             logger.debug("Checkpoint directory content: %s", listing)
-            raise CheckpointingException(f"Common file {path} does not exist")
-        return _load_file(path, self.trust)
+            raise CheckpointingException(
+                f"Common file {path} does not exist (nor a common_state object in the "
+                "torch_dist data, where Megatron-Core 0.19 keeps the common state)")
+        return state
 
     def load_sharded_objects(
         self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: Union[str, Path]

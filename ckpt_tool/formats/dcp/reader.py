@@ -230,9 +230,12 @@ class DcpReader(Reader):
         }
         if duplicates:
             extras["replicated_items"] = duplicates
-        if (self.root / "common.pt").is_file() or "megatron" in str(metadata_class):
-            extras["note"] = ("looks like an interrupted Megatron-Core save (common.pt or "
-                              f"MCoreMetadata but no {MCORE_METADATA_JSON}); read as plain DCP")
+        mcore = _megatron_core_signs(self.root, metadata_class, objects)
+        if mcore:
+            # Megatron-Core writes metadata.json last and refuses a directory without it
+            extras["megatron_core_save"] = mcore
+            extras["note"] = (f"looks like an interrupted Megatron-Core save ({mcore} but no "
+                              f"{MCORE_METADATA_JSON}); read as plain DCP")
         self._meta = CheckpointMeta(
             format=self.format_name, root=str(self.root), tensors=tensors,
             objects=tuple(objects), common=self._summary(objects), extras=extras,
@@ -361,6 +364,20 @@ class _ItemRanges:
 
     def __exit__(self, *exc: object) -> None:
         pass
+
+
+def _megatron_core_signs(root: Path, metadata_class: Any, objects: list[ObjectMeta]) -> str:
+    """What shows a DCP directory to be a Megatron-Core dist checkpoint's data (``""`` when
+    nothing does): ``common.pt`` (0.12-0.18 write it first), Megatron-Core's ``MCoreMetadata``
+    class of ``.metadata`` (0.15), the ``common_state`` object (0.19's common state)."""
+    signs = []
+    if (root / "common.pt").is_file():
+        signs.append("common.pt")
+    if "megatron" in str(metadata_class):
+        signs.append("MCoreMetadata")
+    if any(o.key == "common_state" for o in objects):
+        signs.append("the common_state object of Megatron-Core 0.19")
+    return " and ".join(signs)
 
 
 def nest(flat: dict[str, Any], paths: dict[str, Any]) -> dict[str, Any]:

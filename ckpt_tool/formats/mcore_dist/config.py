@@ -32,7 +32,8 @@ class CheckpointingConfig:
     """Which backends wrote a checkpoint (the content of ``metadata.json``).
 
     ``sharded_backend`` stores the ShardedTensors/ShardedObjects (``torch_dist``, ``zarr``…),
-    ``common_backend`` stores everything else (``torch`` = ``common.pt``). The versions
+    ``common_backend`` stores everything else (``torch`` = ``common.pt``; Megatron-Core 0.19
+    writes neither field, its common state being a ShardedObject: ``forms``). The versions
     describe the on-disk format of those backends, not the model content.
     """
 
@@ -71,14 +72,20 @@ def check_is_distributed_checkpoint(checkpoint_dir: Optional[str]) -> bool:
     return maybe_load_config(checkpoint_dir) is not None
 
 
-def config_bytes(config: CheckpointingConfig) -> bytes:
+def config_bytes(config: CheckpointingConfig, *, common_backend: bool = True) -> bytes:
     """The exact bytes :func:`save_config` writes for ``config`` (an integrity manifest
-    written before the marker lists their digest)."""
-    return json.dumps(asdict(config)).encode("utf-8")
+    written before the marker lists their digest). ``common_backend=False``: without the
+    ``common_backend*`` fields, as Megatron-Core 0.19 writes it (``forms``)."""
+    fields = asdict(config)
+    if not common_backend:
+        fields = {k: v for k, v in fields.items() if not k.startswith("common_backend")}
+    return json.dumps(fields).encode("utf-8")
 
 
-def save_config(config: CheckpointingConfig, checkpoint_dir: str) -> None:
-    """Write ``config`` as ``<checkpoint_dir>/metadata.json``.
+def save_config(config: CheckpointingConfig, checkpoint_dir: str, *,
+                common_backend: bool = True) -> None:
+    """Write ``config`` as ``<checkpoint_dir>/metadata.json`` (``common_backend``: see
+    :func:`config_bytes`).
 
     The file is staged under a temporary name, fsynced and renamed into place, so a reader
     never sees a half-written marker (and a crash never leaves a checkpoint that looks done).
@@ -88,7 +95,7 @@ def save_config(config: CheckpointingConfig, checkpoint_dir: str) -> None:
     tmp_path = f"{final_path}.tmp.{os.getpid()}"
     try:
         with open(tmp_path, "wb") as f:
-            f.write(config_bytes(config))
+            f.write(config_bytes(config, common_backend=common_backend))
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp_path, final_path)

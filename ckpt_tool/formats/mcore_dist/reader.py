@@ -1,7 +1,8 @@
 """Megatron-Core dist checkpoints: the ``torch_dist`` and ``zarr`` sharded backends.
 
-Both are a directory with ``metadata.json`` (``sharded_backend``), ``common.pt`` (rank 0's
-non-sharded state) and the sharded data: DCP ``.metadata`` + ``*.distcp`` files for
+Both are a directory with ``metadata.json`` (``sharded_backend``), the common state (rank 0's
+non-sharded state: ``common.pt``, or from Megatron-Core 0.19 the ``common_state`` object of the
+sharded data, :mod:`.forms`) and the sharded data: DCP ``.metadata`` + ``*.distcp`` files for
 ``torch_dist``, one zarr array directory per tensor for ``zarr``. The path may also be a
 training save directory (``latest_checkpointed_iteration.txt`` is followed).
 
@@ -19,6 +20,7 @@ from typing import Any
 from ckpt_tool.errors import CorruptCheckpointError, InputError
 from ckpt_tool.formats.save_dir import resolve_checkpoint_dir
 from ckpt_tool.formats.base import Format, Reader, register
+from ckpt_tool.formats.mcore_dist.forms import COMMON_FILE, COMMON_STATE_KEY, where_common
 from ckpt_tool.formats.mcore_dist.training_config import training_config
 from ckpt_tool.model import CheckpointMeta, ObjectMeta, TensorMeta
 
@@ -26,8 +28,6 @@ __all__ = ["read_backend_config", "infer_optimizer_sharding", "McoreDistReader",
            "TorchDistReader", "ZarrReader", "TORCH_DIST", "ZARR"]
 
 METADATA_JSON = "metadata.json"
-COMMON_FILE = "common.pt"
-COMMON_STATE_OBJECT = "common_state"
 _DP_BUCKET_RE = re.compile(r"(chained_\d+\.)?optimizer\.distributed\.dp_group_idx_\d+\."
                            r"gbuf_idx_\d+\..*bucket_idx_")
 _DP_PARAM_STATE_RE = re.compile(r"(chained_\d+\.)?optimizer\.distributed\.dp_group_idx_\d+\."
@@ -110,7 +110,9 @@ def infer_optimizer_sharding(tensors: dict[str, TensorMeta], objects: list[Objec
 
 
 class McoreDistReader(Reader):
-    """What both backends share: directory resolution, metadata.json and the common state."""
+    """What both backends share: directory resolution, metadata.json and the common state
+    (``common.pt`` when there is one, as Megatron-Core 0.19 reads it, else the
+    ``common_state`` object)."""
 
     def __init__(self, path: Path, *, trust: bool = False):
         super().__init__(path, trust=trust)
@@ -127,7 +129,7 @@ class McoreDistReader(Reader):
             from ckpt_tool.formats.common_state import load_torch_save_light
 
             return load_torch_save_light(f, trust=self.trust)
-        obj = next((o for o in objects if o.key == COMMON_STATE_OBJECT), None)
+        obj = _common_object(objects)
         if obj is not None:
             return self._object_payload_light(obj)
         return None
@@ -149,8 +151,10 @@ class McoreDistReader(Reader):
                   "common_backend": self.config.get("common_backend"),
                   "common_backend_version": self.config.get("common_backend_version"),
                   "common_file": COMMON_FILE if (self.root / COMMON_FILE).is_file() else None,
+                  "common_object": getattr(_common_object(objects), "unique_key", None),
                   "modelopt_state": (self.root / "modelopt_state" / METADATA_JSON).is_file(),
                   **extras}
+        extras["common_state"] = where_common(extras)
         extras["optimizer_sharding"] = infer_optimizer_sharding(
             tensors, objects, common.get("content_metadata"))
         config = training_config(self.root)
@@ -170,8 +174,19 @@ class McoreDistReader(Reader):
 
             state = load_torch_file(f, trust=self.trust)
             return state if isinstance(state, dict) else {"value": state}
-        objs = [o for o in self.metadata().objects if o.key == COMMON_STATE_OBJECT]
-        return self.read_object(objs[0].unique_key) if objs else {}
+        obj = _common_object(self.metadata().objects)
+        return self.read_object(obj.unique_key) if obj is not None else {}
+
+    def objects_in_common(self) -> frozenset[str]:
+        """The ``common_state`` object (Megatron-Core 0.19's common state), which is the common
+        state rather than an object of its own (also when a ``common.pt`` outranks it)."""
+        obj = _common_object(self.metadata().objects)
+        return frozenset() if obj is None else frozenset({obj.unique_key})
+
+
+def _common_object(objects: Any) -> ObjectMeta | None:
+    """The ``common_state`` ShardedObject among ``objects`` (Megatron-Core 0.19), or None."""
+    return next((o for o in objects if o.key == COMMON_STATE_KEY), None)
 
 
 class TorchDistReader(McoreDistReader):
@@ -238,8 +253,19 @@ class TorchDistReader(McoreDistReader):
         from ckpt_tool.formats.torch_save_object import load_exact
 
         f = self.root / COMMON_FILE
-        state = load_exact(f, trust=self.trust) if f.is_file() else None
+        if f.is_file():
+            state = load_exact(f, trust=self.trust)
+        else:  # Megatron-Core 0.19: the common_state object's torch.save([state])
+            obj = _common_object(self.metadata().objects)
+            payload = None if obj is None else load_exact(
+                self._item_bytes(obj), trust=self.trust)
+            state = payload[0] if isinstance(payload, list) and len(payload) == 1 else None
         return state if isinstance(state, dict) else None
+
+    def _item_bytes(self, o: ObjectMeta) -> bytes:
+        from ckpt_tool.formats.dcp_items import read_item_bytes
+
+        return read_item_bytes(self.root, o.file, o.byte_offset, o.byte_length)
 
     def object_item_torch_free(self, unique_key: str) -> bytes | None:
         """``torch.save([read_object(unique_key)])``'s bytes (what a torch_dist writer

@@ -25,6 +25,13 @@ Megatron-Core cannot parse as a ShardedObject's (``<key>/shard_<offset>_<shape>`
 source's bytes items or a legacy file's ``rng_state/mp_rank_00_000``) go into ``common.pt``
 under their key instead (a note says so).
 
+The common state keeps the source's form (:mod:`.forms`, from ``extra["source_extras"]``, the
+source reader's metadata extras): a Megatron-Core 0.19 source's is written as 0.19 writes it,
+the ``common_state`` object (bytes item ``common_state/shard_0_1``, ``torch.save([state])``)
+with no ``common.pt`` and a ``metadata.json`` without ``common_backend*``; every other source's
+as ``common.pt`` (the form every version reads). A ``common_state`` object among the target's
+objects is never written as one: the common state given is the only one.
+
 Options (``WriterOptions.extra``): ``raw_save`` (False: always DCP's save), ``files`` (number of data files; default
 ``max(2, total bytes / max_shard_size, threads)``), ``threads`` (files written at once; default 1;
 more than 1 calls ``source.read``/``objects`` from several threads, which they must allow).
@@ -46,13 +53,14 @@ from ckpt_tool.formats.dcp_raw_save import (
     stored_shape_note,
 )
 from ckpt_tool.formats.mcore_dist.config import CheckpointingConfig, save_config
-from ckpt_tool.formats.torch_save_object import save_object
+from ckpt_tool.formats.mcore_dist.forms import (COMMON_FILE, COMMON_STATE_ITEM, COMMON_STATE_KEY,
+                                                DistForm, form_of)
+from ckpt_tool.formats.torch_save_object import object_item, save_object
 from ckpt_tool.formats.writer import WriteRequest, Writer, WriterOptions
 from ckpt_tool.model import CheckpointMeta
 
 __all__ = ["TorchDistWriter", "writes_raw"]
 
-COMMON_FILE = "common.pt"
 # What Megatron-Core's ShardedObject.empty_from_unique_key can parse back.
 _SHARDED_OBJECT_KEY = re.compile(r"[^/]+/shard_\d+(\.\d+)*_\d+(\.\d+)*")
 
@@ -77,19 +85,33 @@ class TorchDistWriter(Writer):
             tensor_items,
         )
 
+        form = self.form
         object_keys, others = _object_keys(request)
-        common = _common_with_objects(request, others, notes)
-        if is_main_rank(request):  # torch.save's bytes (without torch where it can)
+        common = _common_with_objects(request, others, notes, form)
+        if form.common_object:
+            object_keys.append(COMMON_STATE_ITEM)
+        elif is_main_rank(request):  # torch.save's bytes (without torch where it can)
             save_object(common, self.directory / COMMON_FILE)
         items = tensor_items(request) + [bytes_write_item(k) for k in object_keys]
         run_dcp_save(self, request, items, planner_data=None, keep_local_plans=True,
                       tensor=request.source.read,
-                      payload=lambda key: serialized([request.objects(key)]))
+                      payload=lambda key: serialized(
+                          [common if key == COMMON_STATE_ITEM else request.objects(key)]))
         if request.ranks is not None:
             request.ranks.barrier()  # every rank's files and .metadata are in place
-        if is_main_rank(request):  # the completeness marker, last
-            save_config(CheckpointingConfig("torch_dist", 1), str(self.directory))
+        self._write_marker(request)
         return notes
+
+    @property
+    def form(self) -> DistForm:
+        """The form to write: the source's (:func:`.forms.form_of` of its extras)."""
+        return form_of(self.options.extra.get("source_extras"))
+
+    def _write_marker(self, request: WriteRequest) -> None:
+        """``metadata.json``, last, in the form's shape (rank 0)."""
+        if is_main_rank(request):
+            save_config(CheckpointingConfig("torch_dist", 1), str(self.directory),
+                        common_backend=self.form.config_has_common_backend)
 
     def _write_raw(self, request: WriteRequest, notes: list[str]) -> bool:
         """The checkpoint through ``dcp_raw_save`` (our plan, archives and ``.metadata``; on
@@ -104,23 +126,27 @@ class TorchDistWriter(Writer):
         ``torch.save([payload])`` as the DCP path writes them."""
         if not writes_raw(request.meta, self.options):
             return False
+        form = self.form
         object_keys, others = _object_keys(request)
+        if form.common_object:
+            object_keys.append(COMMON_STATE_ITEM)
 
         def payload(key: str) -> bytes:
+            if key == COMMON_STATE_ITEM:  # without torch when the common state allows
+                common = _common_with_objects(request, others, notes, form)
+                return object_item(common) or _serialized([common])
             stored = request.raw_object(key)
             if stored is not None:
                 return stored
-            from ckpt_tool.formats.dcp_streaming import serialized
-
-            return serialized([request.objects(key)]).getvalue()
+            return _serialized([request.objects(key)])
 
         def common_file() -> None:
-            if not is_main_rank(request):
+            if not is_main_rank(request) or form.common_object:
                 return
             if request.common_file is not None and not others:
                 _copy_file(request.common_file, self.directory / COMMON_FILE)
             else:  # without torch when the common state allows (torch_save_object)
-                save_object(_common_with_objects(request, others, notes),
+                save_object(_common_with_objects(request, others, notes, form),
                             self.directory / COMMON_FILE)
 
         # the integrity manifest's algorithm: sha256 (Megatron-Core's)
@@ -128,8 +154,7 @@ class TorchDistWriter(Writer):
                   keep_local_plans=True, digest="sha256", prepare=common_file)
         if request.ranks is not None and request.ranks.world > 1:
             request.ranks.barrier()  # every rank's files are in place (.metadata: rank 0 said so)
-        if is_main_rank(request):  # the completeness marker, last
-            save_config(CheckpointingConfig("torch_dist", 1), str(self.directory))
+        self._write_marker(request)
         return True
 
 
@@ -146,15 +171,18 @@ def writes_raw(meta: CheckpointMeta, options: WriterOptions, *,
 def _object_keys(request: Any) -> tuple[list[str], list[str]]:
     """The objects' keys of ``request`` (a ``WriteRequest``, or anything with the target
     ``meta``): ShardedObjects (stored as bytes items), then the others (which Megatron-Core
-    cannot parse as a ShardedObject's: they go into ``common.pt``)."""
-    keys = list(dict.fromkeys(o.unique_key for o in request.meta.objects))
+    cannot parse as a ShardedObject's: they go into the common state). A source's
+    ``common_state`` object is neither: the common state is the request's."""
+    keys = list(dict.fromkeys(o.unique_key for o in request.meta.objects
+                              if o.key != COMMON_STATE_KEY))
     return ([k for k in keys if _SHARDED_OBJECT_KEY.fullmatch(k)],
             [k for k in keys if not _SHARDED_OBJECT_KEY.fullmatch(k)])
 
 
-def _common_with_objects(request: WriteRequest, others: list[str],
-                         notes: list[str]) -> dict:
-    """The common state to save, with the ``others`` objects it does not hold yet."""
+def _common_with_objects(request: WriteRequest, others: list[str], notes: list[str],
+                         form: DistForm) -> dict:
+    """The common state to save, with the ``others`` objects it does not hold yet (the first
+    call notes them)."""
     common = dict(request.full_common() or {})
     moved = []
     for key in others:
@@ -163,10 +191,18 @@ def _common_with_objects(request: WriteRequest, others: list[str],
             moved.append(key)
     if moved:
         more = ", ..." if len(moved) > 3 else ""
-        notes.append(f"stored {len(moved)} object{'s' * (len(moved) != 1)} that are not "
-                     f"Megatron-Core ShardedObjects (key not '<key>/shard_<offset>_<shape>') in "
-                     f"{COMMON_FILE}: {', '.join(moved[:3])}{more}")
+        note = (f"stored {len(moved)} object{'s' * (len(moved) != 1)} that are not "
+                f"Megatron-Core ShardedObjects (key not '<key>/shard_<offset>_<shape>') in "
+                f"{form.common_where}: {', '.join(moved[:3])}{more}")
+        if note not in notes:
+            notes.append(note)
     return common
+
+
+def _serialized(value: Any) -> bytes:
+    from ckpt_tool.formats.dcp_streaming import serialized
+
+    return serialized(value).getvalue()
 
 
 def _copy_file(src: os.PathLike, dst: os.PathLike) -> None:
