@@ -48,8 +48,10 @@ def as_path(path: str | os.PathLike | Any) -> AnyPath:
         return path
     if is_remote(path):
         from ckpt_tool.storage.locations import resolve_url
+        from ckpt_tool.storage.object_path import ObjectPath
 
-        return resolve_url(Path(path).as_posix() if isinstance(path, Path) else str(path))
+        got = resolve_url(Path(path).as_posix() if isinstance(path, Path) else str(path))
+        return got if isinstance(got, Path) else ObjectPath(*got)
     return Path(path)
 
 

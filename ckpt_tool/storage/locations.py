@@ -65,17 +65,15 @@ def split_url(url: str) -> tuple[str, str, str]:
     return scheme.lower(), authority, "/".join(parts)
 
 
-def resolve_url(url: str) -> Any:
-    """The ``ObjectPath`` (or, for an msc ``file`` profile, the ``Path``) ``url`` names."""
-    from ckpt_tool.storage.object_path import ObjectPath
-
+def resolve_url(url: str) -> tuple[StoreSpec, str] | Path:
+    """The store and key ``url`` names (or, for an msc ``file`` profile, the local path)."""
     scheme, authority, key = split_url(url)
     if scheme == "s3":
-        return ObjectPath(StoreSpec(bucket=authority, url_root=f"s3://{authority}/"), key)
+        return StoreSpec(bucket=authority, url_root=f"s3://{authority}/"), key
     spec = _msc_profile(authority)
     if isinstance(spec, Path):
         return spec / key if key else spec
-    return ObjectPath(spec, key)
+    return spec, key
 
 
 def msc_config_paths() -> list[str]:
