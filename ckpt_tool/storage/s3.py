@@ -34,9 +34,12 @@ from ckpt_tool.storage.locations import StoreSpec
 __all__ = ["Store", "store_for", "Listing", "fetch_into", "forget_stores", "PART", "MULTIPART",
            "CONCURRENCY"]
 
-PART = 8 << 20  # a ranged GET or an upload part
+PART = int(os.environ.get("CKPT_S3_PART", 8 << 20))  # a ranged GET (upload parts: 2x)
 MULTIPART = 64 << 20  # files bigger than this are uploaded in parts
 CONCURRENCY = max(1, int(os.environ.get("CKPT_S3_CONCURRENCY", "16") or 16))
+AHEAD = int(os.environ.get("CKPT_S3_READ_AHEAD", 8 << 20))  # see _ReadAhead
+AHEAD_STREAMS = 8
+AHEAD_FROM = 256 << 10  # smaller reads (metadata, small items) never start a window
 FRESH = 2.0
 _READ_TRIES = 4  # a body cut short is fetched again this many times at most
 _MAX_PARTS = 10_000  # S3's limit on the parts of one upload
@@ -120,6 +123,7 @@ class Store:
         self._client: Any = None
         self._lock = threading.Lock()
         self._listings: dict[str, Listing] = {}
+        self._ahead = _ReadAhead()
 
     # -- the client -----------------------------------------------------------------------
     @property
@@ -264,8 +268,20 @@ class Store:
 
     def read_into(self, key: str, offset: int, buf: Any) -> int:
         """Fill ``buf`` from byte ``offset`` of ``key``: one GET, or parts of :data:`PART` on
-        the shared threads. Returns the bytes read (fewer: the object is shorter)."""
+        the shared threads; served from the read-ahead window when a sequential reader's
+        next range is in it (:class:`_ReadAhead`). Returns the bytes read (fewer: the object
+        is shorter)."""
         view = memoryview(buf).cast("B")
+        n = len(view)
+        got = self._ahead.take(key, offset, view)
+        if got is None:
+            got = self._fetch(key, offset, view)
+        elif got < n:  # the window held the start: the rest is read now
+            got += self._fetch(key, offset + got, view[got:])
+        self._ahead.after(self, key, offset, n, got)
+        return got
+
+    def _fetch(self, key: str, offset: int, view: memoryview) -> int:
         n = len(view)
         if n <= PART:
             data = self.get(key, offset, n)
@@ -391,6 +407,79 @@ def _scoped(session: Any) -> dict[str, Any]:
 
 def _profile_value(session: Any, name: str) -> Any:
     return _scoped(session).get(name)
+
+
+class _ReadAhead:
+    """Sequential reads of an object (the items of a DCP file read in file order by a
+    convert) are latency-bound: each waits for its GET. A read of :data:`AHEAD_FROM` bytes or
+    more that starts where an earlier read of the object ended belongs to a sequential stream (an object may carry several,
+    interleaved: one per tensor kind); for it the next :data:`AHEAD` bytes are kept in flight
+    in the background (parts of :data:`PART` on the shared threads), and a read inside them
+    is copied from them. At most :data:`AHEAD_STREAMS` windows are held (the oldest is
+    dropped) and a window's parts are dropped once read past: memory stays bounded."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ends: dict[tuple[str, int], None] = {}  # (key, end of a read), oldest first
+        self._windows: list[tuple[str, list[tuple[int, int, Any]]]] = []  # (key, parts)
+
+    def _find(self, key: str, offset: int) -> int | None:
+        for i, (k, parts) in enumerate(self._windows):
+            if k == key and parts and parts[0][0] <= offset < parts[-1][0] + parts[-1][1]:
+                return i
+        return None
+
+    def take(self, key: str, offset: int, view: memoryview) -> int | None:
+        """Copy what a window of ``key`` holds of ``[offset, offset + len(view))``, from its
+        start, into ``view``: the bytes copied (the caller reads the rest), or None when no
+        window holds ``offset``."""
+        with self._lock:
+            i = self._find(key, offset)
+            if i is None:
+                return None
+            parts = self._windows[i][1]
+            stop = min(offset + len(view), parts[-1][0] + parts[-1][1])
+            need = [p for p in parts if p[0] < stop and p[0] + p[1] > offset]
+            rest = [p for p in parts if p[0] + p[1] > stop]
+            if rest:
+                self._windows[i] = (key, rest)
+            else:
+                del self._windows[i]
+        done = 0
+        for at, n, fut in need:
+            try:
+                data = fut.result()
+            except BaseException:  # noqa: BLE001 - read again in the caller's thread
+                return None
+            lo, hi = max(offset, at), min(stop, at + len(data))
+            if hi < min(stop, at + n):
+                return None  # the object ended inside: the plain read says how
+            view[lo - offset:hi - offset] = data[lo - at:hi - at]
+            done += hi - lo
+        return done
+
+    def after(self, store: "Store", key: str, offset: int, n: int, got: int) -> None:
+        """Note a read of ``key``; keep :data:`AHEAD` bytes in flight after it when it
+        continues a sequential stream."""
+        end = offset + got
+        with self._lock:
+            sequential = self._ends.pop((key, offset), 0) is None and got == n >= AHEAD_FROM
+            self._ends[(key, end)] = None
+            if len(self._ends) > 64:
+                self._ends.pop(next(iter(self._ends)))
+            if not sequential or AHEAD <= 0:
+                return
+            i = self._find(key, end)
+            parts = self._windows.pop(i)[1] if i is not None else []
+            ahead = parts[-1][0] + parts[-1][1] if parts else end
+            if ahead - end < AHEAD // 2:
+                more = AHEAD - (ahead - end)
+                parts = parts + [(ahead + s, min(PART, more - s),
+                                  _pool().submit(store.get, key, ahead + s, min(PART, more - s)))
+                                 for s in range(0, more, PART)]
+            self._windows.append((key, parts))
+            if len(self._windows) > AHEAD_STREAMS:
+                self._windows.pop(0)
 
 
 def _profile_endpoint(session: Any) -> str | None:

@@ -216,3 +216,32 @@ def test_urls_and_their_pathlib_spelling(url):
     assert is_remote(p) and str(p) == "s3://b/k/x" and p.name == "x"
     assert str(p.parent / "y.distcp") == "s3://b/k/y.distcp" and (p / "a").suffix == ""
     assert not is_remote("./s3:/b") and not is_remote(Path("/data/s3:/b"))
+
+
+def test_sequential_reads_come_from_the_read_ahead_and_are_exact(s3, monkeypatch):
+    """Two interleaved sequential streams over an object, ranges straddling the windows'
+    ends and the object's end: every byte as stored, most of them from the read-ahead."""
+    import random
+
+    from ckpt_tool.storage import as_path, s3 as s3_module
+
+    blob = random.Random(0).randbytes(5 << 20)
+    s3.client.put_object(Bucket=s3.bucket, Key="blob", Body=blob)
+    s3_module.forget_stores()
+    monkeypatch.setattr(s3_module, "AHEAD", 1 << 20)
+    monkeypatch.setattr(s3_module, "AHEAD_FROM", 1)
+    served = []
+    real = s3_module._ReadAhead.take
+    monkeypatch.setattr(s3_module._ReadAhead, "take",
+                        lambda self, *a: served.append(real(self, *a)) or served[-1])
+    p = as_path(s3.url("blob"))
+    streams = [0, 3 << 20]
+    step = 300_000
+    while any(s < len(blob) for s in streams):
+        for i, at in enumerate(streams):
+            if at < len(blob):
+                buf = bytearray(step)
+                n = p.read_into(at, buf)
+                assert bytes(buf[:n]) == blob[at:at + step]
+                streams[i] = at + step if at + step < (3 << 20) or i else 1 << 30
+    assert sum(1 for x in served if x) > len(served) // 2, served
