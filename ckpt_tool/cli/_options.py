@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
 __all__ = ["CheckpointPath", "SourcePath", "JsonFlag", "TrustFlag", "OverwriteFlag", "NoVerifyFlag",
            "MaxMemoryOption", "DebugFlag", "QuietFlag", "VerboseFlag", "NoProgressFlag",
-           "IterationOption",
-           "at_iteration", "parse_size", "completer"]
+           "IterationOption", "at_iteration", "source_place", "parse_size", "completer"]
 
 _WHERE = "Checkpoint directory, an iter_* directory, a training save directory or a file."
 CheckpointPath = Annotated[
@@ -78,6 +77,18 @@ def at_iteration(path: Path, iteration: int | None) -> Path:
     if note:
         message(f"note: {note}")
     return target
+
+
+def source_place(path: Path, iteration: int | None) -> Any:
+    """``at_iteration`` for the commands that write (convert, reshard): the source and its
+    container (``formats.save_dir.locate_source``), which their output keeps."""
+    from ckpt_tool.cli._output import message
+    from ckpt_tool.formats.save_dir import locate_source
+
+    place = locate_source(path, iteration)
+    if place.note:
+        message(f"note: {place.note}")
+    return place
 
 
 OverwriteFlag = Annotated[bool, typer.Option("--overwrite", help="Replace DST if it exists.")]

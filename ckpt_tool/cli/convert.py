@@ -8,8 +8,8 @@ import typer
 from ckpt_tool.cli._errors import handle_errors
 from ckpt_tool.cli._options import (DebugFlag, IterationOption, JsonFlag, MaxMemoryOption,
                                     NoProgressFlag, NoVerifyFlag, OverwriteFlag, QuietFlag,
-                                    SourcePath, TrustFlag, at_iteration, completer,
-                                    parse_size)
+                                    SourcePath, TrustFlag, completer, parse_size,
+                                    source_place)
 from ckpt_tool.cli._output import human_bytes, message, print_json
 from ckpt_tool.cli._progress import progress_bar
 from ckpt_tool.errors import plural
@@ -86,14 +86,14 @@ def convert(
     from ckpt_tool.ops._convert_plan import ConvertOptions, parse_rename
     from ckpt_tool.ops.convert import convert as run_convert
 
-    src = at_iteration(src, iteration)
+    place = source_place(src, iteration)
     options = ConvertOptions(to=to, dtype=dtype, filter=filter_, exclude=exclude,
                              rename=parse_rename(rename or []), model_only=model_only,
                              max_memory=parse_size(max_memory, "--max-memory"),
                              hf_config=str(hf_config) if hf_config else None,
                              hf_arch=hf_arch, local_spec=local_spec)
     with progress_bar(f"convert -> {to}", enabled=not (quiet or no_progress)) as bar:
-        result = run_convert(src, dst, options, trust=trust, overwrite=overwrite,
+        result = run_convert(place, dst, options, trust=trust, overwrite=overwrite,
                              verify=not no_verify, tp=tp, pp=pp,
                              max_shard_size=parse_size(max_shard_size, "--max-shard-size"),
                              progress=bar, workers=workers)
@@ -106,3 +106,5 @@ def convert(
             f"{plural(result.objects, 'object')}, "
             f"{human_bytes(result.nbytes)} in {result.seconds:.1f} s"
             + ("" if result.verified else " (not verified)"))
+    for line in result.resume.lines() if result.resume is not None else ():
+        message(line)

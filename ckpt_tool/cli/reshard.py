@@ -8,7 +8,7 @@ import typer
 from ckpt_tool.cli._errors import handle_errors, state
 from ckpt_tool.cli._options import (DebugFlag, IterationOption, JsonFlag, NoProgressFlag,
                                     NoVerifyFlag, OverwriteFlag, QuietFlag, SourcePath,
-                                    TrustFlag, VerboseFlag, at_iteration, completer)
+                                    TrustFlag, VerboseFlag, completer, source_place)
 from ckpt_tool.cli._output import human_bytes, message, print_json, print_text
 from ckpt_tool.cli._progress import progress_bar
 from ckpt_tool.errors import plural
@@ -96,7 +96,8 @@ def reshard(
 ) -> None:
     """Rewrite a checkpoint for another TP/PP/EP layout (feasibility is checked first: every
     reason the target cannot work is reported with its fix; exit 1 then). Sizes not given keep
-    the source's.
+    the source's. A training save directory gives a save directory (an iter_* directory an
+    iter_* directory inside DST); the last lines say how to resume (docs/resume.md).
 
     \b
     Examples:
@@ -109,7 +110,7 @@ def reshard(
 
     if vocab_fill not in ("copy", "zero"):
         raise UsageError(f"bad --vocab-fill {vocab_fill!r}", hint="use copy or zero")
-    src = at_iteration(src, iteration)
+    place = source_place(src, iteration)
     req = ReshardRequest(tp=tp, pp=pp, ep=ep, etp=etp, vpp=vpp, first_stage_layers=first_layers,
                          last_stage_layers=last_layers, to=to,
                          rules=tuple(str(r) for r in rules or ()),
@@ -118,7 +119,7 @@ def reshard(
                          vocab_fill=vocab_fill, local_spec=local_spec,
                          ddp_bucket_size=ddp_bucket_size)
     with progress_bar("reshard", enabled=not (check or dry_run or quiet or no_progress)) as bar:
-        result = run_reshard(src, dst, req, check=check, dry_run=dry_run, trust=trust,
+        result = run_reshard(place, dst, req, check=check, dry_run=dry_run, trust=trust,
                              overwrite=overwrite, verify=not no_verify, progress=bar,
                              workers=workers)
     state.verdict = 0 if result.ok else 1  # kept if stdout's reader goes away
@@ -134,6 +135,8 @@ def reshard(
         if note.startswith("reclaimed"):  # (the others are in the feasibility table)
             message(f"note: {note}")
     message(_verdict(result, check or dry_run), failure=not result.ok)
+    for line in result.resume.lines() if result.resume is not None else ():
+        message(line)
     if not result.ok:
         raise typer.Exit(1)
 

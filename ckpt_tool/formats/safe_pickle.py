@@ -11,7 +11,10 @@ untrusted one runs whatever the file asks for. Everything in ckpt_tool unpickles
   show the original qualified name, so megatron is never imported;
 * anything else raises :class:`~ckpt_tool.errors.UnsafePickleError` naming the global.
 
-``trust=True`` turns the allowlist off (a full, unrestricted unpickle).
+``trust=True`` turns the allowlist off (a full, unrestricted unpickle). A stand-in pickles
+back as what it stands for (:func:`pickle_module_for`: the original global, the arguments it
+was called with, its state), so a common state read this way can be written again (``args``
+of Megatron-LM 0.16 holds megatron enums) without megatron imported.
 
 This module does not import torch; :func:`load_torch_file` imports it when called.
 """
@@ -19,6 +22,7 @@ This module does not import torch; :func:`load_torch_file` imports it when calle
 from __future__ import annotations
 
 import _compat_pickle
+import copyreg
 import importlib
 import io
 import os
@@ -40,6 +44,7 @@ __all__ = [
     "safe_pickle_module",
     "load_torch_file",
     "TRUST_HINT",
+    "pickle_module_for",
 ]
 
 TRUST_HINT = "pass --trust to unpickle it anyway, only if you trust where the checkpoint comes from"
@@ -54,10 +59,12 @@ ALLOWED_GLOBALS: dict[str, frozenset[str]] = {
         "_codecs": {"encode"},
         "collections": {"OrderedDict", "defaultdict", "deque", "Counter"},
         "argparse": {"Namespace"},
+        "signal": {"Signals"},  # Megatron-LM's args.exit_signal (signal.SIGTERM by default)
         "datetime": {"datetime", "date", "time", "timedelta", "timezone"},
         "decimal": {"Decimal"},
         "fractions": {"Fraction"},
         "uuid": {"UUID"},
+        "signal": {"Signals"},  # Megatron-LM's args.exit_signal (an IntEnum: SIGTERM)
         "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"},
         "pathlib._local": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath",
                            "Path"},
@@ -163,6 +170,20 @@ class StandIn:
         """The kept fields (constructor keywords and pickle state)."""
         return dict(self.__dict__)
 
+    def __reduce_ex__(self, protocol: int) -> tuple:
+        """What pickles it back as the object it stands for (with :class:`StandInPickler`):
+        called with its arguments (``REDUCE``: an enum member ``AttnBackend(5)``), else
+        created empty (``NEWOBJ``); then its state and list/dict items."""
+        fields = dict(self.__dict__)
+        args = fields.pop("_args", ())
+        items = fields.pop("_items", None)
+        state = fields.pop("_state") if "_state" in fields else (fields or None)
+        lists = iter(items) if isinstance(items, list) else None
+        pairs = iter(items.items()) if isinstance(items, dict) else None
+        if args:
+            return type(self), tuple(args), state, lists, pairs
+        return copyreg.__newobj__, (type(self),), state, lists, pairs
+
     def __repr__(self) -> str:
         parts = [repr(a) for a in self.__dict__.get("_args", ())]
         parts += [f"{k}={v!r}" for k, v in self.__dict__.items() if k != "_args"]
@@ -170,6 +191,49 @@ class StandIn:
 
 
 _STAND_INS: dict[str, type] = {}
+
+
+class StandInPickler(pickle._Pickler):  # type: ignore[name-defined]
+    """A pickler that writes a stand-in class as the global it stands for (Python's own
+    checks the global by importing it)."""
+
+    def save_global(self, obj: Any, name: str | None = None) -> None:
+        qual = getattr(obj, "__stand_in_for__", "?") if isinstance(obj, type) else "?"
+        if qual == "?":
+            super().save_global(obj, name)
+            return
+        module, _, attr = qual.rpartition(".")
+        if self.proto >= 4:
+            self.save(module)
+            self.save(attr)
+            self.write(pickle.STACK_GLOBAL)
+        else:
+            self.write(pickle.GLOBAL + f"{module}\n{attr}\n".encode("utf-8"))
+        self.memoize(obj)
+
+
+def _holds_stand_in(obj: Any, seen: set[int], depth: int = 0) -> bool:
+    if isinstance(obj, StandIn):
+        return True
+    if depth > 64 or id(obj) in seen:
+        return False
+    seen.add(id(obj))
+    if isinstance(obj, dict):
+        return any(_holds_stand_in(v, seen, depth + 1) for v in obj.values())
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        return any(_holds_stand_in(v, seen, depth + 1) for v in obj)
+    fields = getattr(obj, "__dict__", None)  # argparse.Namespace, dataclasses
+    return isinstance(fields, dict) and _holds_stand_in(fields, seen, depth + 1)
+
+
+_STAND_IN_PICKLE = types.ModuleType("ckpt_tool_stand_in_pickle")
+_STAND_IN_PICKLE.Pickler = StandInPickler  # type: ignore[attr-defined]
+
+
+def pickle_module_for(obj: Any) -> Any:
+    """The ``pickle_module`` for ``torch.save(obj)``: ``pickle`` itself, or for an object
+    holding stand-ins one whose pickler writes them as what they stand for."""
+    return _STAND_IN_PICKLE if _holds_stand_in(obj, set()) else pickle
 
 
 def stand_in_class(module: str, name: str, base: type = StandIn) -> type:

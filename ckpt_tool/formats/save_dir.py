@@ -5,22 +5,35 @@ Megatron-LM training writes ``<save>/latest_checkpointed_iteration.txt`` (an int
 that lives in a directory resolves its input through :func:`resolve_checkpoint_dir`. A save
 directory without the tracker file (copied without it, or a save that never finished) resolves
 to its latest iteration; :func:`select_iteration` picks another and says what was found.
+
+What a user names is one of three containers (:class:`Container`), which :func:`locate_source`
+tells apart: a save directory (the tracker file and an iteration directory inside), an
+iteration directory (``iter_0000010/``, ``release/``) or a bare checkpoint; ``reshard`` and
+``convert`` write their output in the source's container (docs/resume.md).
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ckpt_tool.errors import InputError, NotACheckpointError, UsageError
 from ckpt_tool.storage import as_path
 
 __all__ = ["LATEST_FILE", "resolve_checkpoint_dir", "iteration_dir_name", "read_latest",
-           "iteration_dirs", "select_iteration", "iterations_text"]
+           "iteration_dirs", "select_iteration", "iterations_text", "Container", "SourcePlace",
+           "locate_source", "is_iteration_dir_name"]
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 _METADATA_FILES = ("metadata.json", ".metadata")
 _ITER_DIR = re.compile(r"iter_(\d+)")
+
+
+def is_iteration_dir_name(name: str) -> bool:
+    """``iter_0000010``, ``release``: the name of an iteration directory of a save directory."""
+    return bool(_ITER_DIR.fullmatch(name)) or name == "release"
 
 
 def iteration_dir_name(iteration: int | str) -> str:
@@ -148,3 +161,67 @@ def _data_file_error(p: Path) -> NotACheckpointError:
         tail = "its directory has no .metadata to describe its items: an interrupted save?"
     return NotACheckpointError(f"one data file of {kind}, not a checkpoint by itself: {tail}",
                                path=p, hint=f"pass the checkpoint directory: {d}")
+
+
+@dataclass(frozen=True)
+class Container:
+    """How a checkpoint sits in a directory: ``save_dir`` (the tracker file naming
+    ``iteration_dir``, which holds the checkpoint), ``iteration_dir`` (``iteration_dir`` holds
+    it, no tracker file) or ``bare`` (the directory, or file, is the checkpoint)."""
+
+    kind: str = "bare"
+    iteration_dir: str | None = None  # "iter_0000010" or "release"
+
+    @property
+    def tracker(self) -> str | None:
+        """What the tracker file holds (``"10"``, ``"release"``); None without one."""
+        if self.kind != "save_dir" or self.iteration_dir is None:
+            return None
+        return "release" if self.iteration_dir == "release" else str(int(self.iteration_dir[5:]))
+
+    @property
+    def iteration(self) -> int | None:
+        """The iteration its directory's name says (None: ``release`` or no such directory)."""
+        m = _ITER_DIR.fullmatch(self.iteration_dir or "")
+        return int(m.group(1)) if m else None
+
+    def checkpoint_in(self, top: Path) -> Path:
+        """Where the checkpoint lies when ``top`` is the container."""
+        return top / self.iteration_dir if self.iteration_dir else top
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "iteration_dir": self.iteration_dir, "tracker": self.tracker}
+
+
+@dataclass(frozen=True)
+class SourcePlace:
+    """A source as a user named it: ``given`` (a directory, never a file of one), the
+    checkpoint to read and the container it sits in; ``note``: what people should be told
+    (the iteration picked in a save directory without its tracker file)."""
+
+    given: Path
+    checkpoint: Path
+    container: Container
+    note: str | None = None
+
+
+def locate_source(path: str | Path, iteration: int | None = None) -> SourcePlace:
+    """The checkpoint ``path`` (at ``iteration``: ``--iteration``) designates and its container.
+
+    A save directory: its tracker's iteration (InputError, exit 2, when that directory is
+    missing), ``iteration``'s, or without a tracker file the latest. An ``iter_*``/``release``
+    directory holding a checkpoint: an iteration directory. Anything else: bare (a missing path
+    too: opening it says so)."""
+    p = Path(path)
+    if p.is_file() and (p.name in _METADATA_FILES or p.name == LATEST_FILE):
+        p = p.parent
+    read, note = select_iteration(p, iteration)
+    if read != p:  # --iteration N in a save directory
+        return SourcePlace(p, read, Container("save_dir", read.name), note)
+    if p.is_dir() and not any((p / m).exists() for m in _METADATA_FILES) and (
+            (p / LATEST_FILE).is_file() or iteration_dirs(p)):
+        read = resolve_checkpoint_dir(p)
+        return SourcePlace(p, read, Container("save_dir", read.name), note)
+    if p.is_dir() and is_iteration_dir_name(p.name):
+        return SourcePlace(p, p, Container("iteration_dir", p.name), note)
+    return SourcePlace(p, p, Container(), note)

@@ -101,12 +101,15 @@ def uninterrupted(call: Any, *args: Any) -> Any:
 
 def torch_save_file(obj: Any, path: str | os.PathLike) -> None:
     """``torch.save(obj, path)`` that raises the real OSError when a write fails (a Ctrl-C
-    takes effect once the file is written)."""
+    takes effect once the file is written); stand-ins of classes not imported pickle as what
+    they stand for (``safe_pickle.pickle_module_for``)."""
     import torch
+
+    from ckpt_tool.formats.safe_pickle import pickle_module_for
 
     with zip_writer_name(path) as name:
         try:
-            uninterrupted(torch.save, obj, name)
+            uninterrupted(lambda: torch.save(obj, name, pickle_module=pickle_module_for(obj)))
         except RuntimeError as exc:
             raise_write_failure(Path(path), exc)
             raise

@@ -2,7 +2,7 @@
 state the same?
 
 Both sides are seen as ``reshard`` itself sees a source: a Megatron-LM legacy checkpoint in
-Megatron-Core's stacked names (``_reshard_io.stacked_view_if_legacy``), optimizer state of any
+Megatron-Core's stacked names (``_stacked_view.stacked_view``), optimizer state of any
 form Megatron-Core writes in model space (``_optim_unflatten.unflatten_bucketed_optimizer``:
 ``dp_reshardable`` buckets and ``dp_zero_gather_scatter`` buffers rebuilt and proven, the
 flattened ``fully_sharded_model_space`` and legacy ``distrib_optim.pt`` per parameter), so that
@@ -42,9 +42,9 @@ def resharded_views(reader: Reader) -> Reader:
     """``reader`` as ``reshard`` reads a source for a torch_dist target (see the module
     docstring); raises what that view raises for optimizer state it cannot rebuild."""
     from ckpt_tool.ops._optim_unflatten import unflatten_bucketed_optimizer
-    from ckpt_tool.ops._reshard_io import stacked_view_if_legacy
+    from ckpt_tool.ops._stacked_view import stacked_view
 
-    return unflatten_bucketed_optimizer(stacked_view_if_legacy(reader, "torch_dist"))
+    return unflatten_bucketed_optimizer(stacked_view(reader, "torch_dist") or reader)
 
 
 def vocab_rows(name: str, a: TensorMeta, b: TensorMeta) -> int | None:

@@ -95,14 +95,16 @@ def fsync_tree(root: Path) -> None:
 @contextlib.contextmanager
 def staged_output(dst: str | Path, *, overwrite: bool = False,
                   file_name: str | None = None, notes: list[str] | None = None,
-                  need_bytes: int = 0) -> Iterator[Path]:
+                  need_bytes: int = 0, inner: str | None = None) -> Iterator[Path]:
     """Yield an empty staging directory beside ``dst``; on success fsync it and rename it to
     ``dst`` (replacing an existing ``dst`` only when ``overwrite``); on failure remove it.
 
     With ``file_name`` the output is a single file: the writer creates ``staging/file_name``,
-    which becomes ``dst``. The target's lock is held throughout (another live run writing the
-    same target: UsageError); what killed runs left beside ``dst`` is reclaimed first, with a
-    note appended to ``notes``. ``need_bytes``: about what the output takes; less free space
+    which becomes ``dst``. ``inner``: the output is a container (``ops._container``) whose
+    dist checkpoint lies in ``staging/inner``, which gets the integrity manifest. The
+    target's lock is held throughout (another live run writing the same target:
+    UsageError); what killed runs left beside ``dst`` is reclaimed first, with a note
+    appended to ``notes``. ``need_bytes``: about what the output takes; less free space
     on the target's file system is an OutputError before anything is written, and running
     out of space (or into a file size limit) while writing is one too, staging removed."""
     if is_remote(dst):
@@ -116,7 +118,7 @@ def staged_output(dst: str | Path, *, overwrite: bool = False,
             notes.append(note)
         _check_space(out, need_bytes)
         try:
-            with _staged(out, overwrite, file_name) as staging:
+            with _staged(out, overwrite, file_name, inner) as staging:
                 yield staging
         except (OSError, RuntimeError) as exc:
             if not _out_of_space(exc, out):
@@ -179,13 +181,14 @@ def _out_of_space(exc: BaseException, out: Path) -> bool:
 
 
 @contextlib.contextmanager
-def _staged(out: Path, overwrite: bool, file_name: str | None) -> Iterator[Path]:
+def _staged(out: Path, overwrite: bool, file_name: str | None,
+            inner: str | None = None) -> Iterator[Path]:
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}{STAGING_MARK}", dir=out.parent))
     try:
         yield staging
         os.chmod(staging, 0o777 & ~current_umask())  # mkdtemp made it 0700: the output follows umask
         produced = staging / file_name if file_name else staging
-        side = _add_manifest(staging, file_name, out)
+        side = _add_manifest(staging, file_name, out, inner)
         take_digests(staging)  # used by the manifest: forget them
         fsync_tree(staging)
         with committing():  # Ctrl-C waits for the renames, and is ignored once they are done
@@ -247,32 +250,39 @@ def _put_in_place(out: Path, produced: Path, side: Path | None, overwrite: bool)
         os.rename(produced, out)
 
 
-def _add_manifest(staging: Path, file_name: str | None, out: Path) -> Path | None:
+def _add_manifest(staging: Path, file_name: str | None, out: Path,
+                  inner: str | None = None) -> Path | None:
     """Write the output's integrity manifest (``ckpt_tool.manifest``) into the staging
-    directory; for a single-file output return the manifest to put beside it."""
-    from ckpt_tool.manifest import write_file_manifest, write_manifest
+    directory (a dist checkpoint's ``integrity.json`` into the checkpoint's directory,
+    ``inner`` in a container); for a single-file output return the manifest to put beside
+    it."""
+    from ckpt_tool.manifest import (INTEGRITY_JSON, manifest_name, write_file_manifest,
+                                    write_manifest)
 
     if file_name:
         return write_file_manifest(staging / file_name, as_name=out.name, into=staging)
-    write_manifest(staging)
+    if inner and manifest_name(staging / inner) == INTEGRITY_JSON:
+        write_manifest(staging / inner)
+    else:
+        write_manifest(staging)
     return None
 
 
 @contextlib.contextmanager
 def staged_output_ranks(dst: str | Path, ranks: Any, *, overwrite: bool = False,
                         file_name: str | None = None, notes: list[str] | None = None,
-                        need_bytes: int = 0) -> Iterator[Path]:
+                        need_bytes: int = 0, inner: str | None = None) -> Iterator[Path]:
     """``staged_output`` for every rank of a torchrun job: rank 0 creates the staging directory
     and every rank writes into it; at the end the ranks agree (a failure on any rank fails all)
     and rank 0 alone fsyncs and renames. Single-rank jobs are plain ``staged_output``."""
     if ranks.world == 1:
         with staged_output(dst, overwrite=overwrite, file_name=file_name,
-                           notes=notes, need_bytes=need_bytes) as staging:
+                           notes=notes, need_bytes=need_bytes, inner=inner) as staging:
             yield staging
         return
     if ranks.is_main:
         ctx = staged_output(dst, overwrite=overwrite, file_name=file_name, notes=notes,
-                            need_bytes=need_bytes)
+                            need_bytes=need_bytes, inner=inner)
         try:
             staging = ctx.__enter__()
         except BaseException as exc:

@@ -1,9 +1,12 @@
 """``convert``: rewrite a checkpoint in another format, streaming, into an atomic output.
 
-Call order: open the source -> ``plan_convert`` (pure: target keys, dtypes, chunk grid) ->
-``staged_output`` (a staging directory beside the target) -> the target format's ``Writer``
-pulls chunk after chunk from a ``ReaderSource`` -> ``validate`` of what was written (unless
-``verify=False``) -> fsync and rename into place. The source is only read.
+Call order: open the source (a legacy source is seen as Megatron-Core saves that model for a
+dist target: :mod:`ckpt_tool.ops._stacked_view`) -> ``plan_convert`` (pure: target keys,
+dtypes, chunk grid) -> ``staged_output`` (a staging directory beside the target; inside it the
+source's container for the formats Megatron-LM resumes from: ``ops._container``) -> the target
+format's ``Writer`` pulls chunk after chunk from a ``ReaderSource`` -> ``validate`` of what was
+written (unless ``verify=False``) -> fsync and rename into place -> the recipe to resume from
+it (``ops._resume``). The source is only read.
 """
 
 from __future__ import annotations
@@ -16,11 +19,16 @@ from typing import Any, Protocol
 
 from ckpt_tool.errors import UsageError
 from ckpt_tool.formats.base import open_checkpoint
+from ckpt_tool.formats.save_dir import Container, SourcePlace, locate_source
 from ckpt_tool.formats.writer import WriteRequest, WriterOptions, writer_for
 from ckpt_tool.model import is_optimizer_key
+from ckpt_tool.ops._container import (check_container_target, output_container,
+                                      place_container, to_validate)
 from ckpt_tool.ops._convert_plan import ConvertOptions, ConvertPlan, plan_convert
 from ckpt_tool.ops._raw_source import RawSource, raw_source_applies
+from ckpt_tool.ops._resume import ResumeRecipe, resume_for
 from ckpt_tool.ops._source import ReaderSource
+from ckpt_tool.ops._stacked_view import stacked_view
 from ckpt_tool.ops._staging import (check_output_target, output_estimate, staged_output_ranks,
                                     verify_output)
 from ckpt_tool.parallel import JobProgress
@@ -47,7 +55,8 @@ class Progress(Protocol):
 
 @dataclass(frozen=True)
 class ConvertResult:
-    """What ``convert`` did (``--json`` is ``to_dict()``)."""
+    """What ``convert`` did, in which container, and how to resume from it (``--json`` is
+    ``to_dict()``)."""
 
     source: str
     source_format: str
@@ -60,37 +69,50 @@ class ConvertResult:
     verified: bool
     largest_piece: int
     notes: list[str] = field(default_factory=list)
+    container: Container = field(default_factory=Container)
+    resume: ResumeRecipe | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"source": self.source, "source_format": self.source_format,
                 "target": self.target, "format": self.format, "tensors": self.tensors,
                 "objects": self.objects, "nbytes": self.nbytes,
                 "seconds": round(self.seconds, 3), "verified": self.verified,
-                "largest_piece": self.largest_piece, "notes": self.notes}
+                "largest_piece": self.largest_piece, "notes": self.notes,
+                "container": self.container.to_dict(),
+                "resume": None if self.resume is None else self.resume.to_dict()}
 
 
-def convert(src: str | Path, dst: str | Path, options: ConvertOptions, *, trust: bool = False,
-            overwrite: bool = False, verify: bool = True, tp: int | None = None,
-            pp: int | None = None, max_shard_size: int | None = None,
+def convert(src: str | Path | SourcePlace, dst: str | Path, options: ConvertOptions, *,
+            trust: bool = False, overwrite: bool = False, verify: bool = True,
+            tp: int | None = None, pp: int | None = None, max_shard_size: int | None = None,
             progress: Progress | None = None, workers: int = 1) -> ConvertResult:
-    """Convert checkpoint ``src`` into ``dst`` in format ``options.to``; see the module doc."""
+    """Convert checkpoint ``src`` into ``dst`` in format ``options.to``; see the module doc.
+    ``src``: a path or ``formats.save_dir.locate_source``'s answer (``--iteration``)."""
     start = time.perf_counter()
+    place = src if isinstance(src, SourcePlace) else locate_source(src)
     if options.to == "hf" or options.to in ("torch_dist", "legacy"):
         from ckpt_tool.formats.base import detect
         from ckpt_tool.ops.hf_convert import convert_hf, is_hf_conversion
 
-        if is_hf_conversion(detect(src).name, options.to):
-            return ConvertResult(**convert_hf(
-                src, dst, options, trust=trust, overwrite=overwrite, verify=verify, tp=tp,
-                pp=pp, max_shard_size=max_shard_size, progress=progress))
+        if is_hf_conversion(detect(place.checkpoint).name, options.to):
+            check_output_target(dst, sources=(place.given,), overwrite=overwrite)
+            done = ConvertResult(**convert_hf(
+                place.checkpoint, dst, options, trust=trust, overwrite=overwrite,
+                verify=verify, tp=tp, pp=pp, max_shard_size=max_shard_size,
+                progress=progress))
+            return _with_resume_of_import(done)
     if (tp is not None or pp is not None) and options.to != "legacy":
         raise UsageError("--tp/--pp only apply with --to legacy",
                          hint="use 'ckpt reshard' to change the parallel layout")
     r = current_ranks()
-    out = check_output_target(dst, sources=(src,), overwrite=overwrite)
-    reader = open_checkpoint(src, trust=trust)
+    out = check_output_target(dst, sources=(place.given,), overwrite=overwrite)
+    reader = open_checkpoint(place.checkpoint, trust=trust)
+    view = stacked_view(reader, options.to)  # legacy -> dist: Megatron-Core's stacked keys
+    reader = view or reader
     with reader:
         meta = reader.metadata()
+        container = output_container(place.container, options.to, meta.common.get("iteration"))
+        check_container_target(out, container)
         file_name = _single_file_name(out, options.to)
         one_file_model = (file_name and options.to == "safetensors" and not options.model_only
                           and any(is_optimizer_key(k) for k in meta.tensors))
@@ -111,7 +133,7 @@ def convert(src: str | Path, dst: str | Path, options: ConvertOptions, *, trust:
                                                                  plan.dtypes)
         source: Any = (RawSource(reader, plan.key_map, sizes) if raw else
                        ReaderSource(reader, plan.key_map, plan.dtypes, sizes=sizes))
-        notes = list(plan.notes)
+        notes = list(plan.notes) + (view.notes() if view is not None else [])
         if progress is not None:
             progress.start(plan.target.total_bytes, len(plan.target.tensors))
         job_progress = JobProgress(progress, r)
@@ -137,19 +159,24 @@ def convert(src: str | Path, dst: str | Path, options: ConvertOptions, *, trust:
             max_shard_size=max_shard_size or WriterOptions.max_shard_size,
             file_name=file_name, max_memory=options.max_memory, tp=tp, pp=pp,
             extra={"source_common_summary": meta.common, "source_extras": meta.extras,
-                   "threads": max(1, workers)})
+                   "threads": max(1, workers), "iteration_dir": container.iteration_dir})
         writer_cls = writer_for(options.to)
+        legacy = options.to == "legacy"  # (whose writer makes its own save directory)
         with staged_output_ranks(out, r, overwrite=overwrite, file_name=file_name,
-                                 notes=notes, need_bytes=output_estimate(plan.target)) as staging:
-            writer = writer_cls(staging, wopts)
+                                 notes=notes, need_bytes=output_estimate(plan.target),
+                                 inner=None if legacy else container.iteration_dir) as staging:
+            where = staging if legacy else place_container(staging, container, r)
+            writer = writer_cls(where, wopts)
             if r.is_main or writer_cls.supports_ranks:
                 notes += writer.write(request)
             r.barrier()
             job_progress.catch_up(source.tensors_done)
             if verify:
                 single = file_name or ("model.pt" if options.to == "torch" else "")
-                verify_output(staging / single if single else staging, trust=trust,
-                              what="converted", ranks=r)
+                verify_output(staging / single if single else to_validate(staging, container),
+                              trust=trust, what="converted", ranks=r)
+            resume = resume_for(container.checkpoint_in(staging), out, container, meta.format,
+                                options.to)
     tensors, objects = writer.written(plan.target)
     mine = job_progress.local
     total = r.broadcast(sum(r.gather(mine) or [0])) if r.world > 1 else mine
@@ -157,7 +184,17 @@ def convert(src: str | Path, dst: str | Path, options: ConvertOptions, *, trust:
         source=str(meta.root), source_format=meta.format, target=str(out), format=options.to,
         tensors=tensors, objects=objects, nbytes=total,
         seconds=time.perf_counter() - start, verified=verify,
-        largest_piece=source.largest_piece, notes=notes)
+        largest_piece=source.largest_piece, notes=notes, container=container, resume=resume)
+
+
+def _with_resume_of_import(done: ConvertResult) -> ConvertResult:
+    """An HF directory imported as a Megatron checkpoint, with its recipe (read from the
+    output by rank 0, which prints it: the other ranks may not see the renamed output yet)."""
+    if done.format not in ("torch_dist", "legacy") or not current_ranks().is_main:
+        return done
+    place = locate_source(done.target)
+    return dataclasses.replace(done, container=place.container, resume=resume_for(
+        place.checkpoint, Path(done.target), place.container, done.source_format, done.format))
 
 
 def _single_file_name(out: Path, to: str) -> str | None:

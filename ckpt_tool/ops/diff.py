@@ -28,6 +28,11 @@ HF name with the Megatron tensor it comes from (``mapped_from``); what HF cannot
 settings ``config.json`` shares with ``args`` (sizes, heads, vocab, norm epsilon, rope theta, tied
 embeddings) are compared, each disagreement a common-state difference.
 
+Megatron-LM legacy files against a Megatron-Core dist checkpoint (torch_dist, zarr): the legacy
+side is seen as Megatron-Core saves that model (``_stacked_view``: stacked layers, its
+``_extra_state`` and ``rng_state`` objects), what ``convert`` writes from it; a legacy
+checkpoint and its conversion are identical.
+
 A dtype change is a difference, except with a tolerance (and values read): then the values
 decide, so a bf16 export is identical to its fp32 source within ``rtol=2**-8``.
 
@@ -262,6 +267,7 @@ def diff(a: str | Path, b: str | Path, *, rename: Iterable[tuple[str, str]] = ()
     bytes read (both sides) and the tensors finished."""
     from ckpt_tool.formats.base import open_checkpoint
     from ckpt_tool.ops._hf_view import hf_view
+    from ckpt_tool.ops._stacked_view import stacked_view
     from ckpt_tool.ops._diff_bytes import fast_equal
     from ckpt_tool.ops._diff_values import (compare_common, compare_objects, compare_values,
                                             same_common_file)
@@ -280,10 +286,20 @@ def diff(a: str | Path, b: str | Path, *, rename: Iterable[tuple[str, str]] = ()
             ra, rb = R.resharded_views(ra), R.resharded_views(rb)
         view = hf_view(ra, rb)  # a Megatron side against an HF directory: in HF names
         ra, rb = view.a, view.b
+        notes: list[str] = list(view.notes)
+        if not resharded:  # (--resharded sees legacy sides stacked already)
+            # legacy files against a Megatron-Core dist checkpoint: in its stacked names
+            stacked_a = stacked_view(ra, rb.metadata().format)
+            stacked_b = stacked_view(rb, ra.metadata().format)
+            for side, stacked in (("A", stacked_a), ("B", stacked_b)):
+                if stacked is not None:
+                    notes.append(f"{side} (legacy) seen as Megatron-Core saves it, as convert "
+                                 "writes it to a dist format: stacked layers, _extra_state "
+                                 "and rng_state objects")
+            ra, rb = stacked_a or ra, stacked_b or rb
         ma, mb = ra.metadata(), rb.metadata()
         common, only_a, only_b, names = _match(ma.tensors, mb.tensors, rn, rx)
         pairs = [(n, ma.tensors[common[n]], mb.tensors[n]) for n in names]
-        notes: list[str] = list(view.notes)
         if resharded:  # a re-padded vocabulary: compared on the rows both sides hold
             pairs, padded = _vocab_pairs(pairs, R)
             notes += padded

@@ -6,7 +6,9 @@
   architecture's rules, as safetensors (sharded with an index above ``--max-shard-size``).
 * ``--to torch_dist`` / ``--to legacy`` from an HF directory: stacked ``decoder.layers.*``
   tensors as Megatron-Core saves them, ``args`` derived from ``config.json`` (``--tp``/``--pp``
-  recorded, ``--local-spec`` picks the local layer spec's norm names; default the TE spec).
+  recorded, ``--local-spec`` picks the local layer spec's norm names; default the TE spec);
+  torch_dist also holds the model's ``_extra_state`` objects as that spec saves them
+  (:mod:`ckpt_tool.planning.extra_state`).
 
 Planning is pure (``planning.hf_plan``); ``_hf_source.HfSource`` computes each target piece
 from its sources when the writer asks, so memory stays near one layer's tensor; the output is
@@ -18,6 +20,7 @@ DCP items or rank files for torch_dist/legacy) and rank 0 the index and ``config
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +28,12 @@ from ckpt_tool.errors import UsageError
 from ckpt_tool.formats.base import Reader, open_checkpoint
 from ckpt_tool.formats.writer import WriteRequest, WriterOptions, writer_for
 from ckpt_tool.model import CheckpointMeta, ChunkRef, TensorMeta
+from ckpt_tool.ops._extra_state import ExtraStates
 from ckpt_tool.ops._hf_source import HfSource
 from ckpt_tool.ops._staging import check_output_target, staged_output_ranks, verify_output
 from ckpt_tool.parallel import JobProgress
 from ckpt_tool.parallel import ranks as current_ranks
+from ckpt_tool.planning.extra_state import LOCAL, TE
 from ckpt_tool.planning.hf_extras import gpt2_token_ids
 from ckpt_tool.planning.hf_plan import Recipe, plan_export, plan_import
 from ckpt_tool.planning.hf_rules import (args_from_hf_config, guess_arch, hf_config_from_args,
@@ -160,11 +165,16 @@ def convert_hf(src: str | Path, dst: str | Path, options: Any, *, trust: bool = 
         else:
             recipes, common, extra = _import(reader, meta, options, tp or 1, pp or 1)
         target = _target(recipes, options.to)
+        extra_states = None
+        if options.to == "torch_dist":  # the model's _extra_state objects, as it saves them
+            extra_states = ExtraStates(target.tensors, LOCAL if options.local_spec else TE)
+            target = replace(target, objects=extra_states.objects)
         source = HfSource(reader, {r.key: r for r in recipes})
         if progress is not None:
             progress.start(target.total_bytes, len(target.tensors))
         job = JobProgress(progress, r)
         request = WriteRequest(meta=target, source=source, common=common,
+                               objects=extra_states.payload if extra_states else lambda k: None,
                                progress=lambda n: job.update(n, source.tensors_done),
                                ranks=r if r.world > 1 else None,
                                source_description=f"ckpt convert from {meta.format} "

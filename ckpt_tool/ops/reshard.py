@@ -4,7 +4,9 @@ Call order: open the source (a legacy source is viewed with stacked layers for d
 -> ``plan_reshard`` (pure: feasibility problems, target metadata, per-rank pieces) -> stop
 here for ``check``/``dry_run`` or when a problem is an error -> write into a staging directory
 (``torch_dist``: one chunk per target rank's shard, in that rank's ``__{rank}_0.distcp``;
-``legacy``: per-rank ``model_optim_rng.pt``) -> validate -> rename into place.
+``legacy``: per-rank ``model_optim_rng.pt``), in the source's container (a save directory
+gives a save directory: ``ops._container``) -> validate -> rename into place -> the recipe to
+resume from it (``ops._resume``).
 """
 
 from __future__ import annotations
@@ -17,12 +19,17 @@ from typing import Any
 
 from ckpt_tool.errors import UsageError
 from ckpt_tool.formats.base import open_checkpoint
+from ckpt_tool.formats.save_dir import Container, SourcePlace, locate_source
 from ckpt_tool.formats.writer import WriteRequest, WriterOptions, writer_for
 from ckpt_tool.formats.legacy.writer import updated_args, write_legacy_ranks
 from ckpt_tool.formats.mcore_dist.torch_dist_writer import writes_raw
 from ckpt_tool.formats.torch_save_object import torch_free_pickle
+from ckpt_tool.ops._container import (check_container_target, output_container,
+                                      place_container, to_validate)
 from ckpt_tool.ops._optim_unflatten import BucketLayoutHints, unflatten_bucketed_optimizer
-from ckpt_tool.ops._reshard_io import reshard_source, stacked_view_if_legacy
+from ckpt_tool.ops._reshard_io import reshard_source
+from ckpt_tool.ops._resume import ResumeRecipe, resume_for
+from ckpt_tool.ops._stacked_view import stacked_view
 from ckpt_tool.ops._staging import (check_output_target, output_estimate, staged_output_ranks,
                                     verify_output)
 from ckpt_tool.parallel import JobProgress
@@ -55,7 +62,8 @@ class ReshardRequest:
 
 @dataclass
 class ReshardResult:
-    """The plan's verdict and, when written, what was written (``--json`` is ``to_dict``)."""
+    """The plan's verdict and, when written, what was written, in which container, and how to
+    resume from it (``--json`` is ``to_dict``)."""
 
     source: str
     source_format: str
@@ -66,6 +74,8 @@ class ReshardResult:
     nbytes: int = 0
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
+    container: Container = field(default_factory=Container)
+    resume: ResumeRecipe | None = None
 
     @property
     def ok(self) -> bool:
@@ -78,31 +88,40 @@ class ReshardResult:
         return {"source": self.source, "source_format": self.source_format,
                 "target": self.target, "format": self.format, "written": self.written,
                 "nbytes": self.nbytes, "seconds": round(self.seconds, 3),
-                "notes": self.notes, **layouts, **plan}
+                "notes": self.notes, "container": self.container.to_dict(),
+                "resume": None if self.resume is None else self.resume.to_dict(),
+                **layouts, **plan}
 
 
-def reshard(src: str | Path, dst: str | Path | None, req: ReshardRequest, *,
+def reshard(src: str | Path | SourcePlace, dst: str | Path | None, req: ReshardRequest, *,
             check: bool = False, dry_run: bool = False, trust: bool = False,
             overwrite: bool = False, verify: bool = True, progress: Any = None,
             workers: int = 1) -> ReshardResult:
-    """Plan (always) and, unless ``check``/``dry_run``, write the resharded checkpoint."""
+    """Plan (always) and, unless ``check``/``dry_run``, write the resharded checkpoint.
+    ``src``: a path (a save directory is read at its tracker's iteration) or
+    ``formats.save_dir.locate_source``'s answer (``--iteration``)."""
     from ckpt_tool.planning.layout import load_rules
     from ckpt_tool.planning.reshard import ReshardOptions, plan_reshard
 
     start = time.perf_counter()
     r = current_ranks()
+    place = src if isinstance(src, SourcePlace) else locate_source(src)
     out = None
     if not (check or dry_run):
         if dst is None:
             raise UsageError("reshard needs an output path", hint="ckpt reshard SRC DST --tp N")
-        out = check_output_target(dst, sources=(src,), overwrite=overwrite)
-    base = open_checkpoint(src, trust=trust)
+        out = check_output_target(dst, sources=(place.given,), overwrite=overwrite)
+    base = open_checkpoint(place.checkpoint, trust=trust)
     src_format = base.metadata().format
     to = req.to or ("legacy" if src_format == "legacy" else "torch_dist")
     if to not in ("torch_dist", "legacy"):
         raise UsageError(f"reshard writes torch_dist or legacy, not {to!r}",
                          hint="reshard, then 'ckpt convert' the result")
-    reader = stacked_view_if_legacy(base, to)
+    container = output_container(place.container, to, base.metadata().common.get("iteration"))
+    if out is not None:
+        check_container_target(out, container)
+    view = stacked_view(base, to)  # a legacy source with Megatron-Core's stacked keys
+    reader = view or base
     if to != "legacy" and not req.drop_optimizer:
         spec = None if req.local_spec is None else (
             "local" if req.local_spec else "transformer_engine")
@@ -118,9 +137,11 @@ def reshard(src: str | Path, dst: str | Path | None, req: ReshardRequest, *,
         plan = plan_reshard(meta, layout, load_rules(req.rules), options, common=common)
         result = ReshardResult(source=str(meta.root), source_format=src_format,
                                target=None if out is None else str(out), format=to,
-                               plan=plan.to_dict(ranks=dry_run))
+                               plan=plan.to_dict(ranks=dry_run), container=container)
         result.plan["target"]["origins"] = target_origins
         result.notes = [f"dropped {k}" for k in plan.dropped]
+        if view is not None:
+            result.notes += view.notes()
         local_spec, why = _norm_names(req, common)
         if to == "legacy":
             result.plan["target"]["norm_names"] = (
@@ -148,12 +169,15 @@ def reshard(src: str | Path, dst: str | Path | None, req: ReshardRequest, *,
             new_common = _new_common(reader, reader.common(), plan, layout)
             if to != "legacy":  # the same legacy state dropped again (target and notes: above)
                 _dist_objects_only(target, new_common, [])
+        legacy = to == "legacy"  # (whose writer makes its own save directory)
         with staged_output_ranks(out, r, overwrite=overwrite, notes=result.notes,
-                                 need_bytes=output_estimate(target)) as staging:
-            if to == "legacy":  # every rank writes its share of the rank files
+                                 need_bytes=output_estimate(target),
+                                 inner=None if legacy else container.iteration_dir) as staging:
+            if legacy:  # every rank writes its share of the rank files
                 skipped = write_legacy_ranks(staging, plan, source, new_common, on_bytes,
                                              ranks=r if r.world > 1 else None,
-                                             local_spec=local_spec)
+                                             local_spec=local_spec,
+                                             iteration_dir=container.iteration_dir)
                 if skipped:
                     result.notes.append(
                         f"left out {len(skipped)} optimizer tensors (e.g. {skipped[0]}): "
@@ -166,11 +190,16 @@ def reshard(src: str | Path, dst: str | Path | None, req: ReshardRequest, *,
                     raw_object=getattr(reader, "object_item_torch_free", lambda key: None),
                     progress=on_bytes, ranks=r if r.world > 1 else None,
                     source_description=f"ckpt reshard of {meta.root}")
-                result.notes += writer_for("torch_dist")(staging, wopts).write(request)
+                where = place_container(staging, container, r)
+                result.notes += writer_for("torch_dist")(where, wopts).write(request)
             r.barrier()
             job_progress.catch_up()
             if verify:
-                verify_output(staging, trust=trust, what="resharded", ranks=r)
+                verify_output(to_validate(staging, container), trust=trust, what="resharded",
+                              ranks=r)
+            result.resume = resume_for(container.checkpoint_in(staging), out, container,
+                                       src_format, to, layout=layout.to_dict(),
+                                       source_layout=plan.source.to_dict())
     result.written = True
     mine = job_progress.local
     result.nbytes = r.broadcast(sum(r.gather(mine) or [0])) if r.world > 1 else mine

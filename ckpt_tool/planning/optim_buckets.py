@@ -238,7 +238,8 @@ def optimizer_bucket_layout(meta: CheckpointMeta, sizes: ModelSizes, source: Lay
     if sizes.num_layers is None:
         raise BucketLayoutError("the number of layers is unknown (no args.num_layers)")
     ps = _parallel_sizes(source, args, dp)
-    tied = not args.get("untie_embeddings_and_output_weights", True)
+    # tied embeddings are DDP's "shared_embedding" (a bucket of their own) only at pp > 1
+    tied = not args.get("untie_embeddings_and_output_weights", True) and ps.pp > 1
     dtype = dtype or _buffer_dtype(meta)
     rules = rules or RuleSet()
     lm = LayerMap(sizes.num_layers, source)

@@ -60,6 +60,8 @@ MOE_MLP_ORDER: dict[str, list[str]] = {
                "mlp.shared_experts.gate_weight"],
 }
 
+_EMBEDDING, _OUTPUT = "embedding.word_embeddings.weight", "output_layer.weight"
+
 #: ``(key, global layer or None, global expert or None)``
 StageParam = tuple[str, "int | None", "int | None"]
 
@@ -97,4 +99,8 @@ def stage_params(keys: Mapping[str, object] | Sequence[str], spec: str, layers: 
                 if LAYER_PREFIX + s in present]
     if last:
         out += [(k, None, None) for k in order["last"] if k in present]
+        if not first and _EMBEDDING in present and _OUTPUT not in present:
+            # tied embeddings (no output_layer.weight saved): a last stage that is not the
+            # first registers its own copy of the embedding as its output layer's weight
+            out.append((_EMBEDDING, None, None))
     return out

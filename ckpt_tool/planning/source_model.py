@@ -96,15 +96,27 @@ def model_sizes_from(meta: CheckpointMeta, common: Mapping[str, Any] | None = No
     groups = groups or heads
     kv = get("kv_channels") or (hidden // heads if hidden and heads else None)
     experts = get("num_experts") or get("num_moe_experts")
+    padded = get("padded_vocab_size") or (emb[0] if emb else None)
     return ModelSizes(
         num_layers=num_layers, hidden_size=hidden, ffn_hidden_size=ffn,
         num_attention_heads=heads, num_query_groups=groups, kv_channels=kv,
-        padded_vocab_size=get("padded_vocab_size") or (emb[0] if emb else None),
-        vocab_size=args.get("vocab_size"),
+        padded_vocab_size=padded, vocab_size=_tokenizer_vocab(args, padded),
         make_vocab_size_divisible_by=int(get("make_vocab_size_divisible_by") or 128),
         gated_linear_unit=bool(gated), num_experts=experts,
         moe_ffn_hidden_size=get("moe_ffn_hidden_size"),
         attention_output_gate=bool(get("attention_output_gate")))
+
+
+def _tokenizer_vocab(args: Mapping[str, Any], padded: int | None) -> int | None:
+    """The vocabulary Megatron-LM padded the embedding from: ``args.vocab_size`` (``--vocab-size``),
+    plus the end-of-document token (id V) its ``NullTokenizer`` of ``--vocab-size V`` adds, when
+    the padded vocab holds it (as Megatron-LM's own tokenizer build makes it; args written by
+    hand may have padded V tokens)."""
+    vocab = args.get("vocab_size")
+    if vocab is None:
+        return None
+    null = args.get("tokenizer_type") == "NullTokenizer"
+    return int(vocab) + 1 if null and (padded is None or int(padded) > int(vocab)) else int(vocab)
 
 
 def _layers_from_keys(meta: CheckpointMeta) -> int | None:

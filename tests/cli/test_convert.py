@@ -39,7 +39,8 @@ def test_the_summary_counts_what_was_written(tmp_path):
         assert result.exit_code == 0, result.output
         doc = json.loads(result.stdout)
         assert (doc["tensors"], doc["objects"]) == (tensors, objects), to
-        assert f"{tensors} tensors, {objects} objects" in result.stderr.splitlines()[-1]
+        summary = next(x for x in result.stderr.splitlines() if x.startswith("converted "))
+        assert f"{tensors} tensors, {objects} objects" in summary
 
 
 def test_refuses_existing_output_and_output_inside_source(tmp_path):

@@ -67,7 +67,10 @@ def test_a_reshard_that_works_is_quiet(tmp_path):
     assert res.stdout == ""
     notes = [line for line in res.stderr.splitlines() if line.startswith("note: ")]
     assert any(line.startswith("note: rng_state: 4 rng_state objects") for line in notes)
-    assert res.stderr.splitlines()[-1].startswith("resharded ")
+    lines = res.stderr.splitlines()
+    verdict = next(i for i, line in enumerate(lines) if line.startswith("resharded "))
+    assert lines[verdict + 1:] and all(line.startswith(("resume with ", "  - "))
+                                       for line in lines[verdict + 1:])  # how to resume, last
     res = runner.invoke(app, ["reshard", str(DIST), str(tmp_path / "b"), "--tp", "4", "-q"])
     assert res.exit_code == 0 and res.stdout == "" and res.stderr == "", res.output
     res = runner.invoke(app, ["reshard", str(DIST), str(tmp_path / "c"), "--tp", "4", "-v"])

@@ -33,7 +33,9 @@ def test_convert_and_reshard_split_over_ranks_equal_one_process(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(proc.stdout)  # one JSON document: only rank 0 prints
     assert doc["verified"] and doc["tensors"] == 64
-    files = sorted(p.name for p in (tmp_path / "k2").glob("*.distcp"))
+    # a save directory gives a save directory, also under torchrun
+    assert (tmp_path / "k2" / "latest_checkpointed_iteration.txt").read_text() == "10"
+    files = sorted(p.name for p in (tmp_path / "k2" / "iter_0000010").glob("*.distcp"))
     assert any(f.startswith("__0_") for f in files) and any(f.startswith("__1_") for f in files)
     convert(OPTIM, tmp_path / "k1", ConvertOptions(to="torch_dist"))
     same = diff(tmp_path / "k1", tmp_path / "k2")
@@ -41,6 +43,9 @@ def test_convert_and_reshard_split_over_ranks_equal_one_process(tmp_path):
 
     proc = _torchrun("reshard", str(OPTIM), str(tmp_path / "r2"), "--tp", "1", "--pp", "1")
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "r2" / "latest_checkpointed_iteration.txt").read_text() == "10"
+    assert "resume with Megatron-LM: --load" in proc.stderr  # rank 0's recipe, once
+    assert proc.stderr.count("resume with Megatron-LM") == 1
     resharded = diff(OPTIM, tmp_path / "r2")
     assert not resharded.values and resharded.stats["tensors_compared"] == 64  # args differ
 
@@ -152,7 +157,7 @@ def test_verification_split_over_ranks_fails_every_rank_on_a_corrupt_byte(tmp_pa
     convert(OPTIM, out, ConvertOptions(to="torch_dist"))
     clean = torchrun("verify_worker.py", 2, str(out))
     assert "rank 0: verified" in clean and "rank 1: verified" in clean, clean[-2000:]
-    last = sorted(out.glob("*.distcp"))[-1]  # scanned by one rank only
+    last = sorted(out.glob("iter_*/*.distcp"))[-1]  # scanned by one rank only
     data = bytearray(last.read_bytes())
     data[len(data) // 2] ^= 0xFF
     last.write_bytes(data)

@@ -17,6 +17,7 @@ from ckpt_tool.formats import dcp_raw_save
 from ckpt_tool.formats.dcp import writer as dcp_writer
 from ckpt_tool.formats.mcore_dist import torch_dist_writer
 from ckpt_tool.ops._convert_plan import ConvertOptions
+from ckpt_tool.formats.save_dir import locate_source
 from ckpt_tool.ops.convert import convert
 from ckpt_tool.ops.reshard import ReshardRequest, reshard
 from ckpt_tool.parallel import ranks
@@ -32,6 +33,7 @@ def _common(d: Path) -> dict | None:
 
 
 def compare(a: Path, b: Path) -> dict:
+    a, b = (locate_source(d).checkpoint for d in (a, b))  # (in their save directories)
     names = sorted(p.name for p in a.glob("*.distcp"))
     ma = pickle.loads((a / ".metadata").read_bytes())
     mb = pickle.loads((b / ".metadata").read_bytes())

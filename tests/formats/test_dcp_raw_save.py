@@ -144,7 +144,7 @@ def test_convert_torch_dist_to_torch_dist_never_imports_torch(tmp_path):
                          timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == [False, True]
-    assert (tmp_path / "out" / ".metadata").is_file()
+    assert (tmp_path / "out" / src.name / ".metadata").is_file()  # an iteration directory
 
 
 def _same_output(raw: Path, dcp: Path) -> None:
@@ -189,10 +189,11 @@ def test_reshard_takes_the_raw_path_and_writes_what_dcp_writes(tmp_path, monkeyp
     monkeypatch.setattr(dcp, "save", refuse)
     assert reshard(src, tmp_path / "raw", ReshardRequest(tp=1, pp=1), workers=2).written
     assert len(raw_saves) == 1
-    _same_output(tmp_path / "raw", tmp_path / "dcp")
+    _same_output(tmp_path / "raw" / "iter_0000010", tmp_path / "dcp" / "iter_0000010")
     import torch
 
-    args = torch.load(tmp_path / "raw" / "common.pt", weights_only=False)["args"]
+    args = torch.load(tmp_path / "raw" / "iter_0000010" / "common.pt",
+                      weights_only=False)["args"]
     assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size) == (1, 1)
 
 

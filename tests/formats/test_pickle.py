@@ -8,6 +8,7 @@ import io
 import os
 import pathlib
 import pickle
+import signal
 import sys
 import types
 
@@ -54,7 +55,8 @@ def _megatron_common(path):
             tensor_model_parallel_size=2, pipeline_model_parallel_size=2, world_size=8,
             num_layers=4, hidden_size=64, attention_backend=AttnBackend.auto,
             optimizer_config=OptimizerConfig(lr=3e-4), save=pathlib.PosixPath("/ckpt"),
-            params_dtype=torch.bfloat16, seed=np.int64(1234), loss_scale=np.float32(1.5))
+            params_dtype=torch.bfloat16, seed=np.int64(1234), loss_scale=np.float32(1.5),
+            exit_signal=signal.SIGTERM)  # Megatron-LM's default, in every real common.pt
         torch.save({"args": args, "iteration": 10, "checkpoint_version": 3.0,
                     "rng": np.random.RandomState(0).get_state(), "t": torch.arange(4),
                     "content_metadata": {"distrib_optim_sharding_type": "dp_reshardable"}}, path)
@@ -80,6 +82,7 @@ def test_load_torch_file_megatron_common_without_megatron(common_pt):
     assert args.optimizer_config.lr == 3e-4 and args.optimizer_config.optimizer == "adam"
     assert repr(args.optimizer_config).startswith(f"{OPT}.OptimizerConfig(")
     assert args.save == pathlib.PosixPath("/ckpt") and args.seed == 1234
+    assert args.exit_signal is signal.SIGTERM
     assert torch.equal(state["t"], torch.arange(4))
 
 
@@ -136,3 +139,33 @@ def test_truncated_or_garbage(tmp_path, common_pt, cut):
 def test_missing_file(tmp_path):
     with pytest.raises(InputError):
         load_torch_file(tmp_path / "nope.pt")
+
+
+def test_stand_ins_are_written_back_as_what_they_stand_for(common_pt, tmp_path):
+    """A common state read without megatron (its enums and config dataclasses as stand-ins)
+    is written again by ``torch_save_file`` as the same globals, fields and values: it loads
+    where megatron imports into the original objects, and without it into stand-ins again."""
+    from ckpt_tool.formats.write_guard import torch_save_file
+
+    state = load_torch_file(common_pt)
+    state["args"].tensor_model_parallel_size = 1  # what reshard changes
+    torch_save_file(state, tmp_path / "again.pt")
+    with fake_module(ENUMS, AttnBackend=AttnBackend), \
+            fake_module(OPT, OptimizerConfig=OptimizerConfig):
+        real = torch.load(tmp_path / "again.pt", weights_only=False)
+    args = real["args"]
+    assert args.attention_backend is AttnBackend.auto
+    assert args.optimizer_config == OptimizerConfig(lr=3e-4)
+    assert args.tensor_model_parallel_size == 1 and args.params_dtype is torch.bfloat16
+    assert torch.equal(real["t"], torch.arange(4))
+    again = load_torch_file(tmp_path / "again.pt")
+    assert again["args"].attention_backend._args == (5,)
+    assert repr(again["args"].optimizer_config) == repr(state["args"].optimizer_config)
+
+
+def test_megatron_lm_exit_signal_is_allowed():
+    """Megatron-LM 0.16 saves ``args.exit_signal`` (``signal.SIGTERM`` by default)."""
+    import signal
+
+    data = pickle.dumps(argparse.Namespace(exit_signal=signal.SIGTERM), protocol=2)
+    assert safe_loads(data).exit_signal is signal.SIGTERM

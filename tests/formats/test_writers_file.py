@@ -458,7 +458,7 @@ def test_zarr_objects_and_common(tmp_path):
     assert math.prod(meta.tensors["w"].shape) == 6
 
 
-def test_zarr_refuses_unsafe_keys_and_stand_ins(tmp_path):
+def test_zarr_refuses_unsafe_keys_and_writes_stand_ins_back(tmp_path):
     from ckpt_tool.formats.safe_pickle import stand_in_class
 
     for key in ("../escape", "/abs", "a//b"):
@@ -466,12 +466,16 @@ def test_zarr_refuses_unsafe_keys_and_stand_ins(tmp_path):
         with pytest.raises(UnsupportedError, match="safe relative path"):
             _write("zarr", tmp_path / "k", WriteRequest(meta=_meta(t), source=MemSource(t)))
     assert not (tmp_path / "escape").exists()
+    # a megatron enum read without megatron is written back as that enum
     backend = stand_in_class("megatron.core.transformer.enums", "AttnBackend")(5)
     t = {"w": torch.zeros(2)}
-    with pytest.raises(UnsupportedError, match="AttnBackend.*--trust"):
-        _write("zarr", tmp_path / "s", WriteRequest(meta=_meta(t), source=MemSource(t),
-                                                    common={"args": {"attention_backend":
-                                                                     backend}}))
+    _write("zarr", tmp_path / "s", WriteRequest(meta=_meta(t), source=MemSource(t),
+                                                common={"args": {"attention_backend": backend}}))
+    from ckpt_tool.formats.safe_pickle import load_torch_file
+
+    again = load_torch_file(tmp_path / "s" / "common.pt")["args"]["attention_backend"]
+    assert again.__stand_in_for__ == "megatron.core.transformer.enums.AttnBackend"
+    assert again._args == (5,)
 
 
 # Run by a Python with the REAL megatron-core 0.15.3 (the last with the zarr backend); it must

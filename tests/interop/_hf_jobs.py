@@ -130,3 +130,17 @@ def run_jobs(tmp: Path, jobs: list[dict]) -> None:
         if group:
             (tmp / f"spec{ranks}.json").write_text(json.dumps({"jobs": group}))
             torchrun(str(WORKER), ranks, str(tmp / f"spec{ranks}.json"), timeout=900)
+
+
+def assert_same_extra_state_objects(ours: Path, theirs: Path, count: int) -> set[str]:
+    """The ``_extra_state`` objects of our conversion ``ours`` are those of the checkpoint the
+    real Megatron-Core saved (``theirs``, a model of the same structure), ``count`` of them,
+    each stored byte for byte alike; returns their unique keys."""
+    with open_checkpoint(ours) as a, open_checkpoint(theirs) as b:
+        keys = {o.unique_key for o in a.metadata().objects}
+        want = {o.unique_key for o in b.metadata().objects
+                if o.key.endswith("._extra_state")}
+        assert keys == want and len(want) == count
+        for key in want:
+            assert a.stored_object_bytes(key) == b.stored_object_bytes(key), key
+    return keys

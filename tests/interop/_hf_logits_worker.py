@@ -12,15 +12,19 @@ of token ids), ``mode`` and ``ckpt``, ``out``:
 
 * ``save``: fill the parameters with seeded values, save a Megatron-LM-shaped state dict
   (``args``, ``iteration``, ``model``) with ``dist_checkpointing.save`` into ``ckpt``;
-* ``load``: set every parameter to NaN, load ``ckpt`` with ``dist_checkpointing.load`` (each
-  stage's model's own sharded state dict, as Megatron-LM does; ``_extra_state`` objects left
-  out) and fail if any parameter was not loaded;
+* ``load``: set every parameter to NaN, load ``ckpt`` as Megatron-LM does: each stage's
+  model's complete sharded state dict (its ``_extra_state`` objects included) with
+  ``dist_checkpointing.load`` at Megatron-LM's default strictness (``assume_ok_unexpected``:
+  every key the model asks for must be in the checkpoint), then
+  ``load_state_dict(strict=True)``; fail if any parameter was not loaded;
 * ``legacy``: load this rank's Megatron-LM legacy file from ``ckpt`` with
   ``load_state_dict(strict=True)``.
 
 ``spec`` ``"te"`` builds the layers from Megatron-Core's Transformer-Engine layer spec over
-local stand-in modules (``_te_standin.py``: TE's fused norm names, no TE needed); otherwise the
-local spec.
+local stand-in modules (``_te_standin.py``: TE's fused norm names and extra state, no TE
+needed), with the final norm a ``TENorm`` stand-in as where TE is installed; otherwise the
+local spec, and with ``te_installed`` its final norm that same ``TENorm`` stand-in (what a
+local-spec model gets on a machine with Transformer Engine).
 
 Then the logits for ``tokens`` (the first ``vocab`` columns): with ``pp`` > 1 each stage's
 GPTModel (``pre_process`` on the first, ``post_process`` on the last) runs its layers and
@@ -104,12 +108,18 @@ def build(spec: dict, tp: int, pp: int):
     else:
         layer_spec = get_gpt_layer_local_spec(num_experts=spec.get("experts"),
                                               normalization=norm, qk_layernorm=spec["qk_norm"])
+    import contextlib
+
+    from _te_standin import te_installed
+
     cuda = torch.Tensor.cuda
     # tied embeddings across pipeline stages: GPTModel all-reduces the output layer's copy of
     # the embedding between the first and last stage after moving it to .cuda()
     torch.Tensor.cuda = lambda self, *a, **k: self
+    with_te = spec.get("spec") == "te" or spec.get("te_installed")
     try:
-        return _gpt(GPTModel, config, layer_spec, spec, gpt2)
+        with te_installed() if with_te else contextlib.nullcontext():
+            return _gpt(GPTModel, config, layer_spec, spec, gpt2)
     finally:
         torch.Tensor.cuda = cuda
 
@@ -178,12 +188,12 @@ def load(model, spec: dict) -> None:
 
     from megatron.core import dist_checkpointing
 
-    sharded = {k: v for k, v in model.sharded_state_dict().items() if "_extra_state" not in k}
     with torch.no_grad():
         for p in model.parameters():
             p.fill_(float("nan"))
-    loaded = dist_checkpointing.load(sharded, spec["ckpt"])
-    model.load_state_dict(loaded, strict=False)
+    loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, spec["ckpt"],
+                                     strict="assume_ok_unexpected")
+    model.load_state_dict(loaded["model"], strict=True)
     bad = [n for n, p in model.named_parameters() if torch.isnan(p).any()]
     if bad:
         raise RuntimeError(f"{spec.get('name', spec['ckpt'])}: not loaded: {bad}")

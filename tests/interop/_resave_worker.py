@@ -31,9 +31,7 @@ def main() -> int:
     H.init_parallel(tp, pp)
     dp = torch.distributed.get_world_size() // (tp * pp)
     gpt, _model, optimizer = R.build(tp, pp, "distopt", bucket_size=bucket_size or None)
-    # log_all (Megatron-LM's --dist-ckpt-strictness log_all): a checkpoint converted from legacy
-    # files has no per-layer _extra_state objects to load
-    R.load_as_megatron_lm(src, gpt, optimizer, strict="log_all")
+    R.load_as_megatron_lm(src, gpt, optimizer)  # Megatron-LM's default strictness
     # Without Apex/TE, loading dp_reshardable leaves each parameter's Adam "step" as the dummy
     # state held (its bucket entry is LocalNonpersistent) and state_dict() then refuses the mixed
     # steps. Steps live in the param groups in every saved form: give every state that one.

@@ -28,16 +28,18 @@ def main() -> int:
     H.patch_cuda_for_cpu()
     H.init_parallel(tp, pp)
     from megatron.core import dist_checkpointing as dc
-    from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
 
     def load(ckpt: str) -> dict:
+        """As Megatron-LM loads: the model's complete sharded state dict (``_extra_state``
+        objects included) at its default strictness, then a strict ``load_state_dict``."""
         model = H.build_gpt(tp, pp, params_dtype=torch.float32,
                             position_embedding_type="learned_absolute")
         with torch.no_grad():
             for p in model.parameters():
                 p.fill_(float("nan"))
-        sharded, _rest = extract_sharded_tensors_and_factories(model.sharded_state_dict())
-        model.load_state_dict(dc.load(sharded, ckpt), strict=False)
+        state = dc.load({"model": model.sharded_state_dict()}, ckpt,
+                        strict="assume_ok_unexpected")
+        model.load_state_dict(state["model"], strict=True)
         return {k: v.clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}
 
     want = load(sys.argv[3])

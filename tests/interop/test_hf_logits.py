@@ -3,11 +3,14 @@ test_hf_interop.py leaves out; the Megatron-Core jobs run in two ``torchrun`` ca
 gloo ranks).
 
 * HF -> ``convert --to torch_dist`` -> the real Megatron-Core GPTModel (local spec, CPU),
-  built from the ``args`` the conversion wrote, loads it with its own sharded state dict and
+  built from the ``args`` the conversion wrote, loads it as Megatron-LM does (its complete
+  sharded state dict, ``_extra_state`` objects included, at the default strictness) and
   gives transformers' logits: Mistral (tied) at TP2 and at PP2, Qwen3 (q/k norm, head_dim
   != hidden / heads) at TP2, Mixtral (router, experts) at TP2, Qwen3-MoE (q/k norm,
   ``norm_topk_prob``) at TP1, Llama at TP2 x PP2 (each stage its own GPTModel, hidden
-  states sent from stage to stage).
+  states sent from stage to stage). The Mistral PP2 import is ``--local-spec`` and its
+  model is built as on a machine with Transformer Engine (``te_installed``): its final norm
+  is then a ``TENorm``, whose ``_extra_state`` the checkpoint must hold too.
 * Megatron-Core checkpoints saved by the real library -> ``convert --to hf`` (architecture
   guessed from ``args``) -> transformers gives the Megatron logits, at TP2: Mixtral-style MoE,
   Qwen2-MoE-style (shared expert and its gate, softmax before top-k, QKV bias), Qwen3-MoE-
@@ -23,8 +26,9 @@ import json
 import pytest
 import torch
 
-from _hf_jobs import (COMMON, assert_export_logits, ckpt, hf_logits, import_job, randomise,
-                      run_jobs, save_jobs, saved_models, tensors)
+from _hf_jobs import (COMMON, assert_export_logits, assert_same_extra_state_objects, ckpt,
+                      hf_logits, import_job, randomise, run_jobs, save_jobs, saved_models,
+                      tensors)
 from ckpt_tool.formats.base import open_checkpoint
 
 transformers = pytest.importorskip("transformers")
@@ -53,11 +57,12 @@ def _hf_models() -> dict[str, object]:
 
 # (job name, HF model, convert options)
 IMPORTS = [("mistral_tp2", "mistral", ["--tp", "2"]),
-           ("mistral_pp2", "mistral", ["--pp", "2"]),
+           ("mistral_pp2", "mistral", ["--pp", "2", "--local-spec"]),
            ("qwen3_tp2", "qwen3", ["--tp", "2"]),
            ("mixtral_tp2", "mixtral", ["--tp", "2", "--local-spec"]),
            ("qwen3_moe_tp1", "qwen3_moe", ["--local-spec"]),  # MoE: the norm names differ
            ("llama_tp2pp2", "llama", ["--tp", "2", "--pp", "2"])]
+WORKER_OPTIONS = {"mistral_pp2": {"te_installed": True}}  # see the module docstring
 # (job name, tp, pp, model): checkpoints the real Megatron-Core saves
 EXPORTS = [("mixtral_save_tp2", 2, 1, "MixtralForCausalLM",
             dict(experts=4, topk=2, moe_ffn=32, shared_ffn=None, pre_softmax=False)),
@@ -82,7 +87,7 @@ def runs(tmp_path_factory):
     jobs = []
     for job, model, opts in IMPORTS:
         ckpt("convert", srcs[model], tmp / job, "--to", "torch_dist", *opts)
-        jobs.append(import_job(tmp, job))
+        jobs.append(import_job(tmp, job, **WORKER_OPTIONS.get(job, {})))
     run_jobs(tmp, jobs + save_jobs(tmp, EXPORTS))
     return tmp, srcs
 
@@ -92,6 +97,15 @@ def test_hf_to_torch_dist_gives_transformers_logits(runs, job, model, opts):
     tmp, srcs = runs
     got = torch.load(tmp / f"{job}.pt")
     torch.testing.assert_close(got, hf_logits(srcs[model]), rtol=1e-4, atol=1e-5)
+
+
+def test_local_import_holds_the_extra_state_objects_megatron_core_saves(runs):
+    """The ``--local-spec`` import of Mixtral holds exactly the ``_extra_state`` objects the
+    real Megatron-Core saves from a local-spec Mixtral-style GPT of the same structure (2
+    layers, 4 experts; ``mixtral_save_tp2``), each stored byte for byte alike (``None``)."""
+    tmp, _ = runs
+    assert_same_extra_state_objects(tmp / "mixtral_tp2", tmp / "mixtral_save_tp2",
+                                    2 * (2 + 2 * 4))
 
 
 @pytest.mark.parametrize("job,tp,pp,arch,model", EXPORTS, ids=[j[0] for j in EXPORTS])

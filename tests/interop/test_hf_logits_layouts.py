@@ -27,10 +27,12 @@ both stages (the word embedding on the first, ``output_layer.weight`` on the las
 
 The TE spec: Transformer Engine needs CUDA and is not installed, so the model is built by
 Megatron-Core's real ``get_gpt_layer_with_transformer_engine_spec`` over stand-in local modules
-(``_te_standin.py``). That proves the TE layout's key set (``linear_qkv.layer_norm_weight``,
-``linear_fc1.layer_norm_weight``/``_bias`` for dense layers, ``pre_mlp_layernorm.weight`` for
-MoE layers) loads completely and computes the right function; it does not prove TE's kernels
-or its ``_extra_state`` entries (FP8 metadata), which the stand-ins do not have.
+(``_te_standin.py``, with TE's ``_extra_state`` on every linear and norm). That proves the
+TE layout's key set (``linear_qkv.layer_norm_weight``, ``linear_fc1.layer_norm_weight``/
+``_bias`` for dense layers, ``pre_mlp_layernorm.weight`` for MoE layers) and its
+``_extra_state`` objects load completely, as Megatron-LM loads (the complete sharded state
+dict at the default strictness; legacy files with a strict ``load_state_dict``), and compute
+the right function; it does not prove TE's kernels or FP8.
 """
 
 from __future__ import annotations
@@ -38,8 +40,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _hf_jobs import (COMMON, assert_export_logits, ckpt, hf_logits, import_job, run_jobs,
-                      save_jobs, saved_models)
+from _hf_jobs import (COMMON, assert_export_logits, assert_same_extra_state_objects, ckpt,
+                      hf_logits, import_job, run_jobs, save_jobs, saved_models)
 from ckpt_tool.formats.base import open_checkpoint
 
 transformers = pytest.importorskip("transformers")
@@ -118,6 +120,18 @@ def test_te_names_are_the_te_specs(runs):
     assert {"decoder.layers.0.self_attention.linear_qkv.layer_norm_weight",
             "decoder.layers.0.pre_mlp_layernorm.weight"} <= moe.keys()
     assert not [k for k in moe if "input_layernorm" in k or "linear_fc1.layer_norm" in k]
+
+
+def test_te_import_holds_the_extra_state_objects_megatron_core_saves(runs):
+    """The TE-spec import of Qwen2-MoE holds exactly the ``_extra_state`` objects the real
+    Megatron-Core saves from a TE-spec Qwen2-MoE of the same structure (2 layers, 4 experts,
+    a shared expert; ``qwen2_moe_save_pp2_te``): the linears', the MoE layers' separate
+    ``pre_mlp_layernorm``'s and the final norm's, each stored byte for byte alike (TE's empty
+    ``uint8`` tensor)."""
+    tmp, _ = runs
+    keys = assert_same_extra_state_objects(tmp / "qwen2_moe_tp2_te",
+                                           tmp / "qwen2_moe_save_pp2_te", 2 * (5 + 2 * 4) + 1)
+    assert "decoder.layers.pre_mlp_layernorm._extra_state/shard_1_2" in keys
 
 
 @pytest.mark.parametrize("job,tp,pp,arch,model", EXPORTS, ids=[j[0] for j in EXPORTS])

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from ckpt_tool.formats.save_dir import locate_source
 from ckpt_tool.ops.reshard import ReshardRequest, reshard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dist_checkpointing" / "_workers"))
@@ -35,6 +36,7 @@ API = Path(__file__).resolve().parent / "_mcore019_api_worker.py"
 def _resume(out: Path, fixture: Path, tp: int, pp: int, world: int, *extra: str) -> str:
     """The real Megatron-Core resumes from ``out`` at TP x PP and compares with the fixture's
     ground truth (``_moe_resume_worker.py``, the fixture's generate.py ``init``/``build``)."""
+    out = locate_source(out).checkpoint  # (in its save directory, as the fixture's)
     log = torchrun(str(RESUME), world, str(tp), str(pp), "1", str(out), fixture.name, *extra,
                    timeout=900)
     assert log.count(": OK ") == world, log[-3000:]
@@ -55,7 +57,8 @@ def test_megatron_core_016_resumes_a_014_checkpoint_resharded(tmp_path, tp, pp, 
     assert reshard(MCORE014, out, ReshardRequest(tp=tp, pp=pp)).written
     ours = open_checkpoint(out)
     assert ours.metadata().extras["optimizer_sharding"]["type"] == "fully_reshardable"
-    assert (out / "common.pt").is_file() and not ours.objects_in_common()  # 0.14's form
+    assert (locate_source(out).checkpoint / "common.pt").is_file()  # 0.14's form
+    assert not ours.objects_in_common()
     assert "(megatron-core 0.16.1)" in _resume(out, MCORE014, tp, pp, world)
 
 
@@ -74,6 +77,7 @@ def _assert_019_form(out: Path, tp: int) -> None:
     common_state object, with the new layout's args), its metadata.json, an integrity.json."""
     from ckpt_tool.formats.base import open_checkpoint
 
+    out = locate_source(out).checkpoint  # (in its save directory, as the fixture's)
     assert not (out / "common.pt").exists()
     assert (out / "metadata.json").read_bytes() == \
         b'{"sharded_backend": "torch_dist", "sharded_backend_version": 1}'
@@ -117,6 +121,7 @@ def test_library_api_reads_what_megatron_core_019_reads(tmp_path, monkeypatch):
     src = next(MCORE019.glob("iter_*"))
     resharded = tmp_path / "tp1"
     reshard(MCORE019, resharded, ReshardRequest(tp=1))
+    resharded = locate_source(resharded).checkpoint  # (in its save directory)
     both = tmp_path / "both"
     shutil.copytree(src, both)
     (both / "integrity.json").unlink()

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from ckpt_tool.formats.save_dir import locate_source
 from ckpt_tool.ops.reshard import ReshardRequest, reshard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dist_checkpointing" / "_workers"))
@@ -29,7 +30,7 @@ def test_megatron_core_loads_resharded_dist_and_legacy(tmp_path, tp, pp, raw_sav
         before = len(raw_saves)
         reshard(src, out, ReshardRequest(tp=tp, pp=pp, to=to))
         assert len(raw_saves) == before + 1  # our raw save, not DCP's
-        outs.append(str(out))
+        outs.append(str(locate_source(out).checkpoint))  # (in its save directory)
     ref = str(next(DIST.glob("iter_*")))
     log = torchrun(str(WORKER), tp * pp, str(tp), str(pp), ref, *outs, timeout=600)
     assert log.count(": OK ") == tp * pp, log[-3000:]

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from ckpt_tool.formats.base import open_checkpoint
+from ckpt_tool.formats.save_dir import locate_source
 from ckpt_tool.ops.reshard import ReshardRequest, reshard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dist_checkpointing" / "_workers"))
@@ -43,5 +44,6 @@ def test_megatron_core_resumes_exactly_from_a_reshard_of_a_checkpoint_without_ar
     assert ours.metadata().extras["optimizer_sharding"]["type"] == "fully_reshardable"
     assert ours.common()["content_metadata"]["distrib_optim_sharding_type"] == \
         "fully_reshardable"
-    log = torchrun(str(WORKER), world, str(tp), str(pp), "1", str(out), fixture, timeout=900)
+    log = torchrun(str(WORKER), world, str(tp), str(pp), "1",
+                   str(locate_source(out).checkpoint), fixture, timeout=900)
     assert log.count(": OK ") == world, log[-3000:]

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from ckpt_tool.formats.save_dir import locate_source
 from ckpt_tool.ops.reshard import ReshardRequest, reshard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dist_checkpointing" / "_workers"))
@@ -34,7 +35,8 @@ def test_megatron_core_resumes_from_reshard(tmp_path, fixture, kind, tp, pp, wor
     result = reshard(FIX / fixture, out, ReshardRequest(tp=tp, pp=pp))
     assert result.written
     ref = str(next((FIX / fixture).glob("iter_*")))
-    log = torchrun(str(WORKER), world, str(tp), str(pp), kind, ref, str(out), timeout=900)
+    log = torchrun(str(WORKER), world, str(tp), str(pp), kind, ref,
+                   str(locate_source(out).checkpoint), timeout=900)
     assert log.count(": OK ") == world, log[-3000:]
 
 
@@ -71,7 +73,7 @@ def test_megatron_core_resumes_distributed_optimizer_from_buckets(tmp_path, dist
     result = reshard(FIX / fixture, out, ReshardRequest(tp=tp, pp=pp))
     assert result.written
     log = torchrun(str(WORKER), world, str(tp), str(pp), "distopt", distopt_truth[fixture],
-                   str(out), timeout=900)
+                   str(locate_source(out).checkpoint), timeout=900)
     assert log.count(": OK ") == world, log[-3000:]
 
 
@@ -99,6 +101,7 @@ def test_one_training_step_at_the_new_layout_matches_the_old(tmp_path):
     fixture = FIX / "mcore016_gpt_tp2dp2_distopt_buckets"
     resharded = tmp_path / "tp1"
     reshard(fixture, resharded, ReshardRequest(tp=1))
+    resharded = locate_source(resharded).checkpoint  # (in its save directory)
     loss_old, old = _step(tmp_path, "old", 4, 2, 20000, next(fixture.glob("iter_*")))
     loss_new, new = _step(tmp_path, "new", 2, 1, 0, resharded)
     assert abs(loss_old - loss_new) <= 1e-5 * abs(loss_old), (loss_old, loss_new)
@@ -135,7 +138,8 @@ def test_model_space_distributed_optimizer_resumes_in_megatron_core(tmp_path, fi
     assert ours.metadata().extras["optimizer_sharding"]["type"] == "fully_reshardable"
     assert ours.common()["content_metadata"]["distrib_optim_sharding_type"] == "fully_reshardable"
     resaved = tmp_path / "resaved"
-    log = torchrun(str(RESAVE), 2, "1", "1", "0", str(out), str(resaved), timeout=900)
+    log = torchrun(str(RESAVE), 2, "1", "1", "0", str(locate_source(out).checkpoint),
+                   str(resaved), timeout=900)
     assert log.count(": OK ") == 2, log[-3000:]
     theirs = open_checkpoint(resaved)
     keys = set(ours.metadata().tensors)
@@ -157,5 +161,6 @@ def test_megatron_core_resumes_a_pipeline_parallel_bucketed_source(tmp_path, tp,
     the reference here as it does for the TP2 source.)"""
     out = tmp_path / "out"
     reshard(FIX / "mcore016_gpt_pp2dp2_distopt_buckets", out, ReshardRequest(tp=tp, pp=pp))
-    log = torchrun(str(CONSISTENCY), world, str(tp), str(pp), str(out), timeout=900)
+    log = torchrun(str(CONSISTENCY), world, str(tp), str(pp),
+                   str(locate_source(out).checkpoint), timeout=900)
     assert log.count(": OK ") == world, log[-3000:]

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from ckpt_tool.formats.base import open_checkpoint
+from ckpt_tool.formats.save_dir import locate_source
 from ckpt_tool.ops.reshard import ReshardRequest, reshard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dist_checkpointing" / "_workers"))
@@ -43,7 +44,8 @@ def test_megatron_core_resumes_moe_distributed_optimizer_from_buckets(tmp_path, 
     assert ours.metadata().extras["optimizer_sharding"]["type"] == "fully_reshardable"
     optimizer = ours.common()["optimizer"]
     assert sorted(optimizer) == ([0, 1] if ep > 1 else ["optimizer", "param_state_sharding_type"])
-    log = torchrun(str(WORKER), world, str(tp), str(pp), str(ep), str(out), fixture,
+    log = torchrun(str(WORKER), world, str(tp), str(pp), str(ep),
+                   str(locate_source(out).checkpoint), fixture,
                    timeout=900)
     assert log.count(": OK ") == world, log[-3000:]
     assert f"{2 if ep > 1 else 1} optimizers" in log

@@ -65,24 +65,18 @@ def test_fixture_against_itself(name):
 
 
 def test_legacy_vs_dist_same_global_tensors():
-    """Same model, two formats: the five tensors both name alike are equal; per-layer legacy
-    keys and stacked dist keys exist on one side only; the common states differ only where
-    the formats do."""
+    """Same model, two formats: the legacy side is seen as Megatron-Core saves that model
+    (stacked names, its _extra_state and rng_state objects), so every tensor is compared and
+    equal, and every object Megatron-Core saved matches (the rank files' RNG states are the
+    states it saved); the common states differ only where the formats do."""
     r = diff(LEGACY, MCORE.parent)
-    with open_checkpoint(LEGACY) as ra, open_checkpoint(MCORE) as rb:
-        ka, kb = set(ra.metadata().tensors), set(rb.metadata().tensors)
-    shared = ka & kb
-    assert shared == {"decoder.final_layernorm.bias", "decoder.final_layernorm.weight",
-                      "embedding.position_embeddings.weight",
-                      "embedding.word_embeddings.weight", "output_layer.weight"}
-    assert r.stats["tensors_compared"] == 5 and r.values == () and r.dtype_changes == ()
+    assert r.notes == ("A (legacy) seen as Megatron-Core saves it, as convert writes it to a "
+                       "dist format: stacked layers, _extra_state and rng_state objects",)
+    assert r.only_in_a == r.only_in_b == ()
+    assert r.stats["tensors_compared"] == 17 and r.values == () and r.dtype_changes == ()
     if RAW_DCP:  # legacy raw ranges against DCP storage records: no tensor decoded
-        assert r.stats["tensors_equal_bytes"] == 5
+        assert r.stats["tensors_equal_bytes"] == 17
     assert r.shape_changes == ()
-    assert set(r.only_in_a) == ka - shared and len(r.only_in_a) == 48
-    assert all(k.startswith("decoder.layers.") and k.split(".")[2].isdigit()
-               for k in r.only_in_a)
-    assert set(r.only_in_b) == kb - shared and len(r.only_in_b) == 12
     kinds = {c.path: c.kind for c in r.common}
     assert kinds["args.ckpt_format"] == kinds["args.use_dist_ckpt"] == "changed"
     assert {p for p, k in kinds.items() if k == "changed"} == {"args.ckpt_format",
@@ -91,10 +85,11 @@ def test_legacy_vs_dist_same_global_tensors():
         "content_metadata.chained_optim_avoid_prefix", "content_metadata.singleton_local_shards"}
     only_a = {p for p, k in kinds.items() if k == "only_in_a"}
     assert {"args.no_save_optim", "args.no_save_rng"} < only_a
-    assert any(p.split(".")[0] == "rng_state" for p in only_a)  # legacy keeps it in the state
-    assert all(p.startswith(("args.", "opt_param_scheduler.", "rng_state")) for p in only_a)
+    assert all(p.startswith(("args.", "opt_param_scheduler.")) for p in only_a)
     assert "iteration" not in kinds
-    assert len(r.objects_only_in_a) == 8 and len(r.objects_only_in_b) == 20
+    # the final norm's: a TENorm's wherever Transformer Engine is installed (not at this save)
+    assert r.objects_only_in_a == ("decoder.final_layernorm._extra_state/shard_0_1",)
+    assert r.objects_only_in_b == () and r.objects == ()
     assert not r.identical
 
 

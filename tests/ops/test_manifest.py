@@ -63,6 +63,8 @@ def outputs(tmp_path_factory):
 def test_every_output_carries_a_manifest_that_lists_every_file(outputs):
     for to, out in outputs.items():
         name = "integrity.json" if to == "torch_dist" else "ckpt-manifest.json"
+        if to == "torch_dist":  # a save directory's: in its checkpoint's directory
+            out = out / "iter_0000010"
         doc = json.loads((out / name).read_text())
         assert doc["algorithm"] == ("sha256" if to == "torch_dist" else "crc32"), to
         files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*")
@@ -105,8 +107,9 @@ def test_megatron_core_loads_torch_dist_output_with_integrity_json(outputs, tmp_
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "interop"))
     from _compare import mcore_view  # noqa: E402
 
-    assert (outputs["torch_dist"] / "integrity.json").is_file()
-    view = mcore_view(outputs["torch_dist"], tmp_path / "view.pt")
+    checkpoint = outputs["torch_dist"] / "iter_0000010"
+    assert (checkpoint / "integrity.json").is_file()
+    view = mcore_view(checkpoint, tmp_path / "view.pt")
     assert len(view["plain"]) == 17
 
 

@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 
 from ckpt_tool.cli.app import app
 from ckpt_tool.formats.base import open_checkpoint
+from ckpt_tool.formats.save_dir import locate_source
 from ckpt_tool.formats.torch_save_object import save_object
 from ckpt_tool.ops.convert import ConvertOptions, convert
 from ckpt_tool.ops.inspect import inspect
@@ -39,6 +40,7 @@ def _common_objects(path: Path) -> list[str]:
 def _assert_019_form(out: Path) -> None:
     """0.19's form, and integrity.json as Megatron-Core 0.19 computes it: sha256 of every file
     of the directory but itself (``.metadata``, every ``.distcp``, ``metadata.json``)."""
+    out = locate_source(out).checkpoint  # (the fixture is a save directory: so is the output)
     assert not (out / "common.pt").exists()
     assert _common_objects(out) == ["common_state/shard_0_1"]
     assert (out / "metadata.json").read_bytes() == MARKER_019
@@ -85,8 +87,9 @@ def test_convert_of_a_019_checkpoint_to_dcp_keeps_the_common_state_once(tmp_path
 def test_reshard_of_a_014_checkpoint_keeps_common_pt(tmp_path):
     out = tmp_path / "tp1"
     assert reshard(MCORE014, out, ReshardRequest(tp=1)).written
-    assert (out / "common.pt").is_file() and not _common_objects(out)
-    assert json.loads((out / "metadata.json").read_text())["common_backend"] == "torch"
+    ckpt = locate_source(out).checkpoint  # (a save directory, as the fixture)
+    assert (ckpt / "common.pt").is_file() and not _common_objects(out)
+    assert json.loads((ckpt / "metadata.json").read_text())["common_backend"] == "torch"
     assert validate(out).ok
 
 

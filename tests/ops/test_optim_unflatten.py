@@ -314,3 +314,33 @@ def test_cli_reshards_the_moe_buckets_to_ep1(tmp_path):
     assert common["args"].expert_model_parallel_size == 1
     key = "decoder.layers.mlp.experts.experts.linear_fc1.weight"
     assert torch.equal(reader.read(f"optimizer.state.param.{key}").bfloat16(), reader.read(key))
+
+
+def test_tied_embeddings_are_a_shared_bucket_only_in_a_pipeline():
+    """DDP gives tied embeddings a bucket of their own ("shared_embedding") only at pp > 1,
+    where the last stage registers its own copy as the output layer's weight (saved under the
+    embedding's key: no output_layer.weight); at pp 1 tied embeddings change no bucket.
+    (Proven against Megatron-LM's real saves in tests/peer/test_training_checkpointing.py.)"""
+    from dataclasses import replace as copy_meta
+
+    emb = "embedding.word_embeddings.weight"
+    for fixture in BUCKETED:
+        meta, sizes, source, args, _per = _layout(fixture)
+        tied_meta = copy_meta(meta, tensors={k: t for k, t in meta.tensors.items()
+                                             if not k.endswith("output_layer.weight")})
+        untied = optimizer_bucket_layout(tied_meta, sizes, source, args)
+        tied = optimizer_bucket_layout(
+            tied_meta, sizes, source, {**args, "untie_embeddings_and_output_weights": False})
+        if source.pp == 1:
+            assert [[p.key for p in b.params] for b in tied] == \
+                [[p.key for p in b.params] for b in untied]
+            continue
+        for b in tied:
+            keys = [p.key for p in b.params]
+            assert emb not in keys or keys == [emb], (b.pp_rank, b.bucket_idx, keys)
+        holders = {(b.pp_rank, b.bucket_idx) for b in tied if [p.key for p in b.params] == [emb]}
+        # stage 0's embedding is registered first (its buffer's last bucket), the last
+        # stage's copy last (its first)
+        last_of = {p: max(b.bucket_idx for b in tied if b.pp_rank == p and b.tp_rank == 0)
+                   for p in range(source.pp)}
+        assert (0, last_of[0]) in holders and (source.pp - 1, 0) in holders

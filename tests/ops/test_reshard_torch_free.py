@@ -63,7 +63,9 @@ def test_same_files_as_the_torch_path(tmp_path, monkeypatch, src, tp, pp, common
     with monkeypatch.context() as m:
         _torch_path(m)
         assert reshard(src, tmp_path / "torch", ReshardRequest(tp=tp, pp=pp)).written
-    _same_checkpoints(tmp_path / "ours", tmp_path / "torch", common_bytes=common_bytes)
+    inside = src.name  # an iteration directory gives one
+    _same_checkpoints(tmp_path / "ours" / inside, tmp_path / "torch" / inside,
+                      common_bytes=common_bytes)
 
 
 def test_zero_fill_stays_on_torch(tmp_path):
@@ -93,4 +95,5 @@ def test_a_fresh_process_reshards_a_model_only_checkpoint_without_torch(tmp_path
                               Path(__file__).resolve().parents[2])})
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads(done.stdout.strip().splitlines()[-1]) == [True, False]
+    out = out / MODEL_ONLY.name  # an iteration directory gives one
     assert (out / "common.pt").is_file() and (out / ".metadata").is_file()

@@ -218,3 +218,17 @@ def test_uneven_pipeline_rules_equal_transformer_config():
         ours = _errors(check_layout(sizes, Layout(pp=pp, vpp=vpp, first_stage_layers=first,
                                                   last_stage_layers=last)))
         assert accepted == (not ours), (n, pp, first, last, vpp, ours)
+
+
+def test_null_tokenizer_vocab_holds_its_end_of_document_token(dist):
+    """Megatron-LM's NullTokenizer of ``--vocab-size V`` has V + 1 tokens (end of document:
+    id V), which its padding holds: V=128 at tp 2 pads to 256, and at tp 1 still to 256 (row
+    128 is a token, not padding). Args written by hand with 128 padded rows keep 128."""
+    meta, common = dist
+    args = dict(vars(common["args"]), padded_vocab_size=256, make_vocab_size_divisible_by=128)
+    real = {**common, "args": args}
+    sizes = model_sizes_from(meta, real)
+    assert sizes.vocab_size == 129 and target_vocab_size(sizes, 1) == 256
+    assert model_sizes_from(meta, common).vocab_size == 128  # the fixture's own args
+    other = {**real, "args": dict(args, tokenizer_type="GPT2BPETokenizer")}
+    assert model_sizes_from(meta, other).vocab_size == 128

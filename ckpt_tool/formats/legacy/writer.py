@@ -32,6 +32,8 @@ from ckpt_tool.formats.legacy.layout import LOCAL_TO_DIST_NAMES
 from ckpt_tool.formats.write_guard import torch_save_file
 from ckpt_tool.formats.writer import WriteRequest, Writer
 from ckpt_tool.model import is_optimizer_key
+from ckpt_tool.planning.extra_state import (EXTRA_STATE, NONE, legacy_extra_states,
+                                            legacy_layer_spec)
 
 __all__ = ["LegacyWriter", "write_legacy_ranks", "as_namespace", "updated_args"]
 
@@ -60,7 +62,8 @@ class LegacyWriter(Writer):
                              hint=errors[0].fix)
         write_legacy_ranks(self.directory, plan, request.source, request.common,
                            progress=request.progress, ranks=request.ranks,
-                           local_spec=bool(self.options.extra.get("local_spec")))
+                           local_spec=bool(self.options.extra.get("local_spec")),
+                           iteration_dir=self.options.extra.get("iteration_dir"))
         kept = {o.unique_key for o in plan.target_meta.objects} if plan.target_meta else set()
         self.objects_written = sum(o.unique_key in kept for o in request.meta.objects)
         self.tensors_written = sum(k not in plan.dropped for k in request.meta.tensors)
@@ -114,8 +117,10 @@ def updated_args(args: Any, updates: dict[str, Any]) -> Any:
 
 def write_legacy_ranks(directory: Path, plan: Any, source: Any,
                        common: dict[str, Any], progress: Any = None, ranks: Any = None,
-                       local_spec: bool = False) -> list[str]:
-    """One ``model_optim_rng.pt`` per target rank, as Megatron-LM writes them, from ``plan``.
+                       local_spec: bool = False, iteration_dir: str | None = None) -> list[str]:
+    """One ``model_optim_rng.pt`` per target rank, as Megatron-LM writes them, from ``plan``,
+    in the save directory ``directory``: ``iteration_dir`` (default: ``iter_NNNNNNN`` of the
+    common state's iteration, else ``release``) and the tracker file naming it.
     Under torchrun (``ranks``) each process writes its share of the rank files (balanced by
     the bytes they read) and rank 0 the tracker file. ``local_spec``: name the layer norms as
     a local-spec (``--transformer-impl local``) model holds them (``input_layernorm.*``,
@@ -131,7 +136,8 @@ def write_legacy_ranks(directory: Path, plan: Any, source: Any,
     meta = plan.target_meta
     lm = LayerMap(plan.sizes.num_layers, plan.target)
     iteration = common.get("iteration")
-    iter_dir = directory / ("release" if iteration is None else f"iter_{int(iteration):07d}")
+    iter_dir = directory / (iteration_dir or (
+        "release" if iteration is None else f"iter_{int(iteration):07d}"))
     iter_dir.mkdir(parents=True, exist_ok=True)
     args = updated_args(common.get("args"), plan.args_updates)
     same_layout = all(getattr(plan.source, f) == getattr(plan.target, f)
@@ -165,9 +171,12 @@ def write_legacy_ranks(directory: Path, plan: Any, source: Any,
                     if progress is not None:
                         progress(data.numel() * data.element_size())
             for chunk, name, value in _legacy_entries(tp, local, lm, rp, plan):
-                if local_spec:
-                    name = _local_spec_name(name)
+                name = _local_spec_name(name) if local_spec else _te_spec_name(name, tp.key,
+                                                                              meta)
                 chunks.setdefault(chunk, OrderedDict())[name] = value
+        names = [n for sd in chunks.values() for n in sd]  # the names tell the layer spec
+        spec = legacy_layer_spec(names, args)
+        chunks = {c: _with_extra_states(sd, spec) for c, sd in chunks.items()}
         state: dict[str, Any] = {"args": args,
                                  "checkpoint_version": common.get("checkpoint_version", 3.0)}
         for k in ("iteration", "num_floating_point_operations_so_far", "opt_param_scheduler"):
@@ -186,7 +195,8 @@ def write_legacy_ranks(directory: Path, plan: Any, source: Any,
         path.parent.mkdir(parents=True, exist_ok=True)
         torch_save_file(state, path)
     if ranks is None or ranks.is_main:
-        tracker = "release" if iteration is None else str(int(iteration))
+        name = iter_dir.name
+        tracker = "release" if name == "release" else str(int(name[5:]))
         (directory / "latest_checkpointed_iteration.txt").write_text(tracker)
     return sorted(skipped)
 
@@ -222,3 +232,38 @@ def _local_spec_name(key: str) -> str:
         if fused in key:
             return key.replace(fused, local, 1)
     return key
+
+
+_FC1_NORM = "mlp.linear_fc1.layer_norm_"
+
+
+def _te_spec_name(name: str, key: str, meta: Any) -> str:
+    """A legacy entry ``name`` (of dist key ``key``) as a Transformer-Engine model holds it: a
+    MoE layer's pre-MLP norm, which the local spec saves under the fused name
+    ``mlp.linear_fc1.layer_norm_*`` (there is no ``linear_fc1`` beside the experts), is TE's
+    separate ``pre_mlp_layernorm``."""
+    layer, found, _leaf = key.partition(_FC1_NORM)
+    if found and f"{layer}mlp.router.weight" in meta.tensors:
+        return name.replace(_FC1_NORM, "pre_mlp_layernorm.", 1)
+    return name
+
+
+def _with_extra_states(sd: OrderedDict, spec: str) -> OrderedDict:
+    """``sd`` with the ``<module>._extra_state`` entries Megatron-LM's legacy save writes, each
+    after its module's last parameter (:func:`ckpt_tool.planning.extra_state.legacy_extra_states`:
+    ``None`` for Megatron-Core's linears, Transformer Engine's empty ``uint8`` tensor)."""
+    import torch
+
+    kinds = legacy_extra_states(sd, spec)
+    last = {name.rsplit(".", 1)[0]: i for i, name in enumerate(sd)}
+    out: OrderedDict = OrderedDict()
+    for i, (name, value) in enumerate(sd.items()):
+        out[name] = value
+        module = name.rsplit(".", 1)[0]
+        if module in kinds and last[module] == i:
+            out[f"{module}.{EXTRA_STATE}"] = _payload(kinds[module], torch)
+    return out
+
+
+def _payload(kind: str, torch: Any) -> Any:
+    return None if kind == NONE else torch.empty(0, dtype=torch.uint8)

@@ -54,45 +54,13 @@ def _safe_relpath(key: str) -> bool:
 
 
 def save_torch_checked(obj: Any, path: Path, what: str) -> None:
-    """``torch_save_file(obj, path)``; UnsupportedError when ``obj`` holds inert stand-ins (values
-    of classes the safe unpickler did not import), which cannot be pickled back."""
+    """``torch_save_file(obj, path)`` (stand-ins of classes read without importing them are
+    written as what they stand for); UnsupportedError, naming ``what``, for anything else
+    ``torch.save`` cannot pickle."""
     try:
         torch_save_file(obj, path)
     except (pickle.PicklingError, TypeError, AttributeError) as exc:
-        names = _stand_ins(obj)
-        if names:
-            raise UnsupportedError(
-                f"{what} holds values of classes read without importing them "
-                f"({', '.join(sorted(names))}); they cannot be written back",
-                hint="open the source with trust (--trust) so the real classes are used"
-            ) from None
         raise UnsupportedError(f"{what} cannot be saved with torch.save ({exc})") from None
-
-
-def _stand_ins(obj: Any) -> set[str]:
-    import io
-
-    import torch
-
-    from ckpt_tool.formats.safe_pickle import StandIn
-
-    found: set[str] = set()
-
-    class Probe(pickle.Pickler):
-        def persistent_id(self, o: Any) -> Any:
-            return 0 if isinstance(o, torch.Tensor) or torch.is_storage(o) else None
-
-        def reducer_override(self, o: Any) -> Any:
-            if isinstance(o, StandIn):
-                found.add(o.__stand_in_for__)
-                return (int, ())
-            return NotImplemented
-
-    try:
-        Probe(io.BytesIO(), protocol=2).dump(obj)
-    except Exception:  # noqa: BLE001 - only the names found so far matter
-        pass
-    return found
 
 
 def regular_chunk_shape(meta: TensorMeta) -> tuple[int, ...] | None:
