@@ -212,7 +212,7 @@ def locate_source(path: str | Path, iteration: int | None = None) -> SourcePlace
     missing), ``iteration``'s, or without a tracker file the latest. An ``iter_*``/``release``
     directory holding a checkpoint: an iteration directory. Anything else: bare (a missing path
     too: opening it says so)."""
-    p = Path(path)
+    p = as_path(path)
     if p.is_file() and (p.name in _METADATA_FILES or p.name == LATEST_FILE):
         p = p.parent
     read, note = select_iteration(p, iteration)

@@ -108,7 +108,7 @@ def staged_output(dst: str | Path, *, overwrite: bool = False,
     on the target's file system is an OutputError before anything is written, and running
     out of space (or into a file size limit) while writing is one too, staging removed."""
     if is_remote(dst):
-        with _remote_staged(as_path(dst), overwrite, file_name, notes) as staging:
+        with _remote_staged(as_path(dst), overwrite, file_name, notes, inner) as staging:
             yield staging
         return
     out = Path(os.path.abspath(dst))
@@ -204,7 +204,7 @@ def _staged(out: Path, overwrite: bool, file_name: str | None,
 
 @contextlib.contextmanager
 def _remote_staged(out: Any, overwrite: bool, file_name: str | None,
-                   notes: list[str] | None) -> Iterator[Path]:
+                   notes: list[str] | None, inner: str | None = None) -> Iterator[Path]:
     """:func:`staged_output` for an object-store target: the run marker held throughout,
     what killed runs left reclaimed first, the output spooled in a local directory
     (``CKPT_SPOOL_DIR``, else the system's temporary directory), then uploaded in order."""
@@ -219,7 +219,7 @@ def _remote_staged(out: Any, overwrite: bool, file_name: str | None,
                                       dir=os.environ.get("CKPT_SPOOL_DIR") or None))
         try:
             yield spool
-            side = _add_manifest(spool, file_name, out)
+            side = _add_manifest(spool, file_name, out, inner)
             take_digests(spool)
             if exists(out):
                 if not overwrite:

@@ -29,6 +29,7 @@ from ckpt_tool.ops._raw_source import RawSource, raw_source_applies
 from ckpt_tool.ops._resume import ResumeRecipe, resume_for
 from ckpt_tool.ops._source import ReaderSource
 from ckpt_tool.ops._stacked_view import stacked_view
+from ckpt_tool.storage import as_path, is_remote
 from ckpt_tool.ops._staging import (check_output_target, output_estimate, staged_output_ranks,
                                     verify_output)
 from ckpt_tool.parallel import JobProgress
@@ -190,11 +191,13 @@ def convert(src: str | Path | SourcePlace, dst: str | Path, options: ConvertOpti
 def _with_resume_of_import(done: ConvertResult) -> ConvertResult:
     """An HF directory imported as a Megatron checkpoint, with its recipe (read from the
     output by rank 0, which prints it: the other ranks may not see the renamed output yet)."""
-    if done.format not in ("torch_dist", "legacy") or not current_ranks().is_main:
+    if done.format not in ("torch_dist", "legacy") or not current_ranks().is_main \
+            or (is_remote(done.target) and done.format == "legacy"):  # (not read from there)
         return done
     place = locate_source(done.target)
     return dataclasses.replace(done, container=place.container, resume=resume_for(
-        place.checkpoint, Path(done.target), place.container, done.source_format, done.format))
+        place.checkpoint, as_path(done.target), place.container, done.source_format,
+        done.format))
 
 
 def _single_file_name(out: Path, to: str) -> str | None:

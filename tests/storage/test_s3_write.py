@@ -50,10 +50,15 @@ def _ok(args: list[str]) -> str:
 
 
 def test_outputs_go_up_data_first_and_their_markers_last(s3, puts):
-    for to, name, last in (("torch_dist", "td", "metadata.json"), ("dcp", "d", ".metadata"),
-                           ("legacy", "leg", "latest_checkpointed_iteration.txt")):
+    # (a save directory in: a save directory out, its tracker file the very last object)
+    it = GPT / "iter_0000010"
+    for src, to, name, last in (
+            (it, "torch_dist", "td", "iter_0000010/metadata.json"),
+            (it, "dcp", "d", ".metadata"),  # (plain DCP: no container)
+            (GPT, "torch_dist", "sd", "latest_checkpointed_iteration.txt"),
+            (GPT, "legacy", "leg", "latest_checkpointed_iteration.txt")):
         puts.clear()
-        _ok(["convert", str(GPT), s3.url(name), "--to", to])
+        _ok(["convert", str(src), s3.url(name), "--to", to])
         assert puts[-1] == f"{name}/{last}", puts
         data = [i for i, k in enumerate(puts) if not k.rsplit("/", 1)[-1].endswith(
             (".json", ".metadata", ".txt"))]
@@ -64,8 +69,9 @@ def test_outputs_go_up_data_first_and_their_markers_last(s3, puts):
         assert json.loads(runner.invoke(app, ["validate", s3.url(name), "--deep", "--json"])
                           .stdout)["ok"] if to != "legacy" else True
     # what came back is what went up
-    _ok(["diff", s3.url("td"), str(GPT)])
-    _ok(["diff", s3.url("d"), str(GPT)])
+    for name in ("td", "d", "sd"):
+        _ok(["diff", s3.url(name), str(GPT)])
+    assert "sd/iter_0000010/metadata.json" in s3.keys("sd/")
 
 
 def test_reshard_and_single_files_to_the_server(s3, tmp_path):
@@ -87,7 +93,7 @@ def test_an_existing_output_is_refused_then_replaced_with_overwrite(s3):
     assert s3.keys("out/") == before
     _ok(["convert", str(GPT), s3.url("out"), "--to", "torch_dist", "--overwrite"])
     after = s3.keys("out/")
-    assert "out/metadata.json" in after and json.loads(runner.invoke(
+    assert "out/iter_0000010/metadata.json" in after and json.loads(runner.invoke(
         app, ["inspect", s3.url("out"), "--json"]).stdout)["format"] == "torch_dist"
 
 
@@ -148,7 +154,7 @@ def test_a_killed_run_is_reported_then_reclaimed(s3, tmp_path):
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=60)
     assert s3.keys(".out.ckpt-writing") and s3.uploads("out/")
-    assert "out/metadata.json" not in s3.keys("out/")
+    assert not [k for k in s3.keys("out/") if k.endswith(("metadata.json", "iteration.txt"))]
     for cmd, code in (("inspect", 2), ("validate", 1)):
         result = runner.invoke(app, [cmd, s3.url("out")])
         assert result.exit_code == code, result.output
