@@ -1,7 +1,7 @@
 """``ckpt convert`` from an S3-compatible server on 127.0.0.1 against the same from local disk.
 
     python bench/bench_s3_convert.py [--size-mb 256] [--dir bench/out/synthetic_256mb] [--rounds 3]
-                                     [--s3rver node_modules/.bin/s3rver]
+                                     [--s3rver node_modules/.bin/s3rver] [--workers N]
 
 Builds a torch_dist checkpoint with the REAL Megatron-Core writer (``make_synthetic.py`` under
 torchrun) unless it exists, starts an S3-compatible server as a process of its own on
@@ -46,6 +46,7 @@ def main() -> None:
     ap.add_argument("--dir", type=Path)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--s3rver", help="the s3rver executable (npm install s3rver)")
+    ap.add_argument("--workers", type=int, default=1, help="convert --workers, both sides")
     a = ap.parse_args()
     src = a.dir or HERE / "out" / f"synthetic_{a.size_mb}mb"
     build(src, a.size_mb)
@@ -82,7 +83,8 @@ def main() -> None:
                 dst = out / f"{label}{r}.safetensors"
                 t0 = time.perf_counter()
                 subprocess.run([sys.executable, "-m", "ckpt_tool", "convert", where, str(dst),
-                                "--to", "safetensors", "--no-verify", "--quiet"], check=True,
+                                "--to", "safetensors", "--no-verify", "--quiet", "--workers",
+                                str(a.workers)], check=True,
                                env=env)
                 times[label].append(time.perf_counter() - t0)
                 shutil.rmtree(dst, ignore_errors=True)
@@ -91,7 +93,7 @@ def main() -> None:
                     side.unlink()
         load = os.getloadavg()
         print(f"server: {'s3rver' if a.s3rver else 'moto'}; checkpoint: {nbytes / 2**20:.0f} MiB "
-              f"of data; load average {load[0]:.1f}")
+              f"of data; --workers {a.workers}; load average {load[0]:.1f}")
         for label, ts in times.items():
             print(f"{label:6s} " + " ".join(f"{t:6.2f}s" for t in ts)
                   + f"  best {min(ts):6.2f}s ({nbytes / 2**20 / min(ts):.0f} MiB/s)")

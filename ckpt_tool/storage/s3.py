@@ -89,9 +89,7 @@ def fetch_into(jobs: list[tuple[Any, int, Any]]) -> list[int]:
 
     def one(part: tuple[int, Any, int, Any]) -> int:
         _, path, off, view = part
-        data = store_for(path.spec).get(path.key, off, len(view))
-        view[:len(data)] = data
-        return len(data)
+        return store_for(path.spec).get_into(path.key, off, view)
 
     got = [0] * len(jobs)
     short = [False] * len(jobs)
@@ -236,6 +234,16 @@ class Store:
         FileNotFoundError when there is no such object."""
         if length == 0:
             return b""
+        return self._get(key, offset, length, None)
+
+    def get_into(self, key: str, offset: int, view: memoryview) -> int:
+        """:meth:`get` of ``len(view)`` bytes read straight into ``view`` (no copy of the
+        body); the bytes read."""
+        if not len(view):
+            return 0
+        return self._get(key, offset, len(view), view)
+
+    def _get(self, key: str, offset: int, length: int | None, into: Any) -> Any:
         rng = f"bytes={offset}-" + ("" if length is None else str(offset + length - 1))
         last: BaseException | None = None
         for attempt in range(_READ_TRIES):
@@ -244,17 +252,18 @@ class Store:
                                            Range=rng)
                 body = r["Body"]
                 try:
-                    data = body.read()
+                    got = _body_into(body, into) if into is not None else body.read()
                 finally:
                     body.close()
-                want = int(r.get("ContentLength", len(data)))
-                if len(data) == want:
-                    return data
-                last = ConnectionError(f"short read: {len(data)} of {want} bytes")
+                n = got if into is not None else len(got)
+                want = int(r.get("ContentLength", n))
+                if n == want:
+                    return got
+                last = ConnectionError(f"short read: {n} of {want} bytes")
             except Exception as exc:  # noqa: BLE001
                 code = _code(exc)
                 if code == "InvalidRange":  # offset at or past the end
-                    return b""
+                    return 0 if into is not None else b""
                 if code in ("NoSuchKey", "404"):
                     import errno
 
@@ -284,15 +293,11 @@ class Store:
     def _fetch(self, key: str, offset: int, view: memoryview) -> int:
         n = len(view)
         if n <= PART:
-            data = self.get(key, offset, n)
-            view[:len(data)] = data
-            return len(data)
+            return self.get_into(key, offset, view)
         starts = list(range(0, n, PART))
 
         def part(s: int) -> int:
-            data = self.get(key, offset + s, min(PART, n - s))
-            view[s:s + len(data)] = data
-            return len(data)
+            return self.get_into(key, offset + s, view[s:s + PART])
 
         got = list(_pool().map(part, starts))
         done = 0
@@ -396,6 +401,23 @@ class Store:
         except Exception as exc:  # noqa: BLE001
             if _code(exc) not in ("NoSuchUpload", "404"):
                 raise self.error(exc, key, writing=True) from None
+
+
+def _body_into(body: Any, view: memoryview) -> int:
+    """Read a GET's body into ``view``: straight from the HTTP response (``readinto``) when
+    botocore hands it over unwrapped, else through ``read``."""
+    raw = getattr(body, "_raw_stream", None)
+    if type(body).__name__ != "StreamingBody" or not hasattr(raw, "readinto"):
+        data = body.read()
+        view[:len(data)] = data
+        return len(data)
+    got = 0
+    while got < len(view):
+        n = raw.readinto(view[got:])
+        if not n:
+            break
+        got += n
+    return got
 
 
 def _scoped(session: Any) -> dict[str, Any]:
