@@ -211,3 +211,28 @@ def test_the_library_saves_and_loads_s3_and_msc(s3, tmp_path, monkeypatch):
     assert "msc/lib/metadata.json" in s3.keys("msc/") and not s3.keys(".lib.ckpt-writing")
     dc.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(2))}, s3.url("lib"))
     assert torch.equal(dc.load_plain_tensors(s3.url("lib"))["w"], torch.ones(2))
+
+
+def _big_checkpoint(path: Path) -> None:
+    import torch
+
+    from ckpt_tool import dist_checkpointing as dc
+    from ckpt_tool.dist_checkpointing.mapping import ShardedTensor
+
+    t = torch.arange(5 << 20, dtype=torch.float32)  # 20 MiB: a multipart upload below
+    dc.save({"big": ShardedTensor.from_rank_offsets("big", t)}, str(path))
+
+
+def test_multipart_uploads_complete_or_are_aborted(s3, tmp_path, monkeypatch):
+    from ckpt_tool.storage import s3 as s3_module
+
+    _big_checkpoint(tmp_path / "big")
+    monkeypatch.setattr(s3_module, "MULTIPART", 1 << 20)
+    _ok(["convert", str(tmp_path / "big"), s3.url("ok"), "--to", "torch_dist"])
+    assert json.loads(runner.invoke(app, ["validate", s3.url("ok"), "--deep", "--json"])
+                      .stdout)["ok"]
+    s3.proxy.cut_big_requests(2 << 20)  # every part breaks mid-body
+    result = runner.invoke(app, ["convert", str(tmp_path / "big"), s3.url("cut"), "--to",
+                                 "torch_dist"])
+    assert result.exit_code == 2 and s3.proxy.cuts > 0, result.output
+    assert s3.keys("cut/") == [] and s3.uploads() == [] and not s3.keys(".cut.ckpt-writing")
