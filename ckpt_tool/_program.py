@@ -1,7 +1,16 @@
 """Whether this process is the ``ckpt`` program (the console script, ``python -m ckpt_tool``,
 torchrun) rather than a host that imports ``ckpt_tool`` as a library, and what the program
-does about Ctrl-C before its command starts. Imported first by the package itself, so the
-window in which an interrupt meets Python's own handler is the interpreter's start alone."""
+does about the signals that stop it (Ctrl-C's SIGINT, ``kill``'s SIGTERM) before its command
+starts. Imported first by the package itself, so the window in which a signal meets Python's
+own handling is the interpreter's start alone.
+
+A stop signal gets one line and the shell's exit code for it: ``ckpt: error: interrupted``
+(130) for SIGINT, ``ckpt: error: terminated`` (143) for SIGTERM. During a command both work
+alike (``cli._errors``): a KeyboardInterrupt unwinds the command, which removes its staging
+directory and releases its output's lock. Under torchrun a rank stopped by SIGTERM (the
+launcher stops the other ranks that way when one fails, and passes its own SIGTERM on)
+removes what it created at once (:func:`cleanup_on_stop`) and ends by that signal, silently,
+as the launcher expects of it."""
 
 from __future__ import annotations
 
@@ -9,10 +18,50 @@ import contextlib
 import os
 import sys
 import threading
-from typing import Iterator
+from typing import Callable, Iterator
 
 __all__ = ["is_program", "exit_on_interrupt", "interrupts_deferred", "interrupt_deferred",
-           "committing", "output_committed", "reset_interrupts"]
+           "committing", "output_committed", "reset_interrupts", "STOP_SIGNALS", "stop_signals",
+           "stop_line", "end_by_signal", "under_launcher", "cleanup_on_stop",
+           "run_cleanups_and_end", "renaming", "stop_taken"]
+
+#: The signals that stop the program, with the error line and the exit code each gets.
+STOP_SIGNALS = {"SIGINT": ("interrupted", 130), "SIGTERM": ("terminated", 143)}
+
+
+def stop_signals() -> list[int]:
+    """The stop signals of this platform that the program may handle: those not ignored at
+    start (``nohup``, a shell's background job: the user asked for them to be ignored)."""
+    import signal
+
+    out = []
+    for name in STOP_SIGNALS:
+        num = getattr(signal, name, None)
+        if num is not None and signal.getsignal(num) is not signal.SIG_IGN:
+            out.append(num)
+    return out
+
+
+def stop_line(signum: int) -> tuple[str, int]:
+    """The error line (without ``ckpt: error:``) and the exit code for stop signal ``signum``."""
+    import signal
+
+    try:
+        return STOP_SIGNALS.get(signal.Signals(signum).name, ("interrupted", 128 + signum))
+    except ValueError:
+        return "interrupted", 128 + signum
+
+
+def end_by_signal(signum: int) -> None:
+    """End the process by ``signum`` itself (its default action), as if no handler had been
+    installed: what a launcher that sent it expects to see."""
+    import signal
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+    os._exit(128 + signum)  # (not reached)
 
 
 def is_program() -> bool:
@@ -28,27 +77,75 @@ def is_program() -> bool:
 
 
 def exit_on_interrupt() -> None:
-    """While the program starts (imports: nothing written yet), Ctrl-C ends it at once with
-    the one line and exit 130 every interrupt gets; the command body installs its own
-    handler (``_errors.handle_errors``)."""
+    """While the program starts (imports: nothing written yet), a stop signal ends it at once
+    with the one line and the exit code it always gets (SIGINT: 130, SIGTERM: 143); the
+    command body installs its own handler (``_errors.handle_errors``)."""
     if not is_program():
         return
     import signal
 
-    def on_sigint(signum: int, frame: object) -> None:
-        os.write(2, b"ckpt: error: interrupted\n")
-        os._exit(130)
+    def on_stop(signum: int, frame: object) -> None:
+        line, code = stop_line(signum)
+        if signum != signal.SIGINT and under_launcher():
+            end_by_signal(signum)
+        os.write(2, f"ckpt: error: {line}\n".encode())
+        os._exit(code)
 
-    try:
-        signal.signal(signal.SIGINT, on_sigint)
-    except ValueError:
-        pass
+    for num in stop_signals():
+        try:
+            signal.signal(num, on_stop)
+        except ValueError:
+            pass
+
+
+def under_launcher() -> bool:
+    """A rank of a torchrun job (its launcher reports how each rank ended)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or "RANK" in os.environ and \
+        int(os.environ.get("WORLD_SIZE", "1") or 1) > 1
 
 
 class _Deferral:
     depth = 0  # open interrupts_deferred blocks (main thread)
+    renaming = 0  # open committing blocks (main thread)
     pending = False  # Ctrl-C came inside one
+    taken = False  # a stop signal reached the command's handler
     committed = False  # an output is in place: the command's work is done
+
+
+_cleanups: dict[int, Callable[[], None]] = {}  # what a stopped rank removes: see cleanup_on_stop
+
+
+@contextlib.contextmanager
+def cleanup_on_stop(fn: Callable[[], None]) -> Iterator[None]:
+    """While the block runs, a rank of a torchrun job that a stop signal ends calls ``fn``
+    (removing a staging directory, a lock file) before it ends by the signal.
+
+    A rank does not unwind on SIGTERM as a single process does: unwinding would meet the
+    collectives of the code it leaves (the ranks agreeing on the outcome of a write), which
+    ranks stopped at different moments, or a peer already gone, never complete. It removes
+    what it created, at once, and ends (:func:`run_cleanups_and_end`)."""
+    key = id(fn)
+    _cleanups[key] = fn
+    try:
+        yield
+    finally:
+        _cleanups.pop(key, None)
+
+
+def run_cleanups_and_end(signum: int) -> None:
+    """Run the registered cleanups (newest first; a failing one does not stop the others),
+    then end the process by ``signum`` (:func:`end_by_signal`)."""
+    for key in reversed(list(_cleanups)):
+        fn = _cleanups.pop(key, None)
+        if fn is not None:
+            with contextlib.suppress(Exception):
+                fn()
+    end_by_signal(signum)
+
+
+def renaming() -> bool:
+    """Inside a ``committing`` block: an output is being put in place."""
+    return _Deferral.renaming > 0
 
 
 @contextlib.contextmanager
@@ -83,13 +180,16 @@ def committing() -> Iterator[None]:
         yield
         return
     _Deferral.depth += 1
+    _Deferral.renaming += 1
     try:
         yield
     except BaseException:
         _Deferral.depth -= 1
+        _Deferral.renaming -= 1
         _Deferral.pending = _Deferral.pending and _Deferral.depth > 0
         raise
     _Deferral.depth -= 1
+    _Deferral.renaming -= 1
     _Deferral.committed = True
     if _Deferral.depth == 0:
         _Deferral.pending = False
@@ -99,6 +199,12 @@ def reset_interrupts() -> None:
     """A command starts: nothing deferred, nothing committed yet."""
     _Deferral.pending = False
     _Deferral.committed = False
+    _Deferral.taken = False
+
+
+def stop_taken() -> bool:
+    """The command's handler took a stop signal (it raised, or deferred it to a block's end)."""
+    return _Deferral.taken
 
 
 def output_committed() -> bool:
@@ -110,6 +216,7 @@ def interrupt_deferred() -> bool:
     """Called by a Ctrl-C handler: inside ``interrupts_deferred`` or ``committing`` the
     interrupt is recorded for the block's end (True); outside them, the handler raises
     (False)."""
+    _Deferral.taken = True
     if _Deferral.depth:
         _Deferral.pending = True
         return True

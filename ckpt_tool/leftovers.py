@@ -2,15 +2,18 @@
 writing one target at once.
 
 Outputs are written into ``.<name>.ckpt-staging-*`` beside the target and renamed into place
-(``ckpt_tool.ops._staging``); replacing an existing target parks it in ``.<name>.ckpt-old-*``
-for a moment. A run killed with ``kill -9`` leaves those entries behind. They are found here
-(``validate`` and ``inspect`` report them, also when the target itself does not exist) and a
-rerun for the same target reclaims them — safely, because every writer holds
-``.<name>.ckpt-lock`` (``fcntl.flock``) while it works, so an entry is only reclaimed when no
-live run owns it.
+(``ckpt_tool.ops._staging``). Replacing an existing target exchanges the two atomically where
+the file system can; where it cannot, the old target is parked in ``.<name>.ckpt-old-*/old``
+between two renames. A run killed with ``kill -9`` leaves those entries behind. They are
+found here (``validate`` and ``inspect`` report them, also when the target itself does not
+exist, and name a parked previous output with the command that restores it) and a rerun for
+the same target reclaims them — safely, because every writer holds ``.<name>.ckpt-lock``
+(``fcntl.flock``) while it works, so an entry is only reclaimed when no live run owns it. A
+parked previous output whose target is missing is put back first, never deleted: only the
+staging of the run that was killed is.
 
-On an object store (``ckpt_tool.storage.writing``) the run marker
-``.<name>.ckpt-writing`` plays both parts: what an unfinished write left is the marker and the
+On an object store (``ckpt_tool.storage.writing``) the run marker ``.<name>.ckpt-writing``
+plays the lock's and the staging's parts: what an unfinished write left is the marker and the
 objects under ``<name>/`` (plus its open multipart uploads), reclaimed by the next run once
 the marker's run is gone.
 """
@@ -23,15 +26,17 @@ import shutil
 from pathlib import Path
 from typing import Iterator
 
+from ckpt_tool._program import cleanup_on_stop
 from ckpt_tool.errors import UsageError
 from ckpt_tool.storage import as_path, is_remote
 
-__all__ = ["STAGING_MARK", "OLD_MARK", "LOCK_SUFFIX", "leftovers", "describe_leftovers",
-           "target_lock", "reclaim"]
+__all__ = ["STAGING_MARK", "OLD_MARK", "LOCK_SUFFIX", "PARKED_NAME", "leftovers",
+           "describe_leftovers", "parked_previous", "restore_command", "target_lock", "reclaim"]
 
 STAGING_MARK = ".ckpt-staging-"
 OLD_MARK = ".ckpt-old-"
 LOCK_SUFFIX = ".ckpt-lock"
+PARKED_NAME = "old"  # the previous output inside its ``.<name>.ckpt-old-*`` directory
 
 
 def leftovers(target: str | Path) -> list[Path]:
@@ -49,6 +54,41 @@ def leftovers(target: str | Path) -> list[Path]:
         return []
     heads = (f".{out.name}{STAGING_MARK}", f".{out.name}{OLD_MARK}")
     return sorted(out.parent / n for n in names if n.startswith(heads))
+
+
+def parked_previous(target: str | Path) -> Path | None:
+    """The previous output a run killed while replacing ``target`` parked beside it, when
+    ``target`` itself is missing (the run died between its two renames): the most recently
+    parked one; None when there is none or ``target`` exists."""
+    out = Path(os.path.abspath(target))
+    if os.path.lexists(out):
+        return None
+    parked = [p / PARKED_NAME for p in leftovers(out)
+              if p.name.startswith(f".{out.name}{OLD_MARK}") and os.path.lexists(p / PARKED_NAME)]
+    if not parked:
+        return None
+    return max(parked, key=lambda p: (_mtime(p.parent), p.parent.name))
+
+
+def restore_command(parked: Path, target: str | Path) -> str:
+    """The shell command that puts ``parked`` back at ``target``."""
+    import shlex
+
+    return f"mv {shlex.quote(_shown(parked))} {shlex.quote(_shown(Path(target)))}"
+
+
+def _shown(path: Path) -> str:
+    """``path`` as a terminal can print it (undecodable bytes of a name as ``\\xNN``)."""
+    from ckpt_tool.printable import printable
+
+    return printable(os.path.abspath(path))
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return os.lstat(path).st_mtime
+    except OSError:
+        return 0.0
 
 
 def _size(path: Path) -> int:
@@ -94,7 +134,8 @@ def target_lock(target: str | Path) -> Iterator[None]:
             os.ftruncate(fd, 0)               # by the write itself
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         try:
-            yield
+            with cleanup_on_stop(lambda: os.unlink(path)):
+                yield
         finally:
             with contextlib.suppress(OSError):
                 os.unlink(path)  # still holding the lock
@@ -102,13 +143,29 @@ def target_lock(target: str | Path) -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
-def reclaim(target: str | Path) -> str | None:
-    """Remove what interrupted writes left beside ``target`` (call with :func:`target_lock`
-    held); returns a note saying what was reclaimed, or None."""
-    found = leftovers(target)
-    if not found:
-        return None
-    what = describe_leftovers(found)
-    for p in found:
-        shutil.rmtree(p, ignore_errors=True)
-    return f"reclaimed what an interrupted run left beside the output: {what}"
+def reclaim(target: str | Path) -> tuple[str | None, bool]:
+    """Put back a previous output parked beside a missing ``target``, then remove what
+    interrupted writes left beside it (call with :func:`target_lock` held). Returns a note
+    saying what was done (or None) and whether a previous output was put back."""
+    out = Path(os.path.abspath(target))
+    notes = []
+    parked = parked_previous(out)
+    if parked is not None:
+        os.rename(parked, out)  # first: nothing of it is deleted below
+        notes.append(f"restored the previous output {out.name} from {parked.parent.name} (a "
+                     "run killed while replacing it had moved it aside)")
+    found = leftovers(out)
+    if found:
+        notes.append(f"reclaimed what an interrupted run left beside the output: "
+                     f"{describe_leftovers(found)}")
+        for p in found:
+            _remove(p)
+    return ("; ".join(notes) or None), parked is not None
+
+
+def _remove(path: Path) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(OSError):
+            os.unlink(path)

@@ -12,6 +12,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Hashable, Iterable, Sequence, TypeVar
 
+from ckpt_tool._pause_points import pause_point
+
 __all__ = ["Ranks", "ranks", "split_by_bytes", "under_torchrun", "JobProgress"]
 
 T = TypeVar("T", bound=Hashable)
@@ -91,6 +93,7 @@ class JobProgress:
 
     def update(self, nbytes: int, tensors_done: int = 0) -> None:
         self.local += nbytes
+        pause_point("writing")
         if self.progress is None:
             return
         if self._store is None:

@@ -7,7 +7,7 @@ import pytest
 # ``-m "not slow"``, the quick run: everything but what starts torchrun jobs or the real
 # Megatron-Core (the ``multiproc`` and ``interop`` markers, ``tests/interop``, ``tests/peer``)
 # and the files whose tests each take minutes of CPU (memory peaks of 64 MiB models, kill -9
-# trials, Ctrl-C at random moments, exits racing gloo's threads, shared-memory staging).
+# trials, Ctrl-C and SIGTERM at pause points, exits racing gloo's threads, shared-memory staging).
 SLOW_DIRS = {"interop", "peer"}
 SLOW_FILES = {"test_convert_memory.py", "test_torch_dist_memory.py", "test_faults.py",
               "test_interrupt.py", "test_hf_streaming.py", "test_exit_clean.py",

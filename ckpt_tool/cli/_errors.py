@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import signal
 import sys
 import traceback
 from typing import Any, Callable, Iterator, TypeVar
@@ -22,7 +23,7 @@ F = TypeVar("F", bound=Callable[..., object])
 class _State:
     debug: bool = False
     verdict: int = 0  # the exit code a command decided on before it renders
-    interrupted: bool = False  # SIGINT arrived (C++ code may turn it into another error)
+    interrupted: int = 0  # the stop signal that arrived (C++ code may turn it into another error)
 
 
 state = _State()
@@ -31,7 +32,14 @@ state = _State()
 def describe(exc: BaseException) -> tuple[str, int]:
     """The one line (without the ``ckpt: error:`` prefix) and the exit code for ``exc``, as the
     command boundary will report it."""
-    return ("interrupted", 130) if state.interrupted else _exit_for(exc)
+    if state.interrupted:
+        from ckpt_tool._program import stop_line
+
+        return stop_line(state.interrupted)
+    return _exit_for(exc)
+
+
+_PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
 
 
 def _exit_for(exc: BaseException) -> tuple[str, int]:
@@ -47,6 +55,15 @@ def _exit_for(exc: BaseException) -> tuple[str, int]:
         return f"{getattr(exc, 'filename', '') or ''}: {exc.strerror or exc} ".strip(), 2
     if isinstance(exc, KeyboardInterrupt):
         return "interrupted", 130
+    if isinstance(exc, RuntimeError) and "gloo" in str(exc) and any(
+            why in str(exc) for why in _PEER_GONE):
+        why = next(w for w in _PEER_GONE if w in str(exc))
+        return (f"another rank of the job ended while this one waited for it (gloo: {why}; "
+                "see that rank's error)"), 2
+    if isinstance(exc, MemoryError) or isinstance(exc, RuntimeError) \
+            and "can't allocate memory" in str(exc):
+        return ("out of memory (a size in the checkpoint's metadata may be absurd: 'ckpt "
+                "validate' checks them)"), 2
     return f"internal error: {type(exc).__name__}: {exc} (rerun with --debug for a traceback)", 2
 
 
@@ -61,46 +78,55 @@ def _silence_stdout() -> None:
 
 
 def _watch_interrupts() -> None:
-    """Ctrl-C raises KeyboardInterrupt as usual, and is remembered: raised inside a callback
-    of torch's C++ writer it comes back as a RuntimeError ("enforce fail at
-    inline_container.cc"), which must still read "interrupted" (exit 130)."""
+    """Ctrl-C (SIGINT) and SIGTERM raise KeyboardInterrupt, which unwinds the command (its
+    staging directory removed, its output's lock released), and are remembered: raised inside
+    a callback of torch's C++ writer the interrupt comes back as a RuntimeError ("enforce fail
+    at inline_container.cc"), which must still read "interrupted" (exit 130) or "terminated"
+    (143)."""
     import signal
 
-    from ckpt_tool._program import interrupt_deferred, output_committed, reset_interrupts
+    from ckpt_tool._program import (interrupt_deferred, output_committed, renaming,
+                                    reset_interrupts, run_cleanups_and_end, stop_signals,
+                                    under_launcher)
     from ckpt_tool._program import is_program as _is_program
 
-    state.interrupted = False
+    state.interrupted = 0
     reset_interrupts()
     if not _is_program():
         return
 
-    def on_sigint(signum: int, frame: object) -> None:
+    def on_stop(signum: int, frame: object) -> None:
         if output_committed():  # the work is done: what is left is reporting it
             return
-        state.interrupted = True
+        state.interrupted = state.interrupted or signum
+        if signum != signal.SIGINT and under_launcher() and not renaming():
+            run_cleanups_and_end(signum)  # a torchrun rank: no unwinding through collectives
         if not interrupt_deferred():  # else raised where C code is no longer calling us
             raise KeyboardInterrupt
 
-    try:
-        signal.signal(signal.SIGINT, on_sigint)
-    except ValueError:  # not the main thread: Python's default handler stays
-        pass
+    for num in stop_signals():
+        try:
+            signal.signal(num, on_stop)
+        except ValueError:  # not the main thread: Python's default handling stays
+            pass
 
 
 def _record_interrupts() -> None:
-    """The command is over (it wrote or cleaned up): a late Ctrl-C is ignored, so it cannot
-    break off the exit (while the interpreter shuts down Python's own handler is gone, and the
-    process would die by SIGINT instead of exiting with the command's code)."""
+    """The command is over (it wrote or cleaned up): a late stop signal is ignored, so it
+    cannot break off the exit (while the interpreter shuts down Python's own handler is gone,
+    and the process would die by SIGINT instead of exiting with the command's code)."""
     import signal
 
     from ckpt_tool._program import is_program as _is_program
+    from ckpt_tool._program import stop_signals
 
     if not _is_program():  # ckpt_tool.cli used as a library (tests): leave the host alone
         return
-    try:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-    except ValueError:
-        pass
+    for num in stop_signals():
+        try:
+            signal.signal(num, signal.SIG_IGN)
+        except ValueError:
+            pass
 
 
 def handle_errors(fn: F) -> F:
@@ -131,6 +157,10 @@ def handle_errors(fn: F) -> F:
             if state.debug:
                 traceback.print_exc(file=sys.stderr)
             line, code = describe(exc)
+            from ckpt_tool._program import end_by_signal, under_launcher
+
+            if state.interrupted and state.interrupted != signal.SIGINT and under_launcher():
+                end_by_signal(state.interrupted)  # cleaned up; torchrun reports how it ended
             from ckpt_tool._torchrun import record_error
 
             if record_error(line):  # under torchrun: rank 0 alone prints

@@ -137,8 +137,11 @@ def run_on_ranks(nproc: int, argv: Sequence[str]) -> tuple[int, str | None]:
     except KeyboardInterrupt:
         return 130, "interrupted"
     except Exception as exc:  # noqa: BLE001 - e.g. a signal stopped the agent
-        if type(exc).__name__ == "SignalException":
-            return 130, "interrupted"
+        if type(exc).__name__ == "SignalException":  # it stopped the ranks with that signal
+            from ckpt_tool._program import stop_line
+
+            line, code = stop_line(int(getattr(exc, "sigval", signal.SIGINT)))
+            return code, line
         raise
     return 0, None
 

@@ -13,7 +13,7 @@ import gc
 
 from ckpt_tool._program import is_program as _is_program
 
-__all__ = ["pause_gc", "resume_gc"]
+__all__ = ["pause_gc", "resume_gc", "print_names_as_bytes"]
 
 _paused = [False]
 
@@ -32,3 +32,18 @@ def resume_gc() -> None:
         _paused[0] = False
         gc.freeze()
         gc.enable()
+
+
+def print_names_as_bytes() -> None:
+    """A file name that is not UTF-8 reaches Python as lone surrogates; printed to a stdout
+    that is strict UTF-8 (a UTF-8 locale) it would fail the command. Such names are printed
+    as their bytes instead (``surrogateescape``, as Python does in the C locale and ``ls``
+    always does); stderr already escapes them (``backslashreplace``)."""
+    import sys
+
+    out = sys.stdout
+    if getattr(out, "errors", None) == "strict" and hasattr(out, "reconfigure"):
+        try:
+            out.reconfigure(errors="surrogateescape")
+        except (ValueError, OSError):
+            pass

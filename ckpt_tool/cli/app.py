@@ -77,6 +77,9 @@ def main() -> None:
     leaves through ``exit_cleanly`` (gloo's threads can abort a normal interpreter exit)."""
     from ckpt_tool._torchrun import exit_cleanly, group_initialized
 
+    from ckpt_tool.cli._startup import print_names_as_bytes
+
+    print_names_as_bytes()
     code: object = 0
     try:
         app(prog_name="ckpt")  # also under ``python -m ckpt_tool`` and torchrun

@@ -15,6 +15,7 @@ from typing import Callable, Dict, Optional, Set, Tuple, Union
 
 import torch
 
+from ckpt_tool._pause_points import pause_point
 from ckpt_tool._torchrun import group_initialized
 from ckpt_tool.formats.mcore_dist.config import config_bytes
 from ckpt_tool.storage import as_path, is_remote
@@ -312,6 +313,7 @@ def save(
 
     def write_metadata_json():
         _barrier()  # every rank finished its part
+        pause_point("save-finalize")
         config = CheckpointingConfig(sharded_strategy.backend, sharded_strategy.version)
         write_integrity_json(checkpoint_dir, config_bytes(config))  # (collective)
         if _rank() == 0:

@@ -132,8 +132,16 @@ def os_input_error(exc: OSError, path: str | Path) -> InputError:
         if os.path.islink(p):
             return InputError(f"broken symlink (points at {os.readlink(p)}, which does not "
                               "exist)", path=p, hint="fix or remove the symlink")
-        from ckpt_tool.leftovers import describe_leftovers, leftovers
+        from ckpt_tool.leftovers import (describe_leftovers, leftovers, parked_previous,
+                                         restore_command)
 
+        parked = parked_previous(p)
+        if parked is not None:
+            return InputError(
+                "no checkpoint here: an interrupted write that was replacing it left the "
+                f"previous checkpoint in {parked.parent.name}/{parked.name}", path=p,
+                hint=f"restore it with: {restore_command(parked, p)} ; the next run "
+                "writing this path also restores it first")
         left = leftovers(p)
         if left:
             return InputError(f"no checkpoint here, but an interrupted write left "
@@ -183,8 +191,11 @@ def _interrupted_write(p: Any) -> InputError | None:
 
 def check_readable(path: str | Path) -> None:
     """InputError naming the problem when ``path`` cannot be read at all: missing, a symlink
-    loop or broken symlink (the path or a marker file in it), no permission; on an object
-    store: neither an object nor a prefix with objects under it."""
+    loop or broken symlink (the path or a marker file in it), no permission, not a regular
+    file (a FIFO, socket or device: ``regular_files``); on an object store: neither an object
+    nor a prefix with objects under it."""
+    from ckpt_tool.formats.regular_files import check_regular, open_regular
+
     p = as_path(path)
     if is_remote(p):
         if not p.exists():
@@ -200,10 +211,12 @@ def check_readable(path: str | Path) -> None:
             for name in _MARKERS:
                 if os.path.islink(p / name):
                     os.stat(p / name)
+                check_regular(p / name)  # read before the checkpoint's tree is checked
         elif stat.S_ISREG(st.st_mode):
-            with open(p, "rb") as f:
+            with open_regular(p) as f:
                 f.read(1)
         else:  # a FIFO, socket or device: opening it could block
+            check_regular(p)
             raise InputError("not a regular file or directory", path=p,
                              hint="pass a checkpoint directory or file")
     except OSError as exc:
@@ -214,6 +227,7 @@ def detect(path: str | Path) -> Format:
     """The format of ``path``; raises NotACheckpointError listing every format tried and why,
     or an InputError when the path cannot be read at all (missing, symlink loop, permission,
     a tracker file with garbage content)."""
+    from ckpt_tool.formats.regular_files import check_tree
     from ckpt_tool.formats.save_dir import resolve_checkpoint_dir
 
     p = as_path(path)
@@ -222,11 +236,13 @@ def detect(path: str | Path) -> Format:
     reasons = []
     try:
         try:
-            resolve_checkpoint_dir(p)  # a bad tracker file: one clear error, not one per format
+            root = resolve_checkpoint_dir(p)  # a bad tracker: one clear error, not one per format
         except NotACheckpointError:
             raise
         except InputError as exc:
             raise NotACheckpointError(exc.message, path=exc.path, hint=exc.hint) from None
+        if root.is_dir():  # no FIFO, socket or device in it: before any format reads a file
+            check_tree(root)
         for fmt in formats().values():
             if remote and not fmt.remote:
                 reasons.append(f"{fmt.name}: not read from object stores (copy it to a local "

@@ -205,6 +205,19 @@ def normalize_slices(shape: tuple[int, ...], slices: tuple[slice, ...] | None
     return tuple(out)
 
 
+def _reshapeable(meta: TensorMeta, chunk: ChunkRef, data: Any) -> bool:
+    """True when the stored piece ``data`` has as many elements as ``chunk`` says (a flat or
+    otherwise shaped copy of it); else the metadata contradicts the item:
+    CorruptCheckpointError, never a reshape's RuntimeError."""
+    if math.prod(data.shape) != chunk.numel:
+        where = f" ({chunk.file})" if chunk.file else ""
+        raise CorruptCheckpointError(
+            f"tensor {meta.key}: the stored item of chunk at {list(chunk.offsets)}{where} holds "
+            f"{list(data.shape)}, the metadata says {list(chunk.sizes)}",
+            hint="the metadata contradicts the data: the checkpoint is damaged")
+    return True
+
+
 def _unflatten(stored: Any, logical: tuple[int, ...]) -> Any:
     """Undo MCore's N-D reformulation: ``[X//x, .., x*y*..]`` -> ``[X, Y, ..]``."""
     grid = tuple(stored.shape[:-1])
@@ -252,7 +265,7 @@ def assemble(meta: TensorMeta, slices: tuple[slice, ...] | None,
                     covered += math.prod(hi - lo for lo, hi in inter)
                     continue
                 data = data.materialize()
-            if tuple(data.shape) != tuple(chunk.sizes):
+            if tuple(data.shape) != tuple(chunk.sizes) and _reshapeable(meta, chunk, data):
                 data = data.reshape(chunk.sizes)
             out[dst] = data[src].to(out.dtype)
             del data

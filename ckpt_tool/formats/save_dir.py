@@ -212,9 +212,12 @@ def locate_source(path: str | Path, iteration: int | None = None) -> SourcePlace
     missing), ``iteration``'s, or without a tracker file the latest. An ``iter_*``/``release``
     directory holding a checkpoint: an iteration directory. Anything else: bare (a missing path
     too: opening it says so)."""
+    from ckpt_tool.formats.regular_files import check_regular
+
     p = as_path(path)
     if p.is_file() and (p.name in _METADATA_FILES or p.name == LATEST_FILE):
         p = p.parent
+    check_regular(p / LATEST_FILE)  # a FIFO there is refused, not read nor taken for absent
     read, note = select_iteration(p, iteration)
     if read != p:  # --iteration N in a save directory
         return SourcePlace(p, read, Container("save_dir", read.name), note)

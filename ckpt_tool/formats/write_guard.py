@@ -27,6 +27,7 @@ import os
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator
 
+from ckpt_tool._pause_points import pause_point
 from ckpt_tool._program import interrupts_deferred
 
 __all__ = ["GuardedStream", "torch_save_file", "finish_failed_writer", "raise_write_failure",
@@ -96,6 +97,7 @@ def zip_writer_name(path: str | os.PathLike) -> Iterator[Any]:
 def uninterrupted(call: Any, *args: Any) -> Any:
     """``call(*args)`` with a Ctrl-C taking effect when it returns (see the module docstring)."""
     with interrupts_deferred():
+        pause_point("deferred")
         return call(*args)
 
 

@@ -2,7 +2,14 @@
 integrity manifest (``ckpt_tool.manifest``), fsync, rename.
 
 A killed run leaves only ``.<name>.ckpt-staging-*`` beside the target (which ``ckpt validate``
-reports as a leftover), never a directory at the target path that looks complete.
+reports as a leftover), never a directory at the target path that looks complete. Replacing
+an existing target (``--overwrite``) exchanges the new output and the old one in one atomic
+step where the file system can (``renameat2(RENAME_EXCHANGE)``: Linux, local file systems),
+so the target is never missing; elsewhere the old output is parked beside the target
+(``.<name>.ckpt-old-*/old``) for the moment between two renames, and only deleted once the
+new one is in place. A run killed in that moment leaves the old output parked: ``validate``
+and ``inspect`` say how to put it back, and the next run for the target puts it back before
+anything else (``ckpt_tool.leftovers.reclaim``).
 
 An object-store target (``s3://``, ``msc://``) is written in a local spool directory the same
 way, then uploaded data first and completion marker last under a run marker
@@ -19,10 +26,11 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
-from ckpt_tool._program import committing
+from ckpt_tool._pause_points import pause_point
+from ckpt_tool._program import cleanup_on_stop, committing
 from ckpt_tool.errors import OutputError, UsageError, plural
 from ckpt_tool.digests import take as take_digests
-from ckpt_tool.leftovers import OLD_MARK, STAGING_MARK, reclaim, target_lock
+from ckpt_tool.leftovers import OLD_MARK, PARKED_NAME, STAGING_MARK, reclaim, target_lock
 from ckpt_tool.manifest import current_umask, fsync_dir
 from ckpt_tool.storage import as_path, is_remote
 
@@ -106,16 +114,23 @@ def staged_output(dst: str | Path, *, overwrite: bool = False,
     UsageError); what killed runs left beside ``dst`` is reclaimed first, with a note
     appended to ``notes``. ``need_bytes``: about what the output takes; less free space
     on the target's file system is an OutputError before anything is written, and running
-    out of space (or into a file size limit) while writing is one too, staging removed."""
+    out of space (or into a file size limit) while writing is one too, staging removed.
+    A previous output that a killed run left parked beside a missing ``dst`` is put back
+    first; without ``overwrite`` the run then stops (UsageError: the output exists).
+    An object-store ``dst``: :func:`_remote_staged`."""
     if is_remote(dst):
         with _remote_staged(as_path(dst), overwrite, file_name, notes, inner) as staging:
             yield staging
         return
     out = Path(os.path.abspath(dst))
     with target_lock(out):
-        note = reclaim(out)
+        note, restored = reclaim(out)
         if note and notes is not None:
             notes.append(note)
+        if restored and not overwrite:
+            raise UsageError("the output already exists (a run killed while replacing it had "
+                             "moved it aside; it is back in place)", path=out,
+                             hint="pass --overwrite to replace it, or choose another path")
         _check_space(out, need_bytes)
         try:
             with _staged(out, overwrite, file_name, inner) as staging:
@@ -185,15 +200,19 @@ def _staged(out: Path, overwrite: bool, file_name: str | None,
             inner: str | None = None) -> Iterator[Path]:
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}{STAGING_MARK}", dir=out.parent))
     try:
-        yield staging
-        os.chmod(staging, 0o777 & ~current_umask())  # mkdtemp made it 0700: the output follows umask
-        produced = staging / file_name if file_name else staging
-        side = _add_manifest(staging, file_name, out, inner)
-        take_digests(staging)  # used by the manifest: forget them
-        fsync_tree(staging)
+        with cleanup_on_stop(lambda: shutil.rmtree(staging, ignore_errors=True)):
+            pause_point("staging")
+            yield staging
+            os.chmod(staging, 0o777 & ~current_umask())  # mkdtemp made it 0700: the output follows umask
+            produced = staging / file_name if file_name else staging
+            side = _add_manifest(staging, file_name, out, inner)
+            take_digests(staging)  # used by the manifest: forget them
+            fsync_tree(staging)
+            pause_point("fsynced")
         with committing():  # Ctrl-C waits for the renames, and is ignored once they are done
             _put_in_place(out, produced, side, overwrite)
-        if file_name:
+        pause_point("renamed")
+        if file_name or os.path.lexists(staging):  # (an exchange left the old output there)
             shutil.rmtree(staging, ignore_errors=True)
         fsync_dir(out.parent)
     except BaseException:
@@ -236,18 +255,69 @@ def _remote_staged(out: Any, overwrite: bool, file_name: str | None,
 
 
 def _put_in_place(out: Path, produced: Path, side: Path | None, overwrite: bool) -> None:
+    """Rename ``produced`` to ``out``; an existing ``out`` (``overwrite``) is exchanged with it
+    atomically where possible (the old output then lies at ``produced``, inside the staging
+    directory that the caller removes), else parked until the new output is in place."""
+    if os.path.lexists(out) and not overwrite:
+        raise UsageError("the output appeared while writing", path=out,
+                         hint="pass --overwrite to replace it")
     if side is not None:  # the file's manifest goes first: the file never lacks it
         os.replace(side, out.parent / side.name)
-    if os.path.lexists(out):
-        if not overwrite:
-            raise UsageError("the output appeared while writing", path=out,
-                             hint="pass --overwrite to replace it")
-        old = Path(tempfile.mkdtemp(prefix=f".{out.name}{OLD_MARK}", dir=out.parent))
-        os.rename(out, old / "old")
+    if not os.path.lexists(out):
         os.rename(produced, out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(produced, out)
+    elif not exchange(produced, out):
+        parking = Path(tempfile.mkdtemp(prefix=f".{out.name}{OLD_MARK}", dir=out.parent))
+        os.rename(out, parking / PARKED_NAME)
+        fsync_dir(out.parent)
+        pause_point("between-renames")
+        try:
+            os.rename(produced, out)
+        except BaseException:
+            os.rename(parking / PARKED_NAME, out)  # the old output back, as it was
+            os.rmdir(parking)
+            raise
+        fsync_dir(out.parent)
+        shutil.rmtree(parking, ignore_errors=True)  # only now: the new output is in place
+
+
+_RENAME_EXCHANGE = 2  # linux/fs.h
+_AT_FDCWD = -100
+
+
+def exchange(a: Path, b: Path) -> bool:
+    """Swap ``a`` and ``b`` (both exist, same directory) in one atomic step, and fsync their
+    directory; False where the system or the file system cannot (then nothing changed)."""
+    fn = _renameat2()
+    if fn is None:
+        return False
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) != 0:
+        import ctypes
+
+        err = ctypes.get_errno()
+        if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EPERM,
+                   errno.EXDEV):
+            return False  # not supported here (NFS, FUSE, an old kernel): park instead
+        raise OSError(err, os.strerror(err), str(b))
+    fsync_dir(b.parent)
+    return True
+
+
+def _renameat2() -> Any:
+    import ctypes
+    import ctypes.util
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):  # glibc < 2.28, musl without it
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
+                   ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
 
 
 def _add_manifest(staging: Path, file_name: str | None, out: Path,
@@ -299,11 +369,16 @@ def staged_output_ranks(dst: str | Path, ranks: Any, *, overwrite: bool = False,
         yield staging
         ok = True
     finally:
-        all_ok = ranks.all_ok(ok)
-        # the digests every rank computed while writing, for rank 0's integrity manifest
         from ckpt_tool.digests import give
 
-        noted = ranks.gather(take_digests(staging) if ok else {})
+        try:
+            all_ok = ranks.all_ok(ok)
+            # the digests every rank computed while writing, for rank 0's integrity manifest
+            noted = ranks.gather(take_digests(staging) if ok else {})
+        except BaseException:  # a rank died or was stopped: rank 0 still removes the staging
+            if ctx is not None:
+                ctx.__exit__(RuntimeError, RuntimeError("a rank failed"), None)
+            raise
         if ctx is not None:
             for part in noted or []:
                 give(part or {})

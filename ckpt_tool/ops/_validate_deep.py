@@ -3,7 +3,7 @@ place, and count its NaN/Inf elements (big tensors in slabs along dim 0)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterator
 
 from ckpt_tool.errors import plural
 from ckpt_tool.model import CheckpointMeta
@@ -14,13 +14,17 @@ __all__ = ["deep_read"]
 _DEEP_SLAB_BYTES = 256 << 20
 
 
-def _slabs(meta: Any) -> list[tuple[slice, ...] | None]:
-    """Read big tensors in slabs along dim 0 (about ``_DEEP_SLAB_BYTES`` each)."""
+def _slabs(meta: Any) -> Iterator[tuple[slice, ...] | None]:
+    """Read big tensors in slabs along dim 0 (about ``_DEEP_SLAB_BYTES`` each), one at a time
+    (a shape the metadata makes absurd, 10**15 rows, costs the slabs read before the first
+    failure, not a list of them)."""
     if not meta.shape or meta.stored_shape is not None or meta.shape[0] <= 1 \
             or meta.nbytes <= _DEEP_SLAB_BYTES:
-        return [None]
+        yield None
+        return
     rows = max(1, _DEEP_SLAB_BYTES * meta.shape[0] // max(1, meta.nbytes))
-    return [(slice(i, min(i + rows, meta.shape[0])),) for i in range(0, meta.shape[0], rows)]
+    for i in range(0, meta.shape[0], rows):
+        yield (slice(i, min(i + rows, meta.shape[0])),)
 
 
 def _nan_inf(t: Any) -> tuple[int, int]:

@@ -126,6 +126,7 @@ def validate(path: str | Path, *, trust: bool = False, deep: bool = False,
     ``ranks`` (a ``ckpt_tool.parallel.Ranks`` under torchrun): every rank of the job calls
     this, the byte scan is split over them and every rank gets every finding."""
     from ckpt_tool.formats.base import check_readable
+    from ckpt_tool.formats.regular_files import check_tree
     from ckpt_tool.formats.save_dir import resolve_checkpoint_dir
 
     p = as_path(path)
@@ -143,6 +144,8 @@ def validate(path: str | Path, *, trust: bool = False, deep: bool = False,
         return done()
     if root == p:
         root = resolve_checkpoint_dir(p)
+    if root.is_dir():
+        check_tree(root)  # a FIFO, socket or device in it: InputError before any read
     if root.is_dir() and not _check_markers(root, findings):
         if is_remote(p):
             findings.extend(_beside(p))
@@ -403,8 +406,11 @@ def _stale_data_files(root: Path, meta: CheckpointMeta) -> list[Finding]:
 
 
 def _is_leftover(name: str) -> bool:
+    from ckpt_tool.leftovers import OLD_MARK
+
     low = name.lower()
-    return ".tmp" in low or low.endswith(("~", ".partial")) or "staging" in low
+    return ".tmp" in low or low.endswith(("~", ".partial")) or "staging" in low \
+        or OLD_MARK in low
 
 
 def _leftovers(root: Path) -> list[Finding]:

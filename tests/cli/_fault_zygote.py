@@ -7,7 +7,13 @@ each time. One JSON request per line on stdin, one JSON reply per line on stdout
   async save's writer process);
 * ``{"save": DIR, "log": PATH}`` -> ``{"pid": N}``: the child saves ``state()`` into ``DIR`` with
   the library's async save (the background write, then finalize) and exits 0;
-* ``{"wait": N}`` -> ``{"status": S}``: the child's exit code, or minus the signal that ended it.
+* ``{"wait": N}`` -> ``{"status": S}``: the child's exit code, or minus the signal that ended it;
+* ``{"poll": N}`` -> ``{"status": S or null}``: the same without waiting (null: still running).
+
+A job request may add ``"env": {...}`` (set in the child before it runs: the pause points of
+``ckpt_tool._pause_points``) and ``"no_exchange": true``: the child's file system cannot
+exchange two paths atomically (it stands for NFS, FUSE or an old kernel, where ``renameat2``
+fails with EINVAL), so replacing an output parks the old one for a moment.
 """
 
 from __future__ import annotations
@@ -53,11 +59,29 @@ def _save(ckpt_dir: str) -> int:
     return 0
 
 
+def no_exchange() -> None:
+    """``renameat2(RENAME_EXCHANGE)`` answers EINVAL in this process, as it does on a file
+    system without it (NFS, FUSE): ``ops._staging.exchange`` then parks the old output."""
+    import ctypes
+    import errno
+
+    import ckpt_tool.ops._staging as staging
+
+    def einval(*args: object) -> int:
+        ctypes.set_errno(errno.EINVAL)
+        return -1
+
+    staging._renameat2 = lambda: einval
+
+
 def _child(job: dict) -> int:
     os.setpgid(0, 0)
     fd = os.open(job["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
+    os.environ.update(job.get("env", {}))
+    if job.get("no_exchange"):
+        no_exchange()
     if "save" in job:
         return _save(job["save"])
     sys.argv = ["ckpt", *job["argv"]]
@@ -71,9 +95,11 @@ def _child(job: dict) -> int:
 def serve() -> None:
     for line in sys.stdin:
         job = json.loads(line)
-        if "wait" in job:
-            _, status = os.waitpid(job["wait"], 0)
-            code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+        if "wait" in job or "poll" in job:
+            pid, status = os.waitpid(job.get("wait") or job["poll"],
+                                     0 if "wait" in job else os.WNOHANG)
+            code = None if pid == 0 else -os.WTERMSIG(status) if os.WIFSIGNALED(status) \
+                else os.WEXITSTATUS(status)
             reply = {"status": code}
         else:
             pid = os.fork()

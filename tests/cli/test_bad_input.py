@@ -79,7 +79,7 @@ def test_missing(tmp_path, cmd):
 @pytest.mark.parametrize("cmd", CMDS)
 def test_fifo_does_not_hang(tmp_path, cmd):
     os.mkfifo(tmp_path / "pipe")
-    _check(cmd, tmp_path / "pipe", 2, "not a regular file or directory")
+    _check(cmd, tmp_path / "pipe", 2, "a FIFO (named pipe), not a regular file")
 
 
 # -- permissions ------------------------------------------------------------------------------

@@ -112,7 +112,7 @@ def test_metadata_does_not_import_torch(single):
             f"m = open_checkpoint({str(single)!r}).metadata()\n"
             "assert m.tensors['w.bf16'].dtype == 'bfloat16'\n"
             "assert 'torch' not in sys.modules, 'torch imported'\n")
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=600)  # a hang guard only
 
 
 def _header(f):

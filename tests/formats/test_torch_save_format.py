@@ -85,7 +85,7 @@ def test_metadata_does_not_import_torch(ckpt):
             "assert m.tensors['model.layer.bf16'].dtype == 'bfloat16'\n"
             "assert m.tensors['u16'].dtype == 'uint16'\n"
             "assert 'torch' not in sys.modules, 'torch imported'\n")
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=600)  # a hang guard only
 
 
 def test_legacy_format_unsupported(tmp_path):

@@ -39,8 +39,9 @@ class Case:
     isolate: bool = False  # subprocess with a time and memory limit (may hang / allocate TBs)
     deny: str | None = None  # path (relative to the copy) nobody may read
     # commands that may succeed although the case is broken, because what they read is
-    # intact: convert to safetensors drops objects; a dist checkpoint without metadata.json is
-    # a complete plain DCP one; a missing common.pt leaves every tensor readable
+    # intact: convert to safetensors drops objects, reshard the rng state's (its per-rank
+    # shards do not fit another layout); a dist checkpoint without metadata.json is a complete
+    # plain DCP one; a missing common.pt leaves every tensor readable
     lenient: tuple = ()
     tags: tuple = field(default_factory=tuple)
 
@@ -300,19 +301,20 @@ def _corpus() -> list[Case]:
         C("metadata-truncated", "torch_dist", truncate(".metadata", 0.6)),
         C("metadata-malicious", "torch_dist", evil_pickle(".metadata"), must_reject=True,
           oracle=False),
-        C("common-missing", "torch_dist", remove("common.pt"), lenient=("convert", "diff")),
+        C("common-missing", "torch_dist", remove("common.pt"),
+          lenient=("convert", "diff", "reshard")),
         C("common-empty", "torch_dist", write("common.pt", b"")),
         C("common-truncated", "torch_dist", truncate("common.pt", 0.5)),
         C("common-malicious", "torch_dist", evil_torch_save("common.pt"), must_reject=True,
           oracle=False),
         C("metadata-json-missing", "torch_dist", remove("metadata.json"),
-          lenient=("convert", "diff")),
+          lenient=("convert", "diff", "reshard")),
         C("metadata-json-garbled", "torch_dist", garble("metadata.json", 60)),
         C("metadata-json-unknown-backend", "torch_dist", write(
             "metadata.json", b'{"sharded_backend": "nope", "sharded_backend_version": 1, '
                              b'"common_backend": "torch", "common_backend_version": 1}')),
         C("object-malicious", "torch_dist", evil_item(RNG), must_reject=True, oracle=False,
-          lenient=("convert",)),
+          lenient=("convert", "reshard")),
         C("path-escape-relative", "torch_dist", _outside_copy(D0, "relative"),
           must_reject=True),
         C("path-escape-fifo", "torch_dist", _outside_copy(D0, "fifo"), must_reject=True,
@@ -341,9 +343,9 @@ def _corpus() -> list[Case]:
           oracle=False),
         C("object-malicious", "zarr", evil_torch_save("rng_state/shard_0.0_2.2.pt",
                                                       wrap=lambda e: [e]),
-          must_reject=True, oracle=False, lenient=("convert",)),
+          must_reject=True, oracle=False, lenient=("convert", "reshard")),
         C("object-truncated", "zarr", truncate("rng_state/shard_0.0_2.2.pt", 0.5),
-          lenient=("convert",)),
+          lenient=("convert", "reshard")),
         C("metadata-json-empty", "zarr", write("metadata.json", b"")),
     ]
     dcp = [
@@ -441,6 +443,99 @@ def dcp_meta_tb(fqn, scale_chunks):
     return _tb_shape(fqn, scale_chunks)
 
 
-CASES = _corpus()
+# -- robustness: what must never hang a command, crash it or be allocated ---------------------
+# (entries that are not regular files where a checkpoint's file belongs: opening a FIFO waits
+# for a writer, /dev/zero never ends; the real loaders would hang on them, so they are not
+# asked: must_reject. Metadata whose sizes contradict the items: the real loaders decide.)
+
+def fifo(rel):
+    """A FIFO (named pipe) where ``rel`` was: reading it waits for a writer forever."""
+    def fn(p):
+        p.unlink() if not p.is_dir() else shutil.rmtree(p)
+        os.mkfifo(p)
+    return _f(rel, fn)
+
+
+def socket_node(rel):
+    """A socket where ``rel`` was."""
+    import stat
+
+    def fn(p):
+        p.unlink()
+        os.mknod(p, stat.S_IFSOCK | 0o644)
+    return _f(rel, fn)
+
+
+def to_device(rel, device="/dev/zero"):
+    """A symlink to a character device where ``rel`` was (reading it never ends)."""
+    def fn(p):
+        p.unlink()
+        os.symlink(device, p)
+    return _f(rel, fn)
+
+
+def _rows(fqn, rows, chunk=None):
+    """``.metadata`` says ``fqn`` has ``rows`` rows (``chunk="last"``: its last chunk stretches
+    to cover them; the items stay as they were)."""
+    import torch
+
+    def fn(md, ck):
+        tm = md.state_dict_metadata[fqn]
+        tm.size = torch.Size([rows, *tm.size[1:]])
+        if chunk == "last":
+            c = max(tm.chunks, key=lambda c: c.offsets[0])
+            c.sizes = torch.Size([rows - c.offsets[0], *c.sizes[1:]])
+    return dcp_meta(fn)
+
+
+def _retile(fqn):
+    """The first two chunks of ``fqn`` along dim 0 re-cut (half of the first moved to the
+    second): they still tile the tensor, but no longer match the items they point at."""
+    import torch
+
+    def fn(md, ck):
+        c0, c1 = sorted(md.state_dict_metadata[fqn].chunks, key=lambda c: c.offsets[0])[:2]
+        half = c0.sizes[0] // 2
+        c0.sizes = torch.Size([half, *c0.sizes[1:]])
+        c1.offsets = torch.Size([c1.offsets[0] - half, *c1.offsets[1:]])
+        c1.sizes = torch.Size([c1.sizes[0] + half, *c1.sizes[1:]])
+    return dcp_meta(fn)
+
+
+EMB = "embedding.word_embeddings.weight"
+DCP_HEAD = "model.head.weight"
+ZCHUNK = f"{ZW}/0.0"
+
+
+def _robustness_corpus() -> list[Case]:
+    C = Case
+    never = dict(must_reject=True, oracle=False, isolate=True, tags=("robustness",))
+    return [
+        C("data-file-is-fifo", "torch_dist", fifo(D0), **never),
+        C("metadata-is-fifo", "torch_dist", fifo(".metadata"), **never),
+        C("common-is-socket", "torch_dist", socket_node("common.pt"), **never),
+        C("data-file-is-dev-zero", "torch_dist", to_device(D0), **never),
+        C("data-file-is-fifo", "dcp", fifo("__1_0.distcp"), **never),
+        C("chunk-is-fifo", "zarr", fifo(ZCHUNK), **never),
+        C("zarray-is-fifo", "zarr", fifo(f"{ZW}/.zarray"), **never),
+        C("rank-file-is-fifo", "legacy", fifo(LEG), **never),
+        C("tracker-is-fifo", "legacy", fifo("latest_checkpointed_iteration.txt"), **never),
+        C("is-fifo", "torch", fifo(ST), **never),
+        C("is-fifo", "safetensors", fifo(ST), **never),
+        C("shard-is-fifo", "st_index", fifo(SH2), **never),
+        C("index-is-fifo", "st_index", fifo(IX), **never),
+        C("shape-1e15-rows", "torch_dist", _rows(EMB, 10 ** 15), isolate=True,
+          tags=("robustness",)),
+        C("last-chunk-claims-1e15-rows", "torch_dist", _rows(EMB, 10 ** 15, chunk="last"),
+          isolate=True, tags=("robustness",)),
+        C("chunk-sizes-disagree-with-items", "torch_dist", _retile(EMB),
+          tags=("robustness",)),
+        C("shape-1e15-rows", "dcp", _rows(DCP_HEAD, 10 ** 15), isolate=True,
+          tags=("robustness",)),
+        C("chunk-sizes-disagree-with-items", "dcp", _retile(DCP_HEAD), tags=("robustness",)),
+    ]
+
+
+CASES = _corpus() + _robustness_corpus()
 BY_ID = {f"{c.base}/{c.name}": c for c in CASES}
 assert len(BY_ID) == len(CASES), "case names must be unique per base"

@@ -42,6 +42,7 @@ from torch.distributed.checkpoint.filesystem import _StoragePrefix, _write_item
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
+from ckpt_tool._pause_points import pause_point
 from ckpt_tool.manifest import digest_file
 
 from .._staging_pool import exact_storage, staged_nbytes, staging_pool
@@ -141,6 +142,7 @@ def _write_bucket(transform_list: list, write_bucket: WriteBucket, use_fsync: bo
         if use_fsync:
             stream.flush()
             os.fsync(stream.fileno())
+    pause_point("save-file-written")
     return out
 
 

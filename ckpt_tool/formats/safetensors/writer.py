@@ -47,6 +47,7 @@ from ckpt_tool.formats.write_pieces import (
 )
 from ckpt_tool.formats.writer import WriteRequest, Writer, dropped_objects_note
 from ckpt_tool.model import TensorMeta, dtype_itemsize, is_optimizer_key
+from ckpt_tool.printable import is_printable, printable
 
 __all__ = ["scalar_common", "SAFETENSORS_CODES", "plan_shards", "SafetensorsWriter",
            "OPTIMIZER_STEM"]
@@ -180,7 +181,7 @@ class SafetensorsWriter(Writer):
                                                         for t in sh)},
                          "weight_map": {t.key: name for name, sh in named for t in sh}}
                 if request.source_description:
-                    index["metadata"]["source"] = request.source_description
+                    index["metadata"]["source"] = printable(request.source_description)
                 (self.directory / f"{group_stem}.safetensors.index.json").write_text(
                     json.dumps(index, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
@@ -191,11 +192,12 @@ class SafetensorsWriter(Writer):
     def _metadata(request: WriteRequest) -> tuple[list[str], dict[str, str]]:
         notes: list[str] = []
         metadata = {"format": "pt"}
-        if request.source_description:
-            metadata["source"] = request.source_description
+        if request.source_description:  # (a path: its name may not be UTF-8)
+            metadata["source"] = printable(request.source_description)
         kept, dropped = scalar_common(request.common)
         for k, v in kept.items():
-            metadata.setdefault(k, json.dumps(v) if not isinstance(v, str) else v)
+            metadata.setdefault(printable(k), json.dumps(v) if not isinstance(v, str)
+                                else printable(v))
         if dropped:
             notes.append(f"dropped {plural(len(dropped), 'common value')} "
                          f"({', '.join(sorted(dropped))}):"
@@ -216,7 +218,14 @@ class SafetensorsWriter(Writer):
             header[t.key] = {"dtype": SAFETENSORS_CODES[t.dtype], "shape": list(t.shape),
                              "data_offsets": [pos, pos + t.nbytes]}
             pos += t.nbytes
-        raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+        try:
+            raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            bad = next(t.key for t in ordered if not is_printable(t.key))
+            raise UnsupportedError(f"tensor key {printable(bad)!r} is not valid Unicode: a "
+                                   "safetensors header is UTF-8 JSON",
+                                   hint="rename it (--rename) or convert to another format") \
+                from None
         raw += b" " * (-len(raw) % 8)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
         try:

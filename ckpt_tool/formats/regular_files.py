@@ -1,0 +1,114 @@
+"""A checkpoint is made of regular files and directories: find what is not, before anything
+is read.
+
+Opening a FIFO for reading waits for a writer that may never come, and reading a character
+device (``/dev/zero``) or a socket may never end. Such an entry where a checkpoint's file
+belongs (placed there, or a symlink to one) is refused with one error naming it, before any
+command reads a byte or creates its output's lock or staging directory: :func:`detect`
+(``formats.base``) checks the checkpoint's whole tree (:func:`check_tree`) and the files that
+locate it (the tracker, a manifest beside a single file), and :func:`open_regular` opens a
+file without blocking and refuses it if it is not regular (for the few files read before
+the tree is known).
+
+An object store holds nothing but objects (``ckpt_tool.storage``): its locations pass these
+checks untouched.
+
+Reads of regular files are not bounded by a timeout: a file system that stops answering (a
+hard NFS mount) blocks the kernel call itself, which no process can bound; the process can
+still be killed, and what it leaves is reclaimed (``ckpt_tool.leftovers``).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from pathlib import Path
+from typing import BinaryIO
+
+from ckpt_tool.errors import InputError
+from ckpt_tool.storage import is_remote
+
+__all__ = ["check_tree", "check_regular", "open_regular", "kind_of", "MAX_DEPTH"]
+
+MAX_DEPTH = 4  # a checkpoint's deepest files: iter_*/mp_rank_*/file, zarr array/chunk
+
+
+def kind_of(mode: int) -> str | None:
+    """What a file of ``mode`` is, when it is neither a regular file nor a directory."""
+    for test, name in ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return name
+    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+        return None
+    return "not a regular file"
+
+
+def _refuse(path: str | Path, kind: str) -> InputError:
+    return InputError(f"{kind}, not a regular file: reading it could block forever",
+                      path=path, hint="a checkpoint holds regular files only: replace or "
+                      "remove it")
+
+
+def check_regular(path: str | Path) -> None:
+    """InputError when ``path`` (followed if a symlink) exists and is neither a regular file
+    nor a directory; nothing when it is one, or cannot be stat'ed (the read reports that)."""
+    if is_remote(path):
+        return
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError):
+        return
+    kind = kind_of(mode)
+    if kind is not None:
+        raise _refuse(path, kind)
+
+
+def check_tree(root: str | Path, depth: int = MAX_DEPTH) -> None:
+    """InputError naming the first entry under the directory ``root`` (``depth`` levels down,
+    symlinks followed) that is neither a regular file nor a directory. Entries that cannot be
+    stat'ed (broken links, loops, no permission) are left to the reads that report them."""
+    if is_remote(root):
+        return
+    try:
+        entries = sorted(os.scandir(root), key=lambda e: e.name)
+    except OSError:
+        return
+    for entry in entries:
+        try:
+            if entry.is_dir():  # follows a symlink (its d_type: no system call otherwise)
+                if depth > 1:
+                    check_tree(entry.path, depth - 1)
+                continue
+            if entry.is_file():
+                continue
+            mode = entry.stat().st_mode
+        except OSError:
+            continue
+        kind = kind_of(mode)
+        if kind is not None:
+            raise _refuse(entry.path, kind)
+
+
+def open_regular(path: str | Path) -> BinaryIO:
+    """``open(path, "rb")`` that never blocks in the open and refuses (InputError) anything
+    but a regular file; OSErrors of the open as ``open`` raises them."""
+    if is_remote(path):
+        from ckpt_tool.storage import as_path
+
+        return as_path(path).open("rb")
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
+        kind = kind_of(mode)
+        if kind is not None:
+            raise _refuse(path, kind)
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise

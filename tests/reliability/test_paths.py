@@ -1,0 +1,82 @@
+"""A checkpoint whose path is not UTF-8 (a Linux file name is bytes; ``\\xff`` is no UTF-8)
+goes through every command, and what ``convert`` and ``reshard`` write from it loads in the
+real loaders (``_oracle.py``): a path written into an output's metadata (the safetensors
+header's ``source``) reads ``\\xNN``, never an encoder's internal error."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from _cases import FIXTURE_BASES
+
+pytestmark = pytest.mark.interop  # the real loaders are the oracle
+ORACLE = Path(__file__).with_name("_oracle.py")
+NAME = os.fsdecode(b"ck-\xff\xfe")  # what Python makes of the bytes: lone surrogates
+SHOWN = "ck-\\xff\\xfe"  # how the name reads in an output's metadata
+OUTPUTS = {"safetensors": ("safetensors", "model.safetensors"), "torch": ("torch", "model.pt"),
+           "torch_dist": ("torch_dist", ""), "dcp": ("dcp", ""), "legacy": ("legacy", "")}
+
+
+def _ok(argv: list[str]) -> str:
+    """``ckpt ARGV`` in a strict UTF-8 locale's terminal (what a name that is not UTF-8 meets
+    there: an encoder that refuses lone surrogates); it must succeed."""
+    env = dict(os.environ, PYTHONIOENCODING="utf-8:strict", PYTHONWARNINGS="ignore")
+    r = subprocess.run([sys.executable, "-m", "ckpt_tool", *argv], env=env,
+                       capture_output=True, timeout=600)
+    err = r.stderr.decode(errors="replace")
+    assert r.returncode == 0 and "internal error" not in err, (argv, err[-3000:])
+    return r.stdout.decode(errors="surrogateescape")
+
+
+def test_every_command_on_a_path_that_is_not_utf8(tmp_path):
+    src = tmp_path / NAME / "iter_0000010"
+    shutil.copytree(FIXTURE_BASES["torch_dist"], src)
+    assert str(src) in _ok(["inspect", str(src)])  # the name as its bytes
+    for argv in (["inspect", str(src), "--json"],
+                 ["validate", str(src)], ["validate", "--deep", str(src), "--json"],
+                 ["diff", str(FIXTURE_BASES["torch_dist"]), str(src)]):
+        _ok(argv)
+    todo = []
+    for to, (base, inside) in OUTPUTS.items():
+        out = tmp_path / f"{NAME}-{to}"
+        _ok(["convert", str(src), str(out), "--to", to])
+        todo.append([to, base, str(out / inside) if inside else str(out)])
+    single = tmp_path / f"{NAME}.safetensors"  # one file whose own name is not UTF-8 either
+    _ok(["convert", str(src), str(single), "--to", "safetensors"])
+    _ok(["validate", str(single)])
+    todo.append(["single-file", "safetensors", str(single)])
+    resharded = tmp_path / f"{NAME}-tp1"
+    _ok(["reshard", str(src), str(resharded), "--tp", "1"])
+    todo.append(["reshard", "torch_dist", str(resharded)])
+
+    # the loaders get each output under a UTF-8 name (a link): safetensors cannot open a
+    # path that is not UTF-8 at all; what is checked is what ckpt wrote inside
+    from ckpt_tool.formats.save_dir import resolve_checkpoint_dir
+
+    links = tmp_path / "as-utf8"
+    links.mkdir()
+    for entry in todo:  # (a dist output is a save directory: the loader gets its checkpoint)
+        link = links / entry[0]
+        os.symlink(resolve_checkpoint_dir(entry[2]) if entry[1] == "torch_dist" else entry[2],
+                   link)
+        entry[2] = str(link)
+    from safetensors import safe_open
+
+    with safe_open(str(links / "single-file"), "pt") as f:  # the header is valid UTF-8 JSON
+        assert f.metadata()["source"].endswith(f"{SHOWN}/iter_0000010")
+    cases = tmp_path / "cases.json"
+    cases.write_text(json.dumps(todo))
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1",
+               PYTHONWARNINGS="ignore")
+    r = subprocess.run([sys.executable, str(ORACLE), str(cases), str(tmp_path / "out.json")],
+                       env=env, capture_output=True, text=True, timeout=1800)
+    assert r.returncode == 0, r.stderr[-4000:]
+    verdicts = json.loads((tmp_path / "out.json").read_text())
+    assert verdicts == {k: "ok" for k, _, _ in todo}, verdicts
