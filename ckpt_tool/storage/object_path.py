@@ -213,9 +213,10 @@ class ObjectPath:
         output staging (``ops/_remote_output``), never through here."""
         if mode not in ("rb", "r"):
             raise io.UnsupportedOperation(f"{self}: objects are opened for reading only")
-        size = self.stat().st_size
-        if not stat_.S_ISREG(self.stat().st_mode):
+        st = self.stat()
+        if not stat_.S_ISREG(st.st_mode):
             raise IsADirectoryError(errno.EISDIR, "a prefix, not an object", str(self))
+        size = st.st_size
         if size <= _SMALL:
             f: Any = io.BytesIO(self.read_bytes())
         else:

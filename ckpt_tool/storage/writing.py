@@ -114,6 +114,17 @@ def _objects_under(target: Any) -> list[tuple[str, int]]:
     return list(target.store.walk(target.key))
 
 
+def _open_uploads(target: Any) -> list[tuple[str, str]]:
+    """The multipart uploads open under ``target``; none when the store does not let us
+    list them (a policy without ``s3:ListBucketMultipartUploads``)."""
+    from ckpt_tool.errors import CkptError
+
+    try:
+        return target.store.open_uploads(target.key)
+    except CkptError:
+        return []
+
+
 def exists(target: Any) -> bool:
     """Whether ``target`` holds an output (an object, or objects under ``target/``) that is
     not the leftovers of an unfinished write."""
@@ -139,7 +150,7 @@ def describe_remote_leftovers(found: list[Any]) -> str:
     target = marker.parent / marker.name[1:-len(WRITING_MARK)]
     doc = _read_marker(marker) or {}
     objs = _objects_under(target)
-    uploads = target.store.open_uploads(target.key)
+    uploads = _open_uploads(target)
     who = f"pid {doc.get('pid', '?')} on {doc.get('host', '?')}"
     since = doc.get("started")
     when = time.strftime(" since %Y-%m-%d %H:%M:%S", time.localtime(since)) \
@@ -211,7 +222,7 @@ def reclaim_remote(target: Any, *, keep_output: bool = False) -> str | None:
     multipart uploads under it and, unless ``keep_output``, the objects under ``target/``.
     Returns a note saying what was reclaimed, or None."""
     store = target.store
-    uploads = store.open_uploads(target.key)
+    uploads = _open_uploads(target)
     objs = [] if keep_output else _objects_under(target)
     if not uploads and not objs:
         return None
