@@ -30,6 +30,8 @@ from typing import Any, Iterator
 
 from ckpt_tool.errors import InputError, OutputError, UsageError
 from ckpt_tool.storage.locations import StoreSpec
+from ckpt_tool.storage.read_ahead import ReadAhead
+from ckpt_tool.storage.s3_errors import error_code, store_error, transient
 
 __all__ = ["Store", "store_for", "Listing", "fetch_into", "forget_stores", "PART", "MULTIPART",
            "CONCURRENCY"]
@@ -37,9 +39,6 @@ __all__ = ["Store", "store_for", "Listing", "fetch_into", "forget_stores", "PART
 PART = int(os.environ.get("CKPT_S3_PART", 8 << 20))  # a ranged GET (upload parts: 2x)
 MULTIPART = 64 << 20  # files bigger than this are uploaded in parts
 CONCURRENCY = max(1, int(os.environ.get("CKPT_S3_CONCURRENCY", "16") or 16))
-AHEAD = int(os.environ.get("CKPT_S3_READ_AHEAD", 8 << 20))  # see _ReadAhead
-AHEAD_STREAMS = 8
-AHEAD_FROM = 256 << 10  # smaller reads (metadata, small items) never start a window
 FRESH = 2.0
 _READ_TRIES = 4  # a body cut short is fetched again this many times at most
 _MAX_PARTS = 10_000  # S3's limit on the parts of one upload
@@ -121,7 +120,7 @@ class Store:
         self._client: Any = None
         self._lock = threading.Lock()
         self._listings: dict[str, Listing] = {}
-        self._ahead = _ReadAhead()
+        self._ahead = ReadAhead(PART)
 
     # -- the client -----------------------------------------------------------------------
     @property
@@ -172,7 +171,7 @@ class Store:
 
     def error(self, exc: BaseException, key: str, *, writing: bool = False) -> Exception:
         """``exc`` (botocore's, or a connection error) as one clear ckpt error."""
-        return _error(exc, self.url(key), self, writing)
+        return store_error(exc, self.url(key), self, writing)
 
     # -- listings -------------------------------------------------------------------------
     def listing(self, key: str, *, looking_for: str | None = None) -> Listing:
@@ -218,7 +217,7 @@ class Store:
         try:
             r = self.client.head_object(Bucket=self.spec.bucket, Key=self._key(key))
         except Exception as exc:  # noqa: BLE001
-            if _code(exc) in ("404", "NoSuchKey", "NotFound"):
+            if error_code(exc) in ("404", "NoSuchKey", "NotFound"):
                 return None
             raise self.error(exc, key) from None
         return int(r["ContentLength"]), r["LastModified"].timestamp()
@@ -261,7 +260,7 @@ class Store:
                     return got
                 last = ConnectionError(f"short read: {n} of {want} bytes")
             except Exception as exc:  # noqa: BLE001
-                code = _code(exc)
+                code = error_code(exc)
                 if code == "InvalidRange":  # offset at or past the end
                     return 0 if into is not None else b""
                 if code in ("NoSuchKey", "404"):
@@ -269,7 +268,7 @@ class Store:
 
                     raise FileNotFoundError(errno.ENOENT, "no such object",
                                             self.url(key)) from None
-                if code is not None or not _transient(exc):
+                if code is not None or not transient(exc):
                     raise self.error(exc, key) from None
                 last = exc
             time.sleep(min(1.0, 0.05 * 2 ** attempt))
@@ -278,7 +277,7 @@ class Store:
     def read_into(self, key: str, offset: int, buf: Any) -> int:
         """Fill ``buf`` from byte ``offset`` of ``key``: one GET, or parts of :data:`PART` on
         the shared threads; served from the read-ahead window when a sequential reader's
-        next range is in it (:class:`_ReadAhead`). Returns the bytes read (fewer: the object
+        next range is in it (``read_ahead``). Returns the bytes read (fewer: the object
         is shorter)."""
         view = memoryview(buf).cast("B")
         n = len(view)
@@ -287,7 +286,7 @@ class Store:
             got = self._fetch(key, offset, view)
         elif got < n:  # the window held the start: the rest is read now
             got += self._fetch(key, offset + got, view[got:])
-        self._ahead.after(self, key, offset, n, got)
+        self._ahead.after(self, key, offset, n, got, _pool().submit)
         return got
 
     def _fetch(self, key: str, offset: int, view: memoryview) -> int:
@@ -315,8 +314,8 @@ class Store:
         try:
             self.client.put_object(Bucket=self.spec.bucket, Key=self._key(key), Body=data, **kw)
         except Exception as exc:  # noqa: BLE001
-            if if_absent and _code(exc) in ("PreconditionFailed", "412",
-                                            "ConditionalRequestConflict"):
+            if if_absent and error_code(exc) in ("PreconditionFailed", "412",
+                                                 "ConditionalRequestConflict"):
                 return False
             raise self.error(exc, key, writing=True) from None
         finally:
@@ -399,7 +398,7 @@ class Store:
             self.client.abort_multipart_upload(Bucket=self.spec.bucket, Key=self._key(key),
                                                UploadId=upload_id)
         except Exception as exc:  # noqa: BLE001
-            if _code(exc) not in ("NoSuchUpload", "404"):
+            if error_code(exc) not in ("NoSuchUpload", "404"):
                 raise self.error(exc, key, writing=True) from None
 
 
@@ -431,79 +430,6 @@ def _profile_value(session: Any, name: str) -> Any:
     return _scoped(session).get(name)
 
 
-class _ReadAhead:
-    """Sequential reads of an object (the items of a DCP file read in file order by a
-    convert) are latency-bound: each waits for its GET. A read of :data:`AHEAD_FROM` bytes or
-    more that starts where an earlier read of the object ended belongs to a sequential stream (an object may carry several,
-    interleaved: one per tensor kind); for it the next :data:`AHEAD` bytes are kept in flight
-    in the background (parts of :data:`PART` on the shared threads), and a read inside them
-    is copied from them. At most :data:`AHEAD_STREAMS` windows are held (the oldest is
-    dropped) and a window's parts are dropped once read past: memory stays bounded."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._ends: dict[tuple[str, int], None] = {}  # (key, end of a read), oldest first
-        self._windows: list[tuple[str, list[tuple[int, int, Any]]]] = []  # (key, parts)
-
-    def _find(self, key: str, offset: int) -> int | None:
-        for i, (k, parts) in enumerate(self._windows):
-            if k == key and parts and parts[0][0] <= offset < parts[-1][0] + parts[-1][1]:
-                return i
-        return None
-
-    def take(self, key: str, offset: int, view: memoryview) -> int | None:
-        """Copy what a window of ``key`` holds of ``[offset, offset + len(view))``, from its
-        start, into ``view``: the bytes copied (the caller reads the rest), or None when no
-        window holds ``offset``."""
-        with self._lock:
-            i = self._find(key, offset)
-            if i is None:
-                return None
-            parts = self._windows[i][1]
-            stop = min(offset + len(view), parts[-1][0] + parts[-1][1])
-            need = [p for p in parts if p[0] < stop and p[0] + p[1] > offset]
-            rest = [p for p in parts if p[0] + p[1] > stop]
-            if rest:
-                self._windows[i] = (key, rest)
-            else:
-                del self._windows[i]
-        done = 0
-        for at, n, fut in need:
-            try:
-                data = fut.result()
-            except BaseException:  # noqa: BLE001 - read again in the caller's thread
-                return None
-            lo, hi = max(offset, at), min(stop, at + len(data))
-            if hi < min(stop, at + n):
-                return None  # the object ended inside: the plain read says how
-            view[lo - offset:hi - offset] = data[lo - at:hi - at]
-            done += hi - lo
-        return done
-
-    def after(self, store: "Store", key: str, offset: int, n: int, got: int) -> None:
-        """Note a read of ``key``; keep :data:`AHEAD` bytes in flight after it when it
-        continues a sequential stream."""
-        end = offset + got
-        with self._lock:
-            sequential = self._ends.pop((key, offset), 0) is None and got == n >= AHEAD_FROM
-            self._ends[(key, end)] = None
-            if len(self._ends) > 64:
-                self._ends.pop(next(iter(self._ends)))
-            if not sequential or AHEAD <= 0:
-                return
-            i = self._find(key, end)
-            parts = self._windows.pop(i)[1] if i is not None else []
-            ahead = parts[-1][0] + parts[-1][1] if parts else end
-            if ahead - end < AHEAD // 2:
-                more = AHEAD - (ahead - end)
-                parts = parts + [(ahead + s, min(PART, more - s),
-                                  _pool().submit(store.get, key, ahead + s, min(PART, more - s)))
-                                 for s in range(0, more, PART)]
-            self._windows.append((key, parts))
-            if len(self._windows) > AHEAD_STREAMS:
-                self._windows.pop(0)
-
-
 def _profile_endpoint(session: Any) -> str | None:
     cfg = _scoped(session)
     s3 = cfg.get("s3") if isinstance(cfg.get("s3"), dict) else {}
@@ -514,55 +440,3 @@ def _profile_addressing(session: Any) -> str | None:
     cfg = _scoped(session)
     s3 = cfg.get("s3") if isinstance(cfg.get("s3"), dict) else {}
     return s3.get("addressing_style")
-
-
-def _code(exc: BaseException) -> str | None:
-    resp = getattr(exc, "response", None)
-    if isinstance(resp, dict):
-        err = resp.get("Error") or {}
-        code = err.get("Code") or str((resp.get("ResponseMetadata") or {}).get(
-            "HTTPStatusCode", ""))
-        return str(code) if code else None
-    return None
-
-
-def _transient(exc: BaseException) -> bool:
-    """A dropped connection or a body cut short: worth another GET."""
-    names = {c.__name__ for c in type(exc).__mro__}
-    return bool(names & {"IncompleteReadError", "ResponseStreamingError", "ReadTimeoutError",
-                         "ConnectionClosedError", "EndpointConnectionError", "ProtocolError",
-                         "ConnectionError", "HTTPClientError", "IncompleteRead",
-                         "ConnectTimeoutError"})
-
-
-def _error(exc: BaseException, url: str, store: Store, writing: bool) -> Exception:
-    kind = OutputError if writing else InputError
-    if isinstance(exc, (InputError, OutputError, UsageError)):
-        return exc
-    names = {c.__name__ for c in type(exc).__mro__}
-    endpoint = store.spec.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") \
-        or os.environ.get("AWS_ENDPOINT_URL") or "the default AWS endpoint"
-    if "NoCredentialsError" in names or "PartialCredentialsError" in names:
-        return kind("no credentials for the object store", path=url,
-                    hint="set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE, "
-                         "or ~/.aws/credentials")
-    if "ProfileNotFound" in names:
-        return kind(f"{exc}", path=url, hint="check AWS_PROFILE and ~/.aws/config")
-    code = _code(exc)
-    if code in ("NoSuchBucket",):
-        return kind(f"no such bucket {store.spec.bucket!r}", path=url,
-                    hint="check the URL and the endpoint (AWS_ENDPOINT_URL)")
-    if code in ("NoSuchKey", "404", "NotFound"):
-        return kind("no such object", path=url, hint="check the URL")
-    if code in ("AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
-        return kind(f"access denied by the object store ({code})", path=url,
-                    hint="check the credentials and the bucket policy")
-    if code is not None:
-        msg = (getattr(exc, "response", {}).get("Error") or {}).get("Message") or code
-        return kind(f"the object store answered {code}: {msg}", path=url)
-    if _transient(exc) or "EndpointConnectionError" in names:
-        what = "writing" if writing else "reading"
-        return kind(f"{what} failed: the connection to the object store at {endpoint} broke "
-                    f"or timed out ({type(exc).__name__})", path=url,
-                    hint="check the network and the endpoint, then rerun")
-    return kind(f"object store request failed ({type(exc).__name__}: {exc})", path=url)

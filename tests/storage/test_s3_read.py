@@ -223,16 +223,17 @@ def test_sequential_reads_come_from_the_read_ahead_and_are_exact(s3, monkeypatch
     ends and the object's end: every byte as stored, most of them from the read-ahead."""
     import random
 
-    from ckpt_tool.storage import as_path, s3 as s3_module
+    from ckpt_tool.storage import as_path, read_ahead
+    from ckpt_tool.storage import s3 as s3_module
 
     blob = random.Random(0).randbytes(5 << 20)
     s3.client.put_object(Bucket=s3.bucket, Key="blob", Body=blob)
     s3_module.forget_stores()
-    monkeypatch.setattr(s3_module, "AHEAD", 1 << 20)
-    monkeypatch.setattr(s3_module, "AHEAD_FROM", 1)
+    monkeypatch.setattr(read_ahead, "AHEAD", 1 << 20)
+    monkeypatch.setattr(read_ahead, "AHEAD_FROM", 1)
     served = []
-    real = s3_module._ReadAhead.take
-    monkeypatch.setattr(s3_module._ReadAhead, "take",
+    real = read_ahead.ReadAhead.take
+    monkeypatch.setattr(read_ahead.ReadAhead, "take",
                         lambda self, *a: served.append(real(self, *a)) or served[-1])
     p = as_path(s3.url("blob"))
     streams = [0, 3 << 20]
