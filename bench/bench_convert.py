@@ -10,6 +10,8 @@ unless it exists, then times, each in a fresh process (imports included, page ca
 * Megatron-Core ``load_plain_tensors`` followed by ``torch.save`` of the result
 * PyTorch DCP ``dcp_to_torch_save``
 * ``python -c "import torch"``: subtracted from peak RSS to get the memory the job itself held
+* convert with and without the CRC-32 check of the source (``verify_source``), alternating in
+  one process: the check's cost (goal: at most +10%)
 
 and checks the issue's bar: convert >= 3x faster than both peers; peak RSS minus the RSS of
 ``import torch`` at most 2x the largest tensor.
@@ -112,6 +114,47 @@ def _in_process(ckpt: Path, work: Path, repeat: int) -> None:
           f"{repeat}): ckpt convert (incl. validation) {ours:.3f} s, "
           f"dcp_to_torch_save {dcp:.3f} s ({dcp / ours:.2f}x), "
           f"megatron-core load_plain_tensors+torch.save {mcore:.3f} s ({mcore / ours:.2f}x)")
+    _crc_cost(ckpt, work, repeat)
+
+
+def _crc_cost(ckpt: Path, work: Path, repeat: int) -> None:
+    """What checking the source's CRC-32s while reading costs a convert: the same convert
+    with and without it (``verify_source``), alternating in one process (so that the page
+    cache and the machine's load treat both alike), best of ``repeat`` each, in wall time and
+    in the process's CPU time (less sensitive to other jobs on a busy machine); the output is
+    validated in both."""
+    out = work / "crc_cost"
+    code = (
+        "import json, shutil, time\nfrom ckpt_tool.ops.convert import convert\n"
+        "from ckpt_tool.ops._convert_plan import ConvertOptions\n"
+        "import ckpt_tool.formats.archive_check as ac\n"
+        "best = {}\n"
+        f"for to in ('safetensors', 'torch_dist'):\n"
+        f"    for i in range({repeat} * 2 + 1):\n"
+        "        check = i % 2 == 1\n"
+        "        ac._checked.clear()  # each run checks every item afresh\n"
+        f"        shutil.rmtree({str(out)!r}, ignore_errors=True)\n"
+        "        t, c = time.perf_counter(), time.process_time()\n"
+        f"        convert({str(ckpt)!r}, {str(out)!r}, ConvertOptions(to=to), "
+        "verify_source=check)\n"
+        "        dt, dc = time.perf_counter() - t, time.process_time() - c\n"
+        "        if i:  # the first run warms the page cache\n"
+        "            w, p = best.get((to, check), (1e9, 1e9))\n"
+        "            best[to, check] = (min(w, dt), min(p, dc))\n"
+        "print(json.dumps([[to, check, *s] for (to, check), s in best.items()]))\n")
+    res = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                         text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    best = {(to, check): (w, c) for to, check, w, c in
+            json.loads(res.stdout.strip().splitlines()[-1])}
+    shutil.rmtree(out, ignore_errors=True)
+    with open("/proc/loadavg") as f:
+        load = f.read().split()[0]
+    print(f"CRC-32 check of the source (best of {repeat}, load average {load}; goal <= +10%):")
+    for to in ("safetensors", "torch_dist"):
+        (w1, c1), (w0, c0) = best[to, True], best[to, False]
+        print(f"  convert --to {to}: wall {w1:.3f} s with, {w0:.3f} s without "
+              f"({(w1 / w0 - 1) * 100:+.1f}%); CPU {c1:.3f} s with, {c0:.3f} s without "
+              f"({(c1 / c0 - 1) * 100:+.1f}%)")
 
 
 if __name__ == "__main__":

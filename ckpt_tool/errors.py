@@ -15,6 +15,7 @@ __all__ = [
     "InputError",
     "NotACheckpointError",
     "CorruptCheckpointError",
+    "IntegrityError",
     "UnsafePickleError",
     "UnsupportedError",
     "OutputError",
@@ -65,6 +66,14 @@ class NotACheckpointError(InputError):
 
 class CorruptCheckpointError(InputError):
     """The path is a checkpoint of a known format but its metadata is truncated or garbage."""
+
+
+class IntegrityError(CorruptCheckpointError):
+    """Stored bytes contradict what the checkpoint records about them (a zip record's CRC-32,
+    a manifest's digest, the dtype or size an item holds): using them would pass the damage
+    on into what is written or compared. Exit 1, as a finding of ``validate``."""
+
+    exit_code = 1
 
 
 class UnsafePickleError(InputError):

@@ -26,7 +26,7 @@ import os
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from ckpt_tool._crc import crc32
 from ckpt_tool.digests import noted
@@ -208,7 +208,8 @@ def _read(path: Path) -> tuple[str, dict[str, str], dict[str, int] | None]:
 
 
 def check_manifest(path: str | Path, *, deep: bool = False, prefix: str = "",
-                   stats: dict[str, int] | None = None) -> list[Finding]:
+                   stats: dict[str, int] | None = None,
+                   hash_only: Callable[[Path], bool] | None = None) -> list[Finding]:
     """Findings of the manifest of the checkpoint at ``path`` (none when it has none).
 
     Always: the manifest parses, every file it lists exists with the recorded size, and no
@@ -216,7 +217,8 @@ def check_manifest(path: str | Path, *, deep: bool = False, prefix: str = "",
     or always when the manifest records no sizes (Megatron-Core's own ``integrity.json``):
     then they are the only check. ``prefix``: only names under it (``iter_0000010/``), shown
     without it. ``stats`` gets ``manifest_files`` (and ``manifest_files_hashed`` when the
-    digests were compared)."""
+    digests were compared). ``hash_only``: the digests of only the files it accepts are
+    compared (the others' sizes still are)."""
     found = manifest_for(path)
     if found is None:
         return []
@@ -253,6 +255,8 @@ def check_manifest(path: str | Path, *, deep: bool = False, prefix: str = "",
             continue
         present.append(name)
     if hash_them:
+        if hash_only is not None:
+            present = [n for n in present if hash_only(base / n)]
         try:
             got = _digest_all(base, present, algorithm)
         except OSError as exc:

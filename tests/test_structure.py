@@ -117,3 +117,12 @@ def test_a_format_package_imports_no_other_format_package():
             if pa in FORMAT_PACKAGES and pb in FORMAT_PACKAGES and pa != pb:
                 crossing.append((a, b))
     assert crossing == []
+
+
+def test_test_modules_have_unique_basenames():
+    """The tests' folders are not packages: pytest imports each test module by its basename,
+    and two modules of one name stop the whole run at collection."""
+    names: dict[str, list[str]] = {}
+    for path in (PKG.parent / "tests").rglob("test_*.py"):
+        names.setdefault(path.name, []).append(str(path.relative_to(PKG.parent)))
+    assert {name: paths for name, paths in names.items() if len(paths) > 1} == {}

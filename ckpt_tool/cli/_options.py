@@ -93,7 +93,8 @@ def source_place(path: Path, iteration: int | None) -> Any:
 
 OverwriteFlag = Annotated[bool, typer.Option("--overwrite", help="Replace DST if it exists.")]
 NoVerifyFlag = Annotated[bool, typer.Option(
-    "--no-verify", help="Skip validating the output before it is moved into place.")]
+    "--no-verify", help="Skip the integrity checks: every byte read against its CRC-32, and "
+    "validating the output before it is moved into place (a note says so).")]
 MaxMemoryOption = Annotated[Optional[str], typer.Option(
     "--max-memory", metavar="SIZE",
     help="Memory budget for tensor data, e.g. 2GiB (default: the largest "

@@ -94,7 +94,7 @@ def convert(
                              hf_arch=hf_arch, local_spec=local_spec)
     with progress_bar(f"convert -> {to}", enabled=not (quiet or no_progress)) as bar:
         result = run_convert(place, dst, options, trust=trust, overwrite=overwrite,
-                             verify=not no_verify, tp=tp, pp=pp,
+                             verify=not no_verify, verify_source=not no_verify, tp=tp, pp=pp,
                              max_shard_size=parse_size(max_shard_size, "--max-shard-size"),
                              progress=bar, workers=workers)
     for note in result.notes:

@@ -120,7 +120,8 @@ def reshard(
                          ddp_bucket_size=ddp_bucket_size)
     with progress_bar("reshard", enabled=not (check or dry_run or quiet or no_progress)) as bar:
         result = run_reshard(place, dst, req, check=check, dry_run=dry_run, trust=trust,
-                             overwrite=overwrite, verify=not no_verify, progress=bar,
+                             overwrite=overwrite, verify=not no_verify,
+                             verify_source=not no_verify, progress=bar,
                              workers=workers)
     state.verdict = 0 if result.ok else 1  # kept if stdout's reader goes away
     problems = result.plan.get("problems") or []
@@ -132,7 +133,7 @@ def reshard(
         for p in problems:
             message(_problem_line(p), failure=p["severity"] == "error")
     for note in getattr(result, "notes", None) or ():
-        if note.startswith("reclaimed"):  # (the others are in the feasibility table)
+        if note.startswith(("reclaimed", "--no-verify")):  # (the others: the feasibility table)
             message(f"note: {note}")
     message(_verdict(result, check or dry_run), failure=not result.ok)
     for line in result.resume.lines() if result.resume is not None else ():

@@ -23,10 +23,10 @@ import os
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from ckpt_tool.errors import CorruptCheckpointError, InputError, NotACheckpointError
-from ckpt_tool.model import CheckpointMeta, ObjectMeta, TensorMeta
+from ckpt_tool.model import CheckpointMeta, ChunkRef, ObjectMeta, TensorMeta
 from ckpt_tool.storage import as_path, is_remote
 
 __all__ = ["Reader", "Format", "register", "formats", "detect", "open_checkpoint", "inside_name",
@@ -37,6 +37,9 @@ class Reader(abc.ABC):
     """Read access to one checkpoint. See the module docstring for the call order."""
 
     format_name: str = ""
+    #: Check every byte read against what the checkpoint records about it (zip CRC-32s)
+    #: before handing it out; False only on the user's explicit request (``--no-verify``).
+    verify: bool = True
 
     def __init__(self, path: Path, *, trust: bool = False):
         self.path = as_path(path)
@@ -73,6 +76,28 @@ class Reader(abc.ABC):
     def common(self) -> dict[str, Any]:
         """The full common state (non-sharded values), loaded through the safe unpickler."""
         return {}
+
+    def stored_archives(self, chunks: Iterable[ChunkRef]) -> list[tuple[Path, int | None,
+                                                                         int | None]]:
+        """The ``torch.save`` archives that store ``chunks``: ``(file, offset, length)`` of
+        each (offset None: the whole file), in the order of ``chunks``, each once; none for
+        formats without such archives."""
+        return []
+
+    def check_stored(self, chunks: Iterable[ChunkRef]) -> None:
+        """Check the stored bytes of ``chunks`` against what the checkpoint records about
+        them (the CRC-32s of the zip records of :meth:`stored_archives`), once each, for a
+        caller that reads those bytes on its own (``diff`` compares them in place);
+        IntegrityError on a mismatch. Nothing to do when :attr:`verify` is off."""
+        from ckpt_tool.formats.archive_check import check_many
+
+        if self.verify:
+            check_many(self.stored_archives(chunks))
+
+    def check_common(self) -> None:
+        """Check the stored bytes the common state comes from (as :meth:`check_stored`), for a
+        caller that takes it from the metadata's summary instead of :meth:`common` (which
+        checks them itself)."""
 
     def objects_in_common(self) -> frozenset[str]:
         """The stored objects (unique keys) that are pieces of :meth:`common` rather than
@@ -262,6 +287,9 @@ def detect(path: str | Path) -> Format:
     )
 
 
-def open_checkpoint(path: str | Path, *, trust: bool = False) -> Reader:
-    """Detect the format of ``path`` and open a reader on it."""
-    return detect(path).open(as_path(path), trust=trust)
+def open_checkpoint(path: str | Path, *, trust: bool = False, verify: bool = True) -> Reader:
+    """Detect the format of ``path`` and open a reader on it (``verify``: see
+    :attr:`Reader.verify`)."""
+    reader = detect(path).open(as_path(path), trust=trust)
+    reader.verify = verify
+    return reader

@@ -103,12 +103,13 @@ def _load_with_torch(source: Any, trust: bool, where: Any) -> Any:
     from ckpt_tool.formats.safe_pickle import load_torch_file
 
     if isinstance(source, (bytes, bytearray)):
-        try:
-            return load_torch_file(io.BytesIO(source), trust=trust, map_location="cpu")
+        try:  # (light loads are for metadata: validate checks the CRCs on its own)
+            return load_torch_file(io.BytesIO(source), trust=trust, map_location="cpu",
+                                   verify=False)
         except CorruptCheckpointError as exc:
             exc.path = exc.path or (None if where is None else str(where))
             raise
-    return load_torch_file(source, trust=trust, map_location="cpu")
+    return load_torch_file(source, trust=trust, map_location="cpu", verify=False)
 
 
 def _get(obj: Any, name: str) -> Any:

@@ -18,16 +18,20 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
-from ckpt_tool.errors import CorruptCheckpointError, UnsupportedError, UsageError
+from ckpt_tool.errors import CorruptCheckpointError, IntegrityError, UnsupportedError, UsageError
 from ckpt_tool.formats.torch_zip import torch_dtype
 from ckpt_tool.model import ChunkRef, TensorMeta
 from ckpt_tool.storage import is_remote, read_into
 
-__all__ = ["read_item_bytes", "load_chunk", "load_chunk_view", "normalize_slices", "assemble", "torch_dtype"]
+__all__ = ["read_item_bytes", "load_chunk", "load_chunk_view", "item_ranges", "normalize_slices",
+           "assemble", "torch_dtype"]
 
 
-def read_item_bytes(root: Path, file: str | None, offset: int | None, length: int | None) -> bytes:
-    """The stored bytes of one item; CorruptCheckpointError if the file is short or missing."""
+def read_item_bytes(root: Path, file: str | None, offset: int | None, length: int | None, *,
+                    verify: bool = True) -> bytes:
+    """The stored bytes of one item; CorruptCheckpointError if the file is short or missing.
+    ``verify``: the item is a ``torch.save`` archive whose CRC-32s are checked first
+    (``archive_check``: IntegrityError), once per item."""
     if file is None or offset is None or length is None:
         raise CorruptCheckpointError("no storage location recorded for the item", path=root)
     path = root / file
@@ -35,11 +39,20 @@ def read_item_bytes(root: Path, file: str | None, offset: int | None, length: in
         if is_remote(path):
             data = bytearray(length)
             del data[read_into(path, offset, data):]
+            if verify and len(data) == length:
+                from ckpt_tool.formats.archive_check import check_fetched
+
+                check_fetched(path, offset, length, data, _where(offset, length))
             data = bytes(data)
         else:
             with open(path, "rb") as f:
                 f.seek(offset)
                 data = f.read(length)
+                if verify and len(data) == length:
+                    from ckpt_tool.formats.archive_check import check_item
+
+                    check_item(f.fileno(), offset, length, data, _where(offset, length),
+                               path=path)
     except FileNotFoundError:
         raise CorruptCheckpointError(f"data file {file} is missing", path=root) from None
     if len(data) != length:
@@ -49,19 +62,26 @@ def read_item_bytes(root: Path, file: str | None, offset: int | None, length: in
     return data
 
 
+def _where(offset: int, length: int) -> str:
+    return f"item at bytes [{offset}, {offset + length})"
+
+
 _PREAD_MAX = 1 << 20  # smaller items are read with one pread, bigger ones mapped
 
 
-def _load_chunk_raw(path: Path, offset: int, length: int, copy: bool = True) -> Any:
+def _load_chunk_raw(path: Path, offset: int, length: int, copy: bool = True,
+                    verify: bool = True) -> Any:
     """The item's tensor read in place, as a fresh tensor owning its memory (``copy=False``:
     a read-only view of the file that keeps its mapping alive until it is dropped); None when
     the raw path does not apply (missing/short file, unusual archive: the caller's fallback
-    reports or handles it)."""
-    from ckpt_tool.formats.torch_zip import (NotSimple, as_byte_view, as_tensor,
-                                             frombuffer_u8, raw_item)
+    reports or handles it). ``verify``: the item's CRC-32s are checked before its bytes are
+    used, over the same bytes (IntegrityError)."""
+    from ckpt_tool.formats.archive_check import check_item
+    from ckpt_tool.formats.torch_zip import as_byte_view, as_tensor, frombuffer_u8, raw_item
+    from ckpt_tool.formats.zip_directory import NotSimple
 
     if is_remote(path):
-        return _load_chunk_fetched(path, offset, length)
+        return _load_chunk_fetched(path, offset, length, verify=verify)
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -70,26 +90,38 @@ def _load_chunk_raw(path: Path, offset: int, length: int, copy: bool = True) -> 
         if length <= 0 or offset < 0 or offset + length > os.fstat(fd).st_size:
             return None
         if length <= _PREAD_MAX:
+            data = os.pread(fd, length, offset)
+            records = check_item(fd, offset, length, data, _where(offset, length),
+                                 path=path) if verify else None
             try:
-                return as_tensor(raw_item(os.pread(fd, length, offset)), copy=copy)
+                return as_tensor(raw_item(data, records), copy=copy)
             except NotSimple:
                 return None
         start = offset - offset % mmap.ALLOCATIONGRANULARITY
         mapped = mmap.mmap(fd, offset + length - start, access=mmap.ACCESS_READ, offset=start)
+        view = memoryview(mapped)
+        try:
+            with view[offset - start:] as item:
+                records = check_item(fd, offset, length, item, _where(offset, length),
+                                     path=path) if verify else None
+        except BaseException:
+            view.release()
+            mapped.close()
+            raise
     finally:
         os.close(fd)
     if not copy:
+        view.release()
         try:
-            raw = raw_item(memoryview(mapped)[offset - start:])
+            raw = raw_item(memoryview(mapped)[offset - start:], records)
         except NotSimple:
             return None
         if frombuffer_u8(raw.data).data_ptr() % raw.itemsize:
             return ByteView(as_byte_view(raw), torch_dtype(raw.dtype))
         return as_tensor(raw, copy=False)
-    view = memoryview(mapped)
     try:
         with view[offset - start:] as item:
-            raw = raw_item(item)
+            raw = raw_item(item, records)
             try:
                 return as_tensor(raw, copy=True)
             finally:
@@ -104,11 +136,14 @@ def _load_chunk_raw(path: Path, offset: int, length: int, copy: bool = True) -> 
             pass
 
 
-def _load_chunk_fetched(path: Any, offset: int, length: int) -> Any:
+def _load_chunk_fetched(path: Any, offset: int, length: int, *, verify: bool) -> Any:
     """:func:`_load_chunk_raw` of an object-store item: its bytes fetched (parallel ranged
-    GETs) into a private buffer, the tensor a view of it (never shared with anything else);
-    None when the item is short or unusual (the caller's fallback reports or handles it)."""
-    from ckpt_tool.formats.torch_zip import NotSimple, as_tensor, raw_item
+    GETs) into a private buffer and checked as a local item's are, the tensor a view of it
+    (never shared with anything else); None when the item is short or unusual (the caller's
+    fallback reports or handles it)."""
+    from ckpt_tool.formats.archive_check import check_fetched
+    from ckpt_tool.formats.torch_zip import as_tensor, raw_item
+    from ckpt_tool.formats.zip_directory import NotSimple
 
     if length <= 0 or offset < 0:
         return None
@@ -118,8 +153,10 @@ def _load_chunk_fetched(path: Any, offset: int, length: int) -> Any:
             return None
     except FileNotFoundError:
         return None
+    records = check_fetched(path, offset, length, buf, _where(offset, length)) \
+        if verify else None
     try:
-        return as_tensor(raw_item(buf))
+        return as_tensor(raw_item(buf, records))
     except NotSimple:
         return None
 
@@ -151,12 +188,13 @@ def as_bytes(t: Any) -> Any:
     return t.reshape(-1).view(torch.uint8).view(*t.shape, t.element_size())
 
 
-def load_chunk(root: Path, chunk: ChunkRef, *, trust: bool = False) -> Any:
+def load_chunk(root: Path, chunk: ChunkRef, *, trust: bool = False, verify: bool = True) -> Any:
     """One stored chunk as a torch.Tensor (a ``torch.save`` item of a ``.distcp`` file).
 
     The tensor is always a private copy that owns its memory (writable, never aliasing the
     file, no mapping kept open): read in place when the item is a plain tensor archive (one
     copy of the data), else through ``torch.load`` of the item's bytes via the allowlist.
+    ``verify``: the item's CRC-32s are checked before its bytes are used (IntegrityError).
     """
     from ckpt_tool.formats.safe_pickle import load_torch_file
 
@@ -164,27 +202,40 @@ def load_chunk(root: Path, chunk: ChunkRef, *, trust: bool = False) -> Any:
         raise UnsupportedError(f"stream transforms {list(chunk.transforms)} are not supported yet")
     if chunk.file is not None and chunk.byte_offset is not None \
             and chunk.byte_length is not None:
-        t = _load_chunk_raw(root / chunk.file, chunk.byte_offset, chunk.byte_length)
+        t = _load_chunk_raw(root / chunk.file, chunk.byte_offset, chunk.byte_length,
+                            verify=verify)
         if t is not None:
             return t
-    data = read_item_bytes(root, chunk.file, chunk.byte_offset, chunk.byte_length)
+    data = read_item_bytes(root, chunk.file, chunk.byte_offset, chunk.byte_length,
+                           verify=verify)
     try:
-        return load_torch_file(io.BytesIO(data), trust=trust)
+        return load_torch_file(io.BytesIO(data), trust=trust, verify=False)  # (checked)
     except CorruptCheckpointError as exc:
         exc.path = exc.path or str(root / str(chunk.file))
         raise
 
 
-def load_chunk_view(root: Path, chunk: ChunkRef, *, trust: bool = False) -> Any:
+def load_chunk_view(root: Path, chunk: ChunkRef, *, trust: bool = False,
+                    verify: bool = True) -> Any:
     """Like :func:`load_chunk` but, for plain tensor items, a read-only zero-copy view of the
     file (a :class:`ByteView` when its elements are misaligned): only for callers that copy
     what they need at once (``assemble``) and never write into it."""
     if not chunk.transforms and chunk.file is not None and chunk.byte_offset is not None \
             and chunk.byte_length is not None:
-        t = _load_chunk_raw(root / chunk.file, chunk.byte_offset, chunk.byte_length, copy=False)
+        t = _load_chunk_raw(root / chunk.file, chunk.byte_offset, chunk.byte_length, copy=False,
+                            verify=verify)
         if t is not None:
             return t
-    return load_chunk(root, chunk, trust=trust)
+    return load_chunk(root, chunk, trust=trust, verify=verify)
+
+
+def item_ranges(root: Path, chunks: Any) -> list[tuple[Path, int, int]]:
+    """``(file, offset, length)`` of the ``torch.save`` items storing ``chunks`` (those with a
+    byte range and no stream transform), for ``archive_check.check_many``."""
+    return list(dict.fromkeys(
+        (root / c.file, c.byte_offset, c.byte_length) for c in chunks
+        if c.file and c.byte_offset is not None and c.byte_length
+        and not c.transforms and c.layout in ("torch_save", "flat")))
 
 
 def normalize_slices(shape: tuple[int, ...], slices: tuple[slice, ...] | None
@@ -232,10 +283,34 @@ def _unflatten(stored: Any, logical: tuple[int, ...]) -> Any:
     return t.permute(*order).reshape(*logical)
 
 
+def _load_checked(meta: TensorMeta, chunk: ChunkRef, load: Callable[[ChunkRef], Any],
+                  dtype: Any) -> Any:
+    """``load(chunk)``, which must hold what the metadata says: ``dtype`` elements, as many
+    as the chunk has. The stored item is the ground truth: data that contradicts the metadata
+    is never cast or reshaped into what it claims to be (IntegrityError); a damaged item's
+    error names the tensor."""
+    try:
+        data = load(chunk)
+    except CorruptCheckpointError as exc:  # a damaged item: which tensor's
+        if not exc.message.startswith("tensor "):
+            exc.message = f"tensor {meta.key}: {exc.message}"
+        raise
+    numel = math.prod(data.shape)
+    if data.dtype != dtype or numel != chunk.numel:
+        where = f" ({chunk.file})" if chunk.file else ""
+        held = str(data.dtype).removeprefix("torch.")
+        raise IntegrityError(
+            f"tensor {meta.key}: the stored item of chunk at {list(chunk.offsets)}{where} holds "
+            f"{numel} {held} elements, the metadata says {chunk.numel} {meta.dtype}",
+            hint="the metadata contradicts the data: the checkpoint is damaged")
+    return data
+
+
 def assemble(meta: TensorMeta, slices: tuple[slice, ...] | None,
              load: Callable[[ChunkRef], Any]) -> Any:
     """The global tensor ``meta`` (or a region of it) from its chunks; ``load(chunk)`` returns
-    the chunk's tensor with ``chunk.sizes`` elements."""
+    the chunk's tensor with ``chunk.sizes`` elements of the tensor's dtype (else
+    IntegrityError: the stored data contradicts the metadata)."""
     import torch
 
     if meta.stored_shape is not None:
@@ -255,7 +330,7 @@ def assemble(meta: TensorMeta, slices: tuple[slice, ...] | None,
                 break
             inter.append((lo, hi))
         else:
-            data = load(chunk)
+            data = _load_checked(meta, chunk, load, out.dtype)
             src = tuple(slice(lo - off, hi - off) for (lo, hi), off in zip(inter, chunk.offsets))
             dst = tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(inter, region))
             if isinstance(data, ByteView):
@@ -267,7 +342,7 @@ def assemble(meta: TensorMeta, slices: tuple[slice, ...] | None,
                 data = data.materialize()
             if tuple(data.shape) != tuple(chunk.sizes) and _reshapeable(meta, chunk, data):
                 data = data.reshape(chunk.sizes)
-            out[dst] = data[src].to(out.dtype)
+            out[dst] = data[src]
             del data
             covered += math.prod(hi - lo for lo, hi in inter)
     if covered < out.numel():

@@ -371,13 +371,15 @@ def safe_pickle_module(*, trust: bool = False) -> types.ModuleType:
 
 
 def load_torch_file(path_or_fileobj: str | os.PathLike | IO[bytes], *, trust: bool = False,
-                    map_location: Any = "cpu") -> Any:
+                    map_location: Any = "cpu", verify: bool = True) -> Any:
     """``torch.load`` a file (path or binary file object) through the allowlisting unpickler.
 
     Loads Megatron-LM's ``common.pt`` (``argparse.Namespace`` args, numpy values, torch dtypes,
     ``PosixPath``, megatron enums/dataclasses as :class:`StandIn`) without importing megatron.
     A global outside the allowlist raises UnsafePickleError; a damaged file
-    CorruptCheckpointError. ``trust=True`` does an unrestricted ``torch.load``.
+    CorruptCheckpointError. ``trust=True`` does an unrestricted ``torch.load``. ``verify``:
+    a zip archive (a path, or an ``io.BytesIO``) has the CRC-32 of every record checked first
+    (``archive_check``; IntegrityError) -- ``torch.load`` itself does not check them.
     """
     import torch
 
@@ -389,6 +391,8 @@ def load_torch_file(path_or_fileobj: str | os.PathLike | IO[bytes], *, trust: bo
         from ckpt_tool.errors import InputError
 
         raise InputError("no such file", path=where, hint="check the path")
+    if verify:
+        _check_zip(path_or_fileobj, where)
     if where is not None and is_remote(where):
         path_or_fileobj = as_path(where).open("rb")
     try:
@@ -398,3 +402,20 @@ def load_torch_file(path_or_fileobj: str | os.PathLike | IO[bytes], *, trust: bo
         _reraise(exc, where)
     except Exception as exc:  # noqa: BLE001
         _reraise(exc, where)
+
+
+_ZIP_MAGIC = b"PK\x03\x04"  # what torch.load takes for a zip archive (else a legacy pickle)
+
+
+def _check_zip(source: Any, where: Any) -> None:
+    """The CRC-32 check of ``load_torch_file(verify=True)``."""
+    from ckpt_tool.formats.archive_check import check_archive, check_file
+    from ckpt_tool.storage import as_path, read_range
+
+    if where is not None:
+        if read_range(as_path(where), 0, 4) == _ZIP_MAGIC:
+            check_file(where)
+    elif isinstance(source, io.BytesIO):
+        with source.getbuffer() as view:
+            if bytes(view[:4]) == _ZIP_MAGIC:
+                check_archive(view, "torch.save archive")

@@ -6,16 +6,19 @@ that lives in a directory resolves its input through :func:`resolve_checkpoint_d
 directory without the tracker file (copied without it, or a save that never finished) resolves
 to its latest iteration; :func:`select_iteration` picks another and says what was found.
 
-What a user names is one of three containers (:class:`Container`), which :func:`locate_source`
+What a user names is one of four containers (:class:`Container`), which :func:`locate_source`
 tells apart: a save directory (the tracker file and an iteration directory inside), an
-iteration directory (``iter_0000010/``, ``release/``) or a bare checkpoint; ``reshard`` and
-``convert`` write their output in the source's container (docs/resume.md).
+iteration directory (``iter_0000010/``, ``release/``), a NeMo 2 checkpoint directory
+(``weights/`` holding the dist checkpoint, ``context/`` its configuration) or a bare
+checkpoint; ``reshard`` and ``convert`` write their output in the source's container
+(docs/resume.md). A save or iteration directory whose iteration directory holds Megatron-Bridge's
+``run_config.yaml`` is Megatron-Bridge's (``Container.framework``).
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +27,14 @@ from ckpt_tool.storage import as_path
 
 __all__ = ["LATEST_FILE", "resolve_checkpoint_dir", "iteration_dir_name", "read_latest",
            "iteration_dirs", "select_iteration", "iterations_text", "Container", "SourcePlace",
-           "locate_source", "is_iteration_dir_name"]
+           "locate_source", "is_iteration_dir_name", "is_nemo_checkpoint_dir", "NEMO_WEIGHTS",
+           "NEMO_CONTEXT", "BRIDGE_RUN_CONFIG"]
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
+#: NeMo 2's checkpoint directory: the dist checkpoint in WEIGHTS, the configuration in CONTEXT.
+NEMO_WEIGHTS, NEMO_CONTEXT = "weights", "context"
+#: Megatron-Bridge's configuration in each iteration directory.
+BRIDGE_RUN_CONFIG = "run_config.yaml"
 _METADATA_FILES = ("metadata.json", ".metadata")
 _ITER_DIR = re.compile(r"iter_(\d+)")
 
@@ -73,6 +81,8 @@ def resolve_checkpoint_dir(path: str | Path) -> Path:
             raise _data_file_error(p)
         else:
             return p
+    if is_nemo_checkpoint_dir(p):
+        return p / NEMO_WEIGHTS
     if p.is_dir() and not any((p / m).exists() for m in _METADATA_FILES) \
             and (p / LATEST_FILE).is_file():
         latest = read_latest(p)
@@ -87,6 +97,13 @@ def resolve_checkpoint_dir(path: str | Path) -> Path:
         if iters:
             return iters[-1]
     return p
+
+
+def is_nemo_checkpoint_dir(p: Path) -> bool:
+    """A NeMo 2 checkpoint directory: ``weights/`` holding a dist checkpoint (or DCP) beside
+    ``context/``."""
+    return p.is_dir() and (p / NEMO_CONTEXT).is_dir() and any(
+        (p / NEMO_WEIGHTS / m).is_file() for m in _METADATA_FILES)
 
 
 def iteration_dirs(save_dir: Path) -> list[Path]:
@@ -167,10 +184,19 @@ def _data_file_error(p: Path) -> NotACheckpointError:
 class Container:
     """How a checkpoint sits in a directory: ``save_dir`` (the tracker file naming
     ``iteration_dir``, which holds the checkpoint), ``iteration_dir`` (``iteration_dir`` holds
-    it, no tracker file) or ``bare`` (the directory, or file, is the checkpoint)."""
+    it, no tracker file), ``nemo`` (NeMo 2's checkpoint directory: ``weights/`` holds it,
+    ``context/`` beside it) or ``bare`` (the directory, or file, is the checkpoint).
+    ``framework``: who trained into it, as far as its files say: ``megatron_bridge`` (its
+    ``run_config.yaml`` in the iteration directory), ``nemo2``, else ``megatron_lm``."""
 
     kind: str = "bare"
     iteration_dir: str | None = None  # "iter_0000010" or "release"
+    framework: str = "megatron_lm"
+
+    @property
+    def inner(self) -> str | None:
+        """The checkpoint's directory inside the container (None: the container itself)."""
+        return NEMO_WEIGHTS if self.kind == "nemo" else self.iteration_dir
 
     @property
     def tracker(self) -> str | None:
@@ -187,10 +213,11 @@ class Container:
 
     def checkpoint_in(self, top: Path) -> Path:
         """Where the checkpoint lies when ``top`` is the container."""
-        return top / self.iteration_dir if self.iteration_dir else top
+        return top / self.inner if self.inner else top
 
     def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "iteration_dir": self.iteration_dir, "tracker": self.tracker}
+        return {"kind": self.kind, "iteration_dir": self.iteration_dir, "tracker": self.tracker,
+                "framework": self.framework}
 
 
 @dataclass(frozen=True)
@@ -210,13 +237,28 @@ def locate_source(path: str | Path, iteration: int | None = None) -> SourcePlace
 
     A save directory: its tracker's iteration (InputError, exit 2, when that directory is
     missing), ``iteration``'s, or without a tracker file the latest. An ``iter_*``/``release``
-    directory holding a checkpoint: an iteration directory. Anything else: bare (a missing path
-    too: opening it says so)."""
-    from ckpt_tool.formats.regular_files import check_regular
-
+    directory holding a checkpoint: an iteration directory. A NeMo 2 checkpoint directory (or
+    its ``weights/``): a NeMo container. Anything else: bare (a missing path too: opening it
+    says so). A checkpoint with Megatron-Bridge's ``run_config.yaml`` beside it is Bridge's."""
     p = as_path(path)
     if p.is_file() and (p.name in _METADATA_FILES or p.name == LATEST_FILE):
         p = p.parent
+    if p.name == NEMO_WEIGHTS and is_nemo_checkpoint_dir(p.parent):
+        p = p.parent  # NeMo's weights/ is read within its checkpoint directory
+    if is_nemo_checkpoint_dir(p):
+        if iteration is not None:
+            raise UsageError(f"--iteration {iteration}: {p} is a NeMo checkpoint directory "
+                             "(one checkpoint, no iterations)", hint="leave out --iteration")
+        return SourcePlace(p, p / NEMO_WEIGHTS, Container("nemo", framework="nemo2"))
+    place = _locate(p, iteration)
+    if (place.checkpoint / BRIDGE_RUN_CONFIG).is_file():
+        return replace(place, container=replace(place.container, framework="megatron_bridge"))
+    return place
+
+
+def _locate(p: Path, iteration: int | None) -> SourcePlace:
+    from ckpt_tool.formats.regular_files import check_regular
+
     check_regular(p / LATEST_FILE)  # a FIFO there is refused, not read nor taken for absent
     read, note = select_iteration(p, iteration)
     if read != p:  # --iteration N in a save directory

@@ -4,15 +4,12 @@ DCP stores every tensor item as one independent ``torch.save`` zip at ``[offset,
 offset+length)`` of a ``.distcp`` file; Megatron-LM legacy rank files are whole ``torch.save``
 zips. Given that archive as a buffer (a memoryview of a read-only mmap, or bytes):
 
-* :func:`zip_records` lists its records (name, where the data starts, size, CRC32) by parsing
-  the central directory and local headers with ``struct`` (ZIP64 included): no ``zipfile``,
-  no copies of record data;
+* ``zip_directory.zip_records`` lists its records (name, where the data starts, size, CRC32)
+  as PyTorch's reader would find them;
 * :func:`raw_item` describes the one tensor of a DCP item (dtype, shape, stride, storage
   offset and a zero-copy memoryview of its storage record); its tiny ``data.pkl`` is unpickled
   by the allowlisting unpickler with the torch-free stand-ins (cached by content: layers repeat);
 * :func:`as_tensor` turns that into a ``torch.Tensor`` without copying when it can;
-* :func:`check_zip_item` gives ``zipfile``'s verdict on an archive in place (the slow path, for
-  what the raw parser cannot follow).
 
 Anything unusual (compressed or encrypted records, a big-endian archive, several storages,
 tensor subclasses, a pickle needing real torch, bounds that do not fit) raises
@@ -28,29 +25,17 @@ from __future__ import annotations
 
 import io
 import math
-import struct
 import threading
 import warnings
-import zipfile
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, NamedTuple
+from typing import Any
 
 from ckpt_tool.errors import UnsupportedError
+from ckpt_tool.formats.zip_directory import NotSimple, TorchRejects, ZipRecord, zip_records
 from ckpt_tool.model import DTYPE_ITEMSIZE
 
-__all__ = ["NotSimple", "TorchRejects", "ZipRecord", "zip_records", "RawItem", "raw_item", "as_tensor",
-           "as_byte_view", "frombuffer_u8", "BoundedReader", "check_zip_item"]
-
-_EOCD = struct.Struct("<4s4H2LH")
-_LOC64 = struct.Struct("<4sLQL")
-_EOCD64 = struct.Struct("<4sQ2H2L4Q")
-_CDIR = struct.Struct("<4s6H3L5H2L")
-_LOCAL = struct.Struct("<4s5H3L2H")
-_LOCAL_LENS = struct.Struct("<4s22xHH")  # signature, name and extra lengths
-_CDIR_USED = struct.Struct("<4s4xHH4xLLLHHH8xL")  # the _CDIR fields zip_records reads
-_MAX32 = 0xFFFFFFFF
-_BLOCK = 1 << 20
+__all__ = ["RawItem", "raw_item", "as_tensor", "as_byte_view", "frombuffer_u8", "torch_dtype"]
 
 
 def torch_dtype(name: str) -> Any:
@@ -61,131 +46,6 @@ def torch_dtype(name: str) -> Any:
     if not isinstance(dt, torch.dtype):
         raise UnsupportedError(f"unknown dtype {name!r}")
     return dt
-
-
-class NotSimple(Exception):
-    """The archive is not in the plain layout the raw path reads; use ``torch.load``."""
-
-
-class TorchRejects(NotSimple):
-    """A zip structure PyTorch's archive reader (miniz, under ``torch.load``) refuses: the
-    archive is damaged for every torch-based loader, whatever Python's ``zipfile`` says."""
-
-
-class ZipRecord(NamedTuple):
-    """One zip record: ``name``; its data at ``[start, start + size)`` of the archive when
-    ``stored`` (uncompressed, unencrypted); ``crc`` the CRC32 the central directory records."""
-
-    name: str
-    start: int
-    size: int
-    crc: int
-    stored: bool
-
-
-def _zip64_sizes(extra: Any, usize: int, csize: int, lho: int) -> tuple[int, int, int]:
-    pos = 0
-    while pos + 4 <= len(extra):
-        tag, n = struct.unpack_from("<HH", extra, pos)
-        if tag == 1:
-            vals = list(struct.unpack_from(f"<{n // 8}Q", extra, pos + 4))
-            usize = vals.pop(0) if usize == _MAX32 and vals else usize
-            csize = vals.pop(0) if csize == _MAX32 and vals else csize
-            lho = vals.pop(0) if lho == _MAX32 and vals else lho
-            break
-        pos += 4 + n
-    if _MAX32 in (usize, csize, lho):
-        raise NotSimple("ZIP64 sizes missing from a central directory entry")
-    return usize, csize, lho
-
-
-def _end_of_directory(buf: Any) -> tuple[int, int, int]:
-    """``(record count, central directory offset, its size)`` from the end records, read as
-    PyTorch's reader reads them: when a ZIP64 locator precedes the end record and points at a
-    ZIP64 record, that record's fields are the ones used (the 32-bit ones are ignored), and the
-    locator must say one disk; disk numbers other than
-    0 (or both 1) and entry counts that differ between "this disk" and the total are refused
-    (TorchRejects: ``torch.load`` fails with "unsupported multidisk archive")."""
-    n = len(buf)
-    if n < _EOCD.size:
-        raise NotSimple("too short for a zip archive")
-    at = n - _EOCD.size
-    if buf[at:at + 4] != b"PK\x05\x06":  # an archive comment: search backwards
-        tail = bytes(buf[max(0, n - _EOCD.size - 0xFFFF):])
-        i = tail.rfind(b"PK\x05\x06")
-        if i < 0 or len(tail) - i < _EOCD.size:
-            raise NotSimple("no end-of-central-directory record")
-        at = n - len(tail) + i
-    _, disk, cd_disk, n_disk, count, cd_size, cd_off, _ = _EOCD.unpack_from(buf, at)
-    loc = at - _LOC64.size
-    if loc >= 0 and buf[loc:loc + 4] == b"PK\x06\x07":
-        disks = _LOC64.unpack_from(buf, loc)[3]
-        if disks != 1:
-            raise TorchRejects(f"multi-disk zip archive (the ZIP64 locator says {disks} disks)")
-        e64 = _LOC64.unpack_from(buf, loc)[2]
-        if e64 + _EOCD64.size <= n and buf[e64:e64 + 4] == b"PK\x06\x06":
-            _, _, _, _, disk, cd_disk, n_disk, count, cd_size, cd_off = \
-                _EOCD64.unpack_from(buf, e64)
-    if count == 0xFFFF or cd_off == _MAX32 or cd_size == _MAX32:
-        raise TorchRejects("ZIP64 end-of-directory record missing")
-    if (disk or cd_disk) and not (disk == 1 and cd_disk == 1):
-        raise TorchRejects(f"multi-disk zip archive (disk {disk}, central directory on disk "
-                           f"{cd_disk})")
-    if n_disk != count:
-        raise TorchRejects(f"multi-disk zip archive ({n_disk} of {count} entries on this disk)")
-    if cd_off + cd_size > n:
-        raise TorchRejects("central directory runs past the archive")
-    return count, cd_off, cd_size
-
-
-def zip_records(buf: Any) -> list[ZipRecord]:
-    """Every record of the zip archive ``buf`` (bytes or memoryview), in directory order;
-    NotSimple when the structure cannot be followed (truncated, not a zip, ...)."""
-    try:
-        return _zip_records(buf)
-    except struct.error as exc:
-        raise NotSimple(f"damaged zip structure ({exc})") from None
-
-
-def _zip_records(buf: Any) -> list[ZipRecord]:
-    n = len(buf)
-    count, cd_off, cd_size = _end_of_directory(buf)
-    cd = bytes(buf[cd_off:cd_off + cd_size])  # small; parsing bytes beats a memoryview
-    local, entry = _LOCAL_LENS.unpack_from, _CDIR_USED.unpack_from
-    out = []
-    pos = 0
-    for _ in range(count):
-        if pos + _CDIR.size > cd_size:
-            raise NotSimple("central directory runs past the archive")
-        sig, flags, method, crc, csize, usize, nlen, elen, clen, lho = entry(cd, pos)
-        if sig != b"PK\x01\x02":
-            raise NotSimple("bad central directory entry")
-        at = pos + _CDIR.size
-        name = cd[at:at + nlen].decode("utf-8", "replace")
-        if _MAX32 in (usize, csize, lho):
-            usize, csize, lho = _zip64_sizes(cd[at + nlen:at + nlen + elen], usize, csize, lho)
-        pos = at + nlen + elen + clen
-        if lho + _LOCAL.size > n:
-            raise NotSimple(f"local header of {name} is past the archive")
-        lsig, lnlen, lelen = local(buf, lho)
-        start = lho + _LOCAL.size + lnlen + lelen
-        if lsig != b"PK\x03\x04" or start + csize > n:
-            raise NotSimple(f"record {name} is damaged or runs past the archive")
-        if method == 0 and csize != usize:
-            raise TorchRejects(f"record {name!r} is stored with {csize} bytes but says it "
-                               f"holds {usize}")
-        if not out:
-            prefix = name.split("/", 1)[0] + "/"
-            if "/" not in name:
-                raise TorchRejects(f"first record {name!r} is not in the archive's directory")
-        elif not name.startswith(prefix):
-            raise TorchRejects(f"record {name!r} is outside the archive's directory {prefix!r}")
-        out.append(ZipRecord(name, start, usize, crc,
-                             method == 0 and csize == usize and not flags & 1))
-    if pos != cd_size:
-        raise TorchRejects(f"the central directory holds {pos} bytes of entries, its end record "
-                           f"says {cd_size}")
-    return out
 
 
 @dataclass(frozen=True)
@@ -266,8 +126,10 @@ def raw_item(buf: Any, records: list[ZipRecord] | None = None) -> RawItem:
     dtype, shape, stride, offset, key, nbytes, _ = _describe(
         bytes(buf[pkl.start:pkl.start + pkl.size]))
     rec = by_name.get(f"{prefix}data/{key}")
-    if rec is None or not rec.stored or rec.size != nbytes:
-        raise NotSimple(f"storage record data/{key} is missing, compressed or mis-sized")
+    if rec is None:  # what torch.load fails on ("file not found")
+        raise TorchRejects(f"P7: the pickle's storage data/{key} has no record")
+    if not rec.stored or rec.size != nbytes:
+        raise NotSimple(f"storage record data/{key} is compressed or mis-sized")
     itemsize = DTYPE_ITEMSIZE[dtype]
     if nbytes % itemsize or any(s < 0 for s in shape) or any(st < 0 for st in stride):
         raise NotSimple("storage does not hold whole elements")
@@ -329,67 +191,3 @@ def as_byte_view(raw: RawItem) -> Any:
     n = raw.itemsize
     return frombuffer_u8(raw.data).as_strided(
         (*raw.shape, n), (*(st * n for st in raw.stride), 1), raw.storage_offset * n)
-
-
-class BoundedReader:
-    """A read-only, seekable view of ``[offset, offset + length)`` of an open binary file,
-    for ``zipfile`` to parse one DCP item in place (nothing is read into memory up front)."""
-
-    def __init__(self, f: Any, offset: int, length: int):
-        self._f, self._start, self._len, self._pos = f, offset, length, 0
-
-    def seekable(self) -> bool:
-        return True
-
-    def readable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, pos: int, whence: int = 0) -> int:
-        if whence == 1:
-            pos += self._pos
-        elif whence == 2:
-            pos += self._len
-        if pos < 0:
-            raise OSError("negative seek position")
-        self._pos = pos
-        return pos
-
-    def read(self, n: int = -1) -> bytes:
-        left = max(0, self._len - self._pos)
-        n = left if n is None or n < 0 else min(n, left)
-        if n == 0:
-            return b""
-        self._f.seek(self._start + self._pos)
-        data = self._f.read(n)
-        self._pos += len(data)
-        return data
-
-    def close(self) -> None:
-        pass
-
-    def flush(self) -> None:
-        pass
-
-
-def check_zip_item(f: Any, offset: int, length: int) -> str | None:
-    """None if the torch.save archive at ``[offset, offset+length)`` of ``f`` is intact (every
-    entry's CRC32 matches), else why not. Streams entries in 1 MiB blocks."""
-    try:
-        with zipfile.ZipFile(BoundedReader(f, offset, length)) as zf:
-            infos = zf.infolist()
-            if not infos:
-                return "empty zip archive"
-            for info in infos:
-                with zf.open(info) as entry:
-                    while entry.read(_BLOCK):
-                        pass
-    except zipfile.BadZipFile as exc:
-        return f"damaged torch.save archive ({exc})"
-    except (OSError, EOFError, ValueError, NotImplementedError, RuntimeError) as exc:
-        return f"unreadable torch.save archive ({type(exc).__name__}: {exc})"
-    except Exception as exc:  # zlib.error and friends
-        return f"unreadable torch.save archive ({type(exc).__name__}: {exc})"
-    return None

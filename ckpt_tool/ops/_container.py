@@ -1,7 +1,8 @@
 """The container of what ``reshard`` and ``convert`` write: the source's (a training save
-directory gives a save directory, an iteration directory an iteration directory, a bare
-checkpoint a bare one) for the formats Megatron-LM resumes from, a bare checkpoint for the
-others (docs/resume.md).
+directory gives a save directory, an iteration directory an iteration directory, a NeMo 2
+checkpoint directory a NeMo checkpoint directory, a bare checkpoint a bare one) for the formats
+Megatron-LM resumes from, a bare checkpoint for the others (docs/resume.md). The framework's
+files in it are carried by ``ops._framework_files``.
 
 Megatron-LM's ``--load DIR`` reads ``DIR/latest_checkpointed_iteration.txt`` and loads the
 iteration directory it names (or, with ``--ckpt-step N``, ``DIR/iter_N`` without the tracker
@@ -18,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_tool.errors import UsageError
-from ckpt_tool.formats.save_dir import (LATEST_FILE, Container, iteration_dir_name,
-                                        is_iteration_dir_name)
+from ckpt_tool.formats.save_dir import (LATEST_FILE, NEMO_WEIGHTS, Container,
+                                        iteration_dir_name, is_iteration_dir_name)
 
 __all__ = ["SAVE_DIR_FORMATS", "output_container", "check_container_target", "place_container",
            "to_validate"]
@@ -44,6 +45,10 @@ def output_container(source: Container, to: str, iteration: Any = None) -> Conta
 def check_container_target(out: Path, container: Container) -> None:
     """Refuse a DST named as an iteration directory when the output holds one inside it
     (``new/iter_0000010/iter_0000010/`` is never what was meant)."""
+    if container.kind == "nemo" and out.name == NEMO_WEIGHTS:
+        raise UsageError("the output is a NeMo checkpoint directory holding weights/, but DST "
+                         "is named as its weights/ itself", path=out,
+                         hint=f"give the checkpoint directory: {out.parent}")
     if container.iteration_dir and is_iteration_dir_name(out.name):
         raise UsageError(
             f"the output is a {container.kind.replace('_', ' ')} holding "
@@ -55,7 +60,7 @@ def place_container(staging: Path, container: Container, ranks: Any = None) -> P
     """Make the container in the staging directory (the iteration directory; the tracker file,
     written by rank 0) and return where the checkpoint goes."""
     where = container.checkpoint_in(staging)
-    where.mkdir(exist_ok=True)
+    where.mkdir(parents=True, exist_ok=True)
     if container.tracker is not None and (ranks is None or ranks.is_main):
         (staging / LATEST_FILE).write_text(container.tracker)
     return where
@@ -63,5 +68,7 @@ def place_container(staging: Path, container: Container, ranks: Any = None) -> P
 
 def to_validate(staging: Path, container: Container) -> Path:
     """What validating the output means: a save directory through its tracker file, an
-    iteration directory's checkpoint, a bare checkpoint itself."""
-    return container.checkpoint_in(staging) if container.kind == "iteration_dir" else staging
+    iteration directory's or NeMo checkpoint directory's checkpoint, a bare checkpoint
+    itself."""
+    return container.checkpoint_in(staging) if container.kind in ("iteration_dir", "nemo") \
+        else staging

@@ -70,7 +70,8 @@ def _raw_range(base: Path, t: TensorMeta, c: ChunkRef) -> tuple[Path, int, int] 
     try:
         import mmap
 
-        from ckpt_tool.formats.torch_zip import NotSimple, raw_item
+        from ckpt_tool.formats.torch_zip import raw_item
+        from ckpt_tool.formats.zip_directory import NotSimple
     except ImportError:  # the in-place reader is optional here: compare elements instead
         return None
     pad = c.byte_offset % mmap.ALLOCATIONGRANULARITY
@@ -123,11 +124,15 @@ def _whole(t: TensorMeta) -> ChunkRef | None:
 
 
 def fast_equal(pairs: list[tuple[str, TensorMeta, TensorMeta]], ma: CheckpointMeta,
-                mb: CheckpointMeta, tick: Callable[[int, str | None], None]
+                mb: CheckpointMeta, tick: Callable[[int, str | None], None],
+                check_a: Callable[[list[ChunkRef]], None] = lambda chunks: None,
+                check_b: Callable[[list[ChunkRef]], None] = lambda chunks: None
                 ) -> dict[str, set[Box]]:
     """Boxes proven equal by their stored bytes, per B-name: whole items when both sides store
     a box alike, else raw elements (a DCP item's storage record against a safetensors range;
-    a chunk against its rows in the other side's unchunked tensor)."""
+    a chunk against its rows in the other side's unchunked tensor). ``check_a``/``check_b``
+    (the readers' ``check_stored``) check the CRC-32s of the stored items of each side's
+    chunks first: equal damaged bytes prove nothing."""
     todo = []
     for name, ta, tb in pairs:
         if ta.dtype != tb.dtype or ta.shape != tb.shape or ta.stored_shape != tb.stored_shape:
@@ -141,6 +146,8 @@ def fast_equal(pairs: list[tuple[str, TensorMeta, TensorMeta]], ma: CheckpointMe
         for cb in by_box.values() if wa is not None and wb is None else ():
             todo.append((str(wa.file), wa.byte_offset or 0, name, ta, wa, tb, cb))
     todo.sort(key=lambda t: (t[0], t[1]))
+    check_a([t[4] for t in todo])
+    check_b([t[6] for t in todo])
     base_a, base_b = _base(ma), _base(mb)
     equal: dict[str, set[Box]] = {}
 

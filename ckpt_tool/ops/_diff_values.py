@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from ckpt_tool.formats.archive_check import check_archive, check_file
 from ckpt_tool.model import CheckpointMeta, TensorMeta, dtype_itemsize
 from ckpt_tool.ops._diff_bytes import Box, memcmp
 
@@ -260,14 +261,18 @@ def _same(x: Any, y: Any) -> bool | None:
 
 def same_common_file(ma: CheckpointMeta, mb: CheckpointMeta) -> bool:
     """Both sides are MCore dist checkpoints whose ``common.pt`` files are byte-identical (then
-    loading them, which needs torch, is not needed to know the common states are equal)."""
+    loading them, which needs torch, is not needed to know the common states are equal) and
+    intact (their CRC-32s: IntegrityError when not)."""
     if {ma.format, mb.format} - {"torch_dist", "zarr"}:
         return False
     fa, fb = Path(ma.root) / "common.pt", Path(mb.root) / "common.pt"
     try:
-        return fa.stat().st_size == fb.stat().st_size and fa.read_bytes() == fb.read_bytes()
+        same = fa.stat().st_size == fb.stat().st_size and fa.read_bytes() == fb.read_bytes()
     except OSError:
         return False
+    if same:
+        check_file(fa, "common.pt")
+    return same
 
 
 def compare_common(ca: dict[str, Any], cb: dict[str, Any]) -> list[CommonDiff]:
@@ -311,6 +316,8 @@ def compare_objects(pairs: dict[str, str], ma: CheckpointMeta, mb: CheckpointMet
         ka = pairs[kb]
         raw_a = _object_bytes(ma, ka)
         if raw_a is not None and raw_a == _object_bytes(mb, kb):
+            if raw_a[:4] == b"PK\x03\x04":  # a torch.save item: intact, or an error
+                check_archive(raw_a, f"object {ka}", path=ma.root)
             continue  # the same stored bytes: the same payload, nothing unpickled
         pa, pb = ra.read_object(ka), rb.read_object(kb)
         if isinstance(pa, list) and isinstance(pb, list) and len(pa) == len(pb):

@@ -29,6 +29,7 @@ class MappedReader(Reader):
 
     def __init__(self, reader: Reader, recipes: tuple[Recipe, ...]):
         super().__init__(reader.path, trust=reader.trust)
+        self.verify = reader.verify
         self.inner = reader
         self.recipes = {r.key: r for r in recipes}
         self.source = HfSource(reader, self.recipes)
@@ -42,6 +43,9 @@ class MappedReader(Reader):
                 else (ChunkRef(offsets=(0,) * len(r.shape), sizes=r.shape),)
             tensors[r.key] = TensorMeta(key=r.key, dtype=r.dtype, shape=r.shape, chunks=chunks)
         self.meta = replace(inner, tensors=tensors)
+
+    def stored_archives(self, chunks: Any) -> list[Any]:
+        return self.inner.stored_archives(chunks)
 
     def metadata(self) -> CheckpointMeta:
         """The inner checkpoint's metadata with the mapped tensors."""

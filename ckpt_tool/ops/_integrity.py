@@ -33,15 +33,15 @@ from typing import Any, Iterator, NamedTuple
 
 import numpy as np
 
-from ckpt_tool.formats.torch_zip import BoundedReader, check_zip_item
 from ckpt_tool.model import CheckpointMeta
-from ckpt_tool.ops._checks import Finding
+from ckpt_tool.ops._checks import Finding, error
 from ckpt_tool.ops._mapping import map_ranges, prefault
 from ckpt_tool.ops._scan_item import check_slowly, scan_unit
 from ckpt_tool.ops._scan_units import Out, Unit, plan_files, plan_items
 from ckpt_tool.ops._scan_vector import scan_items
+from ckpt_tool.storage import read_range
 
-__all__ = ["BoundedReader", "check_zip_item", "scan_archives"]
+__all__ = ["scan_archives", "check_loose_archives"]
 
 _WHOLE_FILE_FORMATS = ("legacy", "torch")  # whole files that are torch.save zips
 _SLAB = 4 << 20  # CRC and NaN/Inf counting alternate on slabs this big
@@ -130,9 +130,12 @@ def _scan_batch(base: Path, b: _Batch, close: Any = _close) -> list[Out]:
             shift = np.zeros(len(units), np.int64)
             shift[[i for i, _ in mine]] = [d for _, d in mine]
             sel = np.flatnonzero(b.inside & np.isin(unit, [i for i, _ in mine]))
-            count = (kid[sel] >= 0) & units[0].items.deep
+            items = units[0].items
+            count = (kid[sel] >= 0) & items.deep
             done, nan, inf = scan_items(region, b.off[sel] + shift[unit[sel]], b.ln[sel], count,
-                                        b.numel[sel], small=_SMALL, slab=_SLAB)
+                                        b.numel[sel], small=_SMALL, slab=_SLAB,
+                                        dtype=items.expected_dtype(kid[sel]),
+                                        dtypes=items.dtypes)
             bulk.checked += int(done.sum())
             bulk.add_bulk(kid[sel][count & done], nan[count & done], inf[count & done])
             for i, _ in mine:
@@ -321,6 +324,31 @@ def scan_archives(base: Path, meta: CheckpointMeta, sizes: dict[str, int | None]
             results = job.broadcast([x for part in parts for x in part] if parts else None)
         stats["zip_items_checked"] = sum(r.checked for r in results)
         return [f for r in results for f in r.findings], _counted(meta, results)
+
+
+def check_loose_archives(base: Path, meta: CheckpointMeta) -> list[Finding]:
+    """CRC32 findings of the ``torch.save`` files of a Megatron-Core dist checkpoint that
+    :func:`scan_archives` does not see: ``common.pt`` and zarr's object files (small: each
+    checked whole, ``formats.archive_check``)."""
+    from ckpt_tool.errors import CorruptCheckpointError
+    from ckpt_tool.formats.archive_check import check_file
+
+    if meta.format not in ("torch_dist", "zarr"):
+        return []
+    names = ["common.pt"] if (base / "common.pt").is_file() else []
+    if meta.format == "zarr":
+        names += sorted({o.file for o in meta.objects if o.file})
+    out = []
+    for name in names:
+        try:
+            if read_range(base / name, 0, 4) != b"PK\x03\x04":
+                continue  # not a zip (empty, a legacy pickle): the loaders say why
+            check_file(base / name, "file")
+        except CorruptCheckpointError as exc:
+            out.append(error(exc.message, file=name))
+        except OSError:
+            continue  # missing or unreadable: reported by the storage checks
+    return out
 
 
 def _counted(meta: CheckpointMeta, results: list[Out]) -> dict[str, tuple[int, int]]:

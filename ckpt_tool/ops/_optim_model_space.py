@@ -29,6 +29,7 @@ class ModelSpaceDistOptimizerView(Reader):
 
     def __init__(self, reader: Reader, summary: str, drop_objects: tuple[str, ...] = ()):
         super().__init__(reader.path, trust=reader.trust)
+        self.verify = reader.verify
         self.inner = reader
         self.format_name = reader.format_name
         meta = reader.metadata()
@@ -47,6 +48,9 @@ class ModelSpaceDistOptimizerView(Reader):
         common["content_metadata"] = self._content_metadata(common.get("content_metadata"))
         self._meta = replace(meta, tensors=tensors, objects=objects, extras=extras,
                              common=common)
+
+    def stored_archives(self, chunks: Any) -> list[Any]:
+        return self.inner.stored_archives(chunks)
 
     @staticmethod
     def _content_metadata(cm: Any) -> dict[str, Any]:

@@ -32,7 +32,7 @@ from ckpt_tool.planning.bucket_proof import prove_bucket_layout
 from ckpt_tool.planning.optim_buckets import (STATES, Bucket, BucketLayoutError, BucketParam,
                                               BucketSizeUnknown, bucket_size_configured,
                                               configured_dp, optimizer_bucket_layout)
-from ckpt_tool.planning.param_order import moe_expert_keys
+from ckpt_tool.planning.param_order import model_key_prefix, moe_expert_keys
 from ckpt_tool.planning.pieces import Piece
 
 __all__ = ["UnflattenedOptimizerView", "GatheredOptimizerView", "ModelSpaceDistOptimizerView",
@@ -118,6 +118,7 @@ class UnflattenedOptimizerView(Reader):
     def __init__(self, reader: Reader, rules: RuleSet | None = None,
                  hints: BucketLayoutHints | None = None):
         super().__init__(reader.path, trust=reader.trust)
+        self.verify = reader.verify
         self.inner = reader
         self.format_name = reader.format_name
         meta = reader.metadata()
@@ -138,6 +139,9 @@ class UnflattenedOptimizerView(Reader):
 
     form = "dp_reshardable"
     proven_by = "per_bucket_numel and every stored piece"
+
+    def stored_archives(self, chunks: Any) -> list[Any]:
+        return self.inner.stored_archives(chunks)
 
     def _proven_layout(self, meta: CheckpointMeta, sizes: Any, source: Any,
                        args: dict[str, Any], rules: RuleSet | None, hints: BucketLayoutHints,
@@ -298,11 +302,15 @@ class UnflattenedOptimizerView(Reader):
         common = dict(self._common)
         common["content_metadata"] = self._content_metadata(common.get("content_metadata"))
         stored = common.get("optimizer") or {}
+        # NeMo 2 saves its one Lightning optimizer's state dict in a list
+        listed = isinstance(stored, list) and len(stored) == 1
+        stored = stored[0] if listed else stored
         if not self.chained:
-            common["optimizer"] = self._one_optimizer(stored, "")
-            return common
-        common["optimizer"] = {i: self._one_optimizer(stored.get(i) or {}, prefix)
-                               for i, prefix in enumerate(self.chained)}
+            entry: Any = self._one_optimizer(stored, "")
+        else:
+            entry = {i: self._one_optimizer(stored.get(i) or {}, prefix)
+                     for i, prefix in enumerate(self.chained)}
+        common["optimizer"] = [entry] if listed else entry
         return common
 
     def _one_optimizer(self, stored: Any, prefix: str) -> dict[str, Any]:
@@ -321,14 +329,18 @@ class UnflattenedOptimizerView(Reader):
         the routed experts join the dense optimizer (its param groups; the expert optimizer and
         its entry go)."""
         expert_parallel = int(getattr(target, "ep", 1) or 1) > 1
+        keys = [p.key for b in self.buckets for p in b.params]
         if not self.chained and expert_parallel and any(
-                p.key in moe_expert_keys() for b in self.buckets for p in b.params):
+                k in moe_expert_keys(model_key_prefix(keys)) for k in keys):
             raise UnsupportedError("the source has one optimizer (its experts in the dense "
                                    "buffers): the expert optimizer's param groups at ep > 1 "
                                    "are not in it", hint="reshard with --drop-optimizer")
         if not self.chained or expert_parallel:
             return common
-        return {**common, "optimizer": common["optimizer"][0]}
+        stored = common["optimizer"]
+        if isinstance(stored, list):  # NeMo 2's list of one
+            return {**common, "optimizer": [stored[0][0]]}
+        return {**common, "optimizer": stored[0]}
 
     def read(self, key: str, slices: tuple[slice, ...] | None = None) -> Any:
         if key not in self._sources:

@@ -15,7 +15,10 @@ import os
 import threading
 from typing import Any
 
-from ckpt_tool.formats.torch_zip import NotSimple, raw_item
+from ckpt_tool.errors import CorruptCheckpointError, IntegrityError
+from ckpt_tool.formats.archive_check import check_fetched, check_item
+from ckpt_tool.formats.torch_zip import raw_item
+from ckpt_tool.formats.zip_directory import NotSimple
 from ckpt_tool.formats.base import Reader
 from ckpt_tool.model import ChunkRef, TensorMeta, dtype_itemsize
 from ckpt_tool.ops._mapping import Fetched
@@ -75,10 +78,12 @@ class RawSource:
                 self._copy_chunk(chunk, meta.dtype, dt, src, out, dst)
             except NotSimple:  # an unusual item: this tensor goes through torch
                 return self._through_torch(key, offsets, sizes, dt)
+            except CorruptCheckpointError as exc:  # a damaged item: which tensor's
+                if not exc.message.startswith("tensor "):
+                    exc.message = f"tensor {meta.key}: {exc.message}"
+                raise
             covered += int(np.prod([hi - lo for lo, hi in inter]))
         if covered < out.size:
-            from ckpt_tool.errors import CorruptCheckpointError
-
             raise CorruptCheckpointError(f"tensor {meta.key}: stored chunks cover {covered} of "
                                          f"{out.size} requested elements", path=self.root)
         n = out.nbytes
@@ -112,40 +117,54 @@ class RawSource:
 
     def _copy_chunk(self, chunk: ChunkRef, dtype: str, dt: Any, src: tuple, out: Any,
                     dst: tuple) -> None:
-        import numpy as np
-
         path = self.root / str(chunk.file)
         if is_remote(path):  # the item fetched (parallel ranged GETs) in place of a mapping
-            start, mapped = chunk.byte_offset, Fetched(chunk.byte_length)
-            if read_into(path, start, mapped) < chunk.byte_length:
-                from ckpt_tool.errors import CorruptCheckpointError
-
+            fetched = Fetched(chunk.byte_length)
+            if read_into(path, chunk.byte_offset, fetched) < chunk.byte_length:
                 raise CorruptCheckpointError(f"data file {chunk.file} is truncated",
                                              path=self.root)
-        else:
-            start = chunk.byte_offset - chunk.byte_offset % mmap.ALLOCATIONGRANULARITY
-            with open(path, "rb") as f:
-                if chunk.byte_offset + chunk.byte_length > os.fstat(f.fileno()).st_size:
-                    from ckpt_tool.errors import CorruptCheckpointError
+            self._copy_mapped(None, fetched, 0, chunk, dtype, dt, src, out, dst)
+            return
+        start = chunk.byte_offset - chunk.byte_offset % mmap.ALLOCATIONGRANULARITY
+        with open(path, "rb") as f:
+            if chunk.byte_offset + chunk.byte_length > os.fstat(f.fileno()).st_size:
+                raise CorruptCheckpointError(f"data file {chunk.file} is truncated",
+                                             path=self.root)
+            mapped = mmap.mmap(f.fileno(), chunk.byte_offset + chunk.byte_length - start,
+                               access=mmap.ACCESS_READ, offset=start)
+            try:
+                self._copy_mapped(f.fileno(), mapped, chunk.byte_offset - start, chunk, dtype,
+                                  dt, src, out, dst)
+            finally:
+                mapped.close()
 
-                    raise CorruptCheckpointError(f"data file {chunk.file} is truncated",
-                                                 path=self.root)
-                mapped = mmap.mmap(f.fileno(), chunk.byte_offset + chunk.byte_length - start,
-                                   access=mmap.ACCESS_READ, offset=start)
+    def _copy_mapped(self, fd: int | None, mapped: Any, at: int, chunk: ChunkRef, dtype: str,
+                     dt: Any, src: tuple, out: Any, dst: tuple) -> None:
+        """Copy ``src`` of the item at ``at`` of ``mapped`` (of ``fd``; None: the item's
+        bytes fetched from an object store) into ``out[dst]``, its CRC-32s checked first over
+        the same bytes (for a mapping: the copy then finds its pages)."""
+        import numpy as np
+
         raw = item = data = None
         try:
             with memoryview(mapped) as whole:
-                item = whole[chunk.byte_offset - start:]
-                raw = raw_item(item)
-                if raw.dtype != dtype:
-                    raise NotSimple(f"item holds {raw.dtype}, the metadata says {dtype}")
-                if raw.numel != math.prod(chunk.sizes):
-                    from ckpt_tool.errors import CorruptCheckpointError
-
-                    raise CorruptCheckpointError(
-                        f"{chunk.file}: the item at byte {chunk.byte_offset} holds "
-                        f"{list(raw.shape)}, the metadata says {list(chunk.sizes)}",
-                        path=self.root)
+                item = whole[at:]
+                records = None
+                if self.reader.verify:  # every record's CRC-32 before a byte is copied
+                    path = self.root / str(chunk.file)
+                    what = (f"item at bytes [{chunk.byte_offset}, "
+                            f"{chunk.byte_offset + chunk.byte_length})")
+                    records = check_fetched(path, chunk.byte_offset, chunk.byte_length, item,
+                                            what) if fd is None else \
+                        check_item(fd, chunk.byte_offset, chunk.byte_length, item, what,
+                                   path=path)
+                raw = raw_item(item, records)
+                if raw.dtype != dtype or raw.numel != math.prod(chunk.sizes):
+                    raise IntegrityError(
+                        f"the stored item of chunk at {list(chunk.offsets)} ({chunk.file}) "
+                        f"holds {raw.numel} {raw.dtype} elements, the metadata says "
+                        f"{math.prod(chunk.sizes)} {dtype}",
+                        hint="the metadata contradicts the data: the checkpoint is damaged")
                 size = dt.itemsize
                 data = np.ndarray(raw.shape, dtype=dt, buffer=raw.data,
                                   offset=raw.storage_offset * size,
@@ -158,4 +177,3 @@ class RawSource:
             for view in (None if raw is None else raw.data, item):
                 if view is not None:
                     view.release()
-            mapped.close()

@@ -28,11 +28,11 @@ from typing import Any
 from ckpt_tool.formats.save_dir import LATEST_FILE, Container, iteration_dir_name
 
 __all__ = ["ResumeFacts", "ResumeRecipe", "resume_recipe", "resume_for", "written_facts",
-           "MEGATRON_CKPT_FORMAT"]
+           "MEGATRON_CKPT_FORMAT", "DIST_FORMATS", "FRAMEWORK_NAMES", "ranks_note"]
 
 #: ``--ckpt-format`` of Megatron-LM for each format it resumes from.
 MEGATRON_CKPT_FORMAT = {"torch_dist": "torch_dist", "zarr": "torch_dist", "legacy": "torch"}
-_DIST = ("torch_dist", "zarr")
+DIST_FORMATS = _DIST = ("torch_dist", "zarr")
 
 
 @dataclass(frozen=True)
@@ -86,24 +86,38 @@ def written_facts(written: Path, target: Path, container: Container, source_form
         iteration=meta.common.get("iteration"), layout=layout, source_layout=source_layout)
 
 
+#: What the recipe's ``overrides`` are, per framework that trained into the container.
+FRAMEWORK_NAMES = {"megatron_bridge": "Megatron-Bridge (config overrides)",
+                   "nemo2": "NeMo 2 (recipe overrides)"}
+
+
 @dataclass(frozen=True)
 class ResumeRecipe:
     """``megatron_lm``: the flags to give Megatron-LM (an argv list: ``--load DIR``, the new
-    parallel sizes, ``--no-load-rng`` ...); ``notes``: what they cannot say;
+    parallel sizes, ``--no-load-rng`` ...; empty for a Megatron-Bridge or NeMo 2 container);
+    ``framework``: who trained into the container (``megatron_lm``, ``megatron_bridge``,
+    ``nemo2``); ``overrides``: for Bridge and NeMo, the configuration overrides (``key=value``,
+    Hydra / NeMo-Run style) to resume with; ``notes``: what they cannot say;
     ``dist_checkpointing``: the line for scripts that load with ``dist_checkpointing``."""
 
     megatron_lm: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     dist_checkpointing: str | None = None
+    framework: str = "megatron_lm"
+    overrides: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {"megatron_lm": self.megatron_lm, "notes": self.notes,
-                "dist_checkpointing": self.dist_checkpointing}
+                "dist_checkpointing": self.dist_checkpointing, "framework": self.framework,
+                "overrides": self.overrides}
 
     def lines(self) -> list[str]:
         """For people (stderr), last: how to resume."""
         out = [f"resume with Megatron-LM: {shlex.join(self.megatron_lm)}"] \
             if self.megatron_lm else []
+        if self.framework in FRAMEWORK_NAMES:
+            out.append(f"resume with {FRAMEWORK_NAMES[self.framework]}: "
+                       f"{shlex.join(self.overrides)}")
         out += [f"  - {n}" for n in self.notes]
         if self.dist_checkpointing:
             out.append(f"resume with dist_checkpointing: {self.dist_checkpointing}")
@@ -111,7 +125,8 @@ class ResumeRecipe:
 
 
 def resume_recipe(facts: ResumeFacts) -> ResumeRecipe | None:
-    """The recipe for an output Megatron-LM resumes from (None for the other formats)."""
+    """The Megatron-LM recipe for an output Megatron-LM resumes from (None for the other
+    formats); ``ops._resume_frameworks.recipe_for`` speaks Megatron-Bridge's and NeMo's."""
     if facts.target_format not in MEGATRON_CKPT_FORMAT:
         return None
     flags: list[str] = []
@@ -186,10 +201,15 @@ def _layout(new: dict[str, Any], old: dict[str, Any], flags: list[str],
             flags += [flag, str(new[key])]
         elif old.get(key) is not None:
             notes.append(f"leave out {flag}: the target splits the layers evenly")
+    notes.append(ranks_note(new))
+
+
+def ranks_note(new: dict[str, Any]) -> str:
+    """How many ranks the layout ``new`` (``Layout.to_dict()``) runs on."""
     ranks, what = new["tp"] * new["pp"], "tp x pp"
     if new.get("ep", 1) > 1:  # the experts' data-parallel group divides the world too
         ranks, what = math.lcm(ranks, new["etp"] * new["ep"] * new["pp"]), what + ", etp x ep x pp"
-    notes.append(f"ranks: a multiple of {ranks} ({what}); any data-parallel size")
+    return f"ranks: a multiple of {ranks} ({what}); any data-parallel size"
 
 
 def _sharding(facts: ResumeFacts, notes: list[str]) -> None:

@@ -19,8 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_tool._crc import crc32
-from ckpt_tool.formats.torch_zip import (NotSimple, TorchRejects, ZipRecord, as_tensor,
-                                        check_zip_item, raw_item, zip_records)
+from ckpt_tool.formats.archive_check import check_zip_item
+from ckpt_tool.formats.torch_zip import as_tensor, raw_item
+from ckpt_tool.formats.zip_directory import NotSimple, TorchRejects, ZipRecord, zip_records
 from ckpt_tool.ops._checks import NonfiniteBatch, count_slabs, crc32_counting, error, nonfinite
 from ckpt_tool.ops._scan_units import Archive, Out, Unit
 from ckpt_tool.storage import is_remote, open_read
@@ -62,15 +63,36 @@ def _records(f: Any, item: memoryview, a: Archive, u: Unit, out: Out
     return None
 
 
-def _tensor(item: memoryview, records: list[ZipRecord], a: Archive) -> Any:
-    """The DCP item's RawItem when it is to be counted in place, else None."""
-    if not a.count:
+def _tensor(item: memoryview, records: list[ZipRecord], a: Archive, u: Unit, out: Out) -> Any:
+    """The DCP item's RawItem when it is to be counted in place, else None; an error finding
+    when its tensor is not what the metadata says (the item is the ground truth: its pickled
+    dtype and element count)."""
+    if a.kind != "chunk":
         return None
     try:
         raw = raw_item(item, records)
-    except NotSimple:
+    except TorchRejects as exc:  # (its pickle names a storage it lacks)
+        out.findings.append(error(f"{a.what} at bytes [{a.offset}, {a.offset + a.length}): "
+                                  f"damaged torch.save archive: {exc} (torch.load refuses "
+                                  "it)", key=a.key, file=u.file))
+        if a.count:
+            out.uncounted.add(str(a.key))
         return None
-    return raw if raw.numel == a.numel else None  # a mismatch: the reader reports it
+    except NotSimple:  # read through torch.load by the reader, which compares the same
+        return None
+    if (a.dtype is not None and raw.dtype != a.dtype) or (a.numel >= 0 and raw.numel != a.numel):
+        out.findings.append(error(
+            f"{a.what} at bytes [{a.offset}, {a.offset + a.length}): the stored item holds "
+            f"{raw.numel} {raw.dtype} elements {list(raw.shape)}, the metadata says "
+            f"{a.numel} {a.dtype}", key=a.key, file=u.file))
+        if a.count:
+            out.uncounted.add(str(a.key))
+        raw.data.release()
+        return None
+    if not a.count:
+        raw.data.release()
+        return None
+    return raw
 
 
 def _check_archive(f: Any, item: memoryview, a: Archive, u: Unit, out: Out, small: int,
@@ -79,7 +101,7 @@ def _check_archive(f: Any, item: memoryview, a: Archive, u: Unit, out: Out, smal
     records = _records(f, item, a, u, out) if u.records is None else u.records
     if records is None:
         return
-    raw = _tensor(item, records, a)
+    raw = _tensor(item, records, a, u, out)
     span = None if raw is None else raw.dense_span()
     counts: tuple[int, int] | None = None
     batched = False

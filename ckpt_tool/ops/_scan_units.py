@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ckpt_tool.formats.torch_zip import NotSimple, ZipRecord, zip_records
+from ckpt_tool.formats.zip_directory import NotSimple, ZipRecord, zip_records
 from ckpt_tool.ops._checks import Finding
 
 __all__ = ["Archive", "Raw", "Items", "Unit", "Out", "plan_files", "plan_items"]
@@ -30,8 +30,8 @@ _ZIP_LAYOUTS = ("torch_save", "flat")
 class Archive(NamedTuple):
     """A torch.save archive at ``[offset, offset+length)``: the DCP item of ``chunk`` (a
     ``ChunkRef``; ``kind`` "chunk") or of an object, or a whole file (``kind`` "file");
-    ``count``: deep-count the tensor of this DCP item for ``key`` (``numel`` elements; ``kid``
-    the key's index in ``meta.tensors``)."""
+    a chunk's tensor must hold ``numel`` elements of ``dtype`` (what the metadata says of
+    ``key``; ``kid`` the key's index in ``meta.tensors``); ``count``: deep-count it."""
 
     offset: int
     length: int
@@ -41,6 +41,7 @@ class Archive(NamedTuple):
     count: bool = False
     numel: int = -1
     kid: int = -1
+    dtype: str | None = None
 
     @property
     def what(self) -> str:
@@ -64,7 +65,8 @@ class Raw:
 class Items:
     """DCP items column-wise (numpy arrays), file by file and by offset: ``kid`` the tensor's
     index in ``keys`` (its chunk ``refs[i]``), or -1 for an object (its unique key
-    ``refs[i]``); ``numel``: elements of the chunk; tensors are counted when ``deep``."""
+    ``refs[i]``); ``numel``: elements of the chunk; ``dtypes[kid_dtype[kid]]`` the tensor's
+    dtype; tensors are counted when ``deep``."""
 
     offset: Any
     length: Any
@@ -73,6 +75,8 @@ class Items:
     refs: list[Any]
     keys: list[str]
     deep: bool
+    kid_dtype: Any = None
+    dtypes: tuple[str, ...] = ()
 
     def archive(self, i: int) -> Archive:
         """Item ``i`` for the per-item path."""
@@ -80,7 +84,12 @@ class Items:
         if k < 0:
             return Archive(int(self.offset[i]), int(self.length[i]), ref, "object")
         return Archive(int(self.offset[i]), int(self.length[i]), self.keys[k], "chunk", ref,
-                       self.deep, int(self.numel[i]), k)
+                       self.deep, int(self.numel[i]), k, self.dtypes[int(self.kid_dtype[k])])
+
+    def expected_dtype(self, kid: Any) -> Any:
+        """Per item of tensors ``kid`` (-1: an object), the index in ``dtypes`` of what it
+        must hold (-1 for objects)."""
+        return np.where(kid >= 0, self.kid_dtype[np.maximum(kid, 0)], -1)
 
 
 @dataclass
@@ -200,7 +209,7 @@ def plan_items(meta: Any, sizes: dict[str, int | None], skip_objects: set[str], 
             offset(o)
             length(n)
             kid(k)
-            numel(prod(c.sizes) if deep else -1)
+            numel(prod(c.sizes))
             refs(c)
     for o in meta.objects:  # (the objects' items)
         if o.file and o.unique_key not in skip_objects and o.byte_offset is not None \
@@ -219,7 +228,10 @@ def plan_items(meta: Any, sizes: dict[str, int | None], skip_objects: set[str], 
     cut = np.searchsorted(f_rank, np.arange(len(names) + 1)).tolist()
     cum = np.concatenate([[0], np.cumsum(ln)])
     cum_l = cum.tolist()
-    items = Items(off, ln, kids, numels, chunks, list(meta.tensors), deep)
+    dtypes = tuple(sorted({t.dtype for t in meta.tensors.values()}))
+    kid_dtype = np.array([dtypes.index(t.dtype) for t in meta.tensors.values()] or [0],
+                         dtype=np.int64)
+    items = Items(off, ln, kids, numels, chunks, list(meta.tensors), deep, kid_dtype, dtypes)
     units = []
     for r, name in enumerate(names):
         if sizes.get(name) is None:

@@ -32,7 +32,8 @@ from typing import Any
 import numpy as np
 
 from ckpt_tool._crc import crc32
-from ckpt_tool.formats.torch_zip import NotSimple, RawItem, _describe
+from ckpt_tool.formats.torch_zip import RawItem, _describe
+from ckpt_tool.formats.zip_directory import NotSimple, entry_flags_problem, version_problem
 from ckpt_tool.model import DTYPE_ITEMSIZE
 from ckpt_tool.ops._scan_count import (_BITS, big_tensor, crc_and_pool, crc_records,
                                        byte_rows, describe_all)
@@ -46,7 +47,8 @@ _LOC64 = np.dtype([("sig", "<u4"), ("disk", "<u4"), ("off", "<u8"), ("disks", "<
 _EOCD64 = np.dtype([("sig", "<u4"), ("size", "<u8"), ("made", "<u2"), ("need", "<u2"),
                     ("disk", "<u4"), ("cd_disk", "<u4"), ("n_disk", "<u8"), ("count", "<u8"),
                     ("cd_size", "<u8"), ("cd_off", "<u8")])
-_ENTRY = struct.Struct("<4s4xHH16xHHH")  # signature, flags, method; name/extra/comment lengths
+# signature, flags, method; name/extra/comment lengths, disk; external attributes
+_ENTRY = struct.Struct("<4s4xHH16xHHHH2xL")
 _LOCAL_COLS = np.array([0, 1, 2, 3, 26, 27, 28, 29])  # local header: signature, lengths
 _TEMPLATES_PER_GROUP = 4
 _CONSTANT = 64  # records up to this size that are the same in every item get one CRC
@@ -60,11 +62,13 @@ class _Template:
         for _ in range(count):
             if pos + 46 > len(cd):
                 raise NotSimple("central directory runs past the archive")
-            sig, flags, method, nlen, elen, clen = _ENTRY.unpack_from(cd, pos)
-            if sig != b"PK\x01\x02" or method != 0 or flags & 1:
-                raise NotSimple("not a plain stored entry")
+            sig, flags, method, nlen, elen, clen, disk, external = _ENTRY.unpack_from(cd, pos)
+            name = cd[pos + 46:pos + 46 + nlen].decode("utf-8", "replace")
+            if sig != b"PK\x01\x02" or method != 0 or entry_flags_problem(
+                    name, flags, method, disk, 0, external) is not None:
+                raise NotSimple("not a plain stored entry")  # the per-item path decides
             at.append(pos)
-            names.append(cd[pos + 46:pos + 46 + nlen].decode("utf-8", "replace"))
+            names.append(name)
             pos += 46 + nlen + elen + clen
         if pos != len(cd) or not names or "/" not in names[0] or any(
                 not n.startswith(names[0].split("/", 1)[0] + "/") for n in names):
@@ -80,6 +84,8 @@ class _Template:
         self.pkl = self.by_name[pkls[0]] if pkls else None
         self.prefix = pkls[0][:-len("data.pkl")] if pkls else ""
         self.order = self.by_name.get(self.prefix + "byteorder")
+        self.version = self.by_name.get(self.prefix + ".data/version",
+                                        self.by_name.get(self.prefix + "version"))
         self.storage: dict[str, int | None] = {}
 
     def record(self, key: str) -> int | None:
@@ -158,16 +164,21 @@ def _match(cd: np.ndarray, count: int) -> list[tuple[_Template, np.ndarray]]:
 
 
 def scan_items(buf: Any, off: np.ndarray, length: np.ndarray, count: np.ndarray,
-               numel: np.ndarray, *, small: int, slab: int
-               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+               numel: np.ndarray, *, small: int, slab: int, dtype: np.ndarray | None = None,
+               dtypes: tuple[str, ...] = ()) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Check the ``torch.save`` items at ``[off, off+length)`` of ``buf`` (a read-only mmap of
     one or many files; items in bounds, in order) and, where ``count``, count NaN/Inf of the
-    tensor (``numel`` elements).
+    tensor (``numel`` elements). ``dtype``: where >= 0, the item is a tensor chunk that must
+    hold ``numel`` elements of ``dtypes[dtype]`` (what the metadata says; its ``data.pkl``
+    is the truth).
 
-    Returns ``(done, nan, inf)``: ``done[i]``, the item is intact (every record's CRC32 right)
-    and, if it was to be counted, its tensor was counted in place; the others are left to the
-    per-item path. Tensors of at most ``small`` bytes are counted in batches, bigger ones in
-    slabs of ``slab`` bytes."""
+    Returns ``(done, nan, inf)``: ``done[i]``, the item is intact (every record's CRC32 right,
+    its tensor what the metadata says) and, if it was to be counted, its tensor was counted in
+    place; the others are left to the per-item path. Tensors of at most ``small`` bytes are
+    counted in batches, bigger ones in slabs of ``slab`` bytes."""
+    if dtype is None:
+        dtype = np.where(count, 0, -1)
+        dtypes = ("",)  # (no dtype to compare: any)
     arr = np.frombuffer(buf, np.uint8)
     mv = memoryview(buf)
     n = len(off)
@@ -186,7 +197,7 @@ def scan_items(buf: Any, off: np.ndarray, length: np.ndarray, count: np.ndarray,
                 g = _Group(tpl, rows[sub], cd[sub], off, length)
                 g.locate(arr)
                 g.dedupe(arr)
-                g.check(arr, mv, count, numel, nan, inf, small, slab)
+                g.check(arr, mv, count, numel, (dtype, dtypes), nan, inf, small, slab)
                 done[g.rows[g.ok]] = True
     finally:
         del arr
@@ -227,15 +238,19 @@ class _Group:
     def dedupe(self, arr: np.ndarray) -> None:
         """Records of at most ``_CONSTANT`` bytes with the same size and CRC in every item
         (format version, byte order, ...): compared byte for byte with the first item's, which
-        gets the only CRC. ``order_ok``: items whose byte order is known to be little."""
+        gets the only CRC. ``order_ok``: items whose byte order is known to be little. Items
+        whose archive version is not such a record, one PyTorch reads, are left to the
+        per-item path."""
         self.order_ok = None
         first = np.flatnonzero(self.ok)
+        versioned = np.zeros_like(self.ok)
         if len(first) == 0:
             return
         r, size, crc = first[0], self.size[first], self.crc[first]
         ks = [k for k in range(len(self.tpl.at)) if size[0, k] <= _CONSTANT
               and (size[:, k] == size[0, k]).all() and (crc[:, k] == crc[0, k]).all()]
         if not ks:
+            self.ok &= versioned
             return
         sizes = self.size[r, ks]
         cols = np.arange(int(sizes.sum())) - np.repeat(np.cumsum(sizes) - sizes, sizes)
@@ -250,33 +265,43 @@ class _Group:
                 self.plain[alike, k] = False
                 if k == self.tpl.order and ref.strip() == b"little":
                     self.order_ok = alike
+                if k == self.tpl.version and version_problem(ref) is None:
+                    versioned = alike
             at += z
+        self.ok &= versioned  # the others: the per-item path reads their version (P4)
 
     def check(self, arr: np.ndarray, mv: memoryview, count: np.ndarray, numel: np.ndarray,
-              nan: np.ndarray, inf: np.ndarray, small: int, slab: int) -> None:
-        """CRC every record; count the tensors of the items to count."""
+              expect: tuple[np.ndarray, tuple[str, ...]], nan: np.ndarray, inf: np.ndarray,
+              small: int, slab: int) -> None:
+        """CRC every record; compare each tensor item with what the metadata says of it
+        (``expect``: dtype ids, names); count the tensors of the items to count."""
         tpl, ok = self.tpl, self.ok
-        want = count[self.rows] & ok
+        tensor = expect[0][self.rows] >= 0
+        want = tensor & ok
         if want.any() and tpl.pkl is None:
             want[:] = False
-            ok[count[self.rows]] = False
-        if want.any() and tpl.order is not None:  # a byte order: little, or item by item
+            ok[tensor] = False
+        counted = want & count[self.rows]
+        if counted.any() and tpl.order is not None:  # a byte order: little, or item by item
             known = self.order_ok if self.order_ok is not None else np.zeros_like(ok)
-            ok[want & ~known] = False
-            want &= known
+            ok[counted & ~known] = False
+            want &= known | ~counted
         if want.any():
-            self._count(arr, mv, want, numel, nan, inf, small, slab)
+            self._count(arr, mv, want, count[self.rows], numel, expect, nan, inf, small, slab)
         i, k = np.nonzero(self.plain & ok[:, None])
         start = self.start[i, k]
         ok[i[crc_records(mv, start.tolist(), (start + self.size[i, k]).tolist(),
                          self.crc[i, k].tolist())]] = False
 
-    def _count(self, arr: np.ndarray, mv: memoryview, want: np.ndarray, numel: np.ndarray,
-               nan: np.ndarray, inf: np.ndarray, small: int, slab: int) -> None:
-        """CRC and count the tensors of the items ``want``: each tensor's data are bytes
-        ``[lo, hi)`` of its storage record (entry ``k``), described by its ``data.pkl``, which
-        is checked here once per distinct content. Items whose tensor cannot be counted in
-        place are left to the per-item path."""
+    def _count(self, arr: np.ndarray, mv: memoryview, want: np.ndarray, count: np.ndarray,
+               numel: np.ndarray, expect: tuple[np.ndarray, tuple[str, ...]], nan: np.ndarray,
+               inf: np.ndarray, small: int, slab: int) -> None:
+        """Describe the tensors of the items ``want`` and, where ``count``, CRC and count them:
+        each tensor's data are bytes ``[lo, hi)`` of its storage record (entry ``k``),
+        described by its ``data.pkl``, which is checked here once per distinct content (and
+        against the metadata: ``numel`` elements of dtype ``expect``). Items whose tensor is
+        not what the metadata says, or cannot be counted in place, are left to the per-item
+        path."""
         tpl, kp = self.tpl, self.tpl.pkl
         w = np.flatnonzero(want)
         ids, infos = describe_all(arr, self.start[w, kp], self.size[w, kp], self.crc[w, kp],
@@ -285,11 +310,18 @@ class _Group:
         table = np.array([(c, *x[:2], x[3], x[4], x[5], dtypes.index(x[2])) if x is not None
                           else (-1, -1, -1, -1, 0, 0, 0) for c, x in infos], dtype=np.int64)
         crc, k, nbytes, n, lo, hi, dt = table[ids].T
+        names = expect[1]
+        as_expected = np.array([names.index(d) if d in names else -2 for d in dtypes]
+                               + [-2], dtype=np.int64)  # (the last: no dtype)
+        same = (as_expected[np.where(k >= 0, dt, -1)] == expect[0][self.rows[w]]) \
+            | (names == ("",))
         good = (k >= 0) & (crc == self.crc[w, kp]) & (self.size[w, k] == nbytes) \
-            & (numel[self.rows[w]] == n)
+            & (numel[self.rows[w]] == n) & same
         self.ok[w[~good]] = False
         w, k, nbytes, lo, hi, dt = w[good], k[good], nbytes[good], lo[good], hi[good], dt[good]
         self.plain[w, kp] = False
+        keep = count[w]  # the others are only checked: their records CRC'd with the rest
+        w, k, nbytes, lo, hi, dt = w[keep], k[keep], nbytes[keep], lo[keep], hi[keep], dt[keep]
         start, crc, rows = self.start[w, k], self.crc[w, k], self.rows[w]
         for d, dtype in enumerate(dtypes):
             if dtype not in _BITS:

@@ -51,6 +51,7 @@ class StackedView(Reader):
 
     def __init__(self, reader: Reader):
         super().__init__(reader.path, trust=reader.trust)
+        self.verify = reader.verify
         self.inner = reader
         self._meta: CheckpointMeta | None = None
         self._parts: dict[str, dict[tuple[int, ...], str]] = {}
@@ -59,6 +60,9 @@ class StackedView(Reader):
         self.dropped: list[str] = []
         self.spec = LOCAL
         self.stacked = 0  # per-layer keys folded into stacked ones
+
+    def stored_archives(self, chunks: Any) -> list[Any]:
+        return self.inner.stored_archives(chunks)
 
     def metadata(self) -> CheckpointMeta:
         if self._meta is not None:

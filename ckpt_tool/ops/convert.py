@@ -2,11 +2,13 @@
 
 Call order: open the source (a legacy source is seen as Megatron-Core saves that model for a
 dist target: :mod:`ckpt_tool.ops._stacked_view`) -> ``plan_convert`` (pure: target keys,
-dtypes, chunk grid) -> ``staged_output`` (a staging directory beside the target; inside it the
-source's container for the formats Megatron-LM resumes from: ``ops._container``) -> the target
-format's ``Writer`` pulls chunk after chunk from a ``ReaderSource`` -> ``validate`` of what was
-written (unless ``verify=False``) -> fsync and rename into place -> the recipe to resume from
-it (``ops._resume``). The source is only read.
+dtypes, chunk grid) -> ``check_source`` (the source's metadata is sound, its manifest
+matches) -> ``staged_output`` (a staging directory beside the target; inside it the source's
+container for the formats Megatron-LM resumes from: ``ops._container``) -> the target format's
+``Writer`` pulls chunk after chunk from a ``ReaderSource`` (every item's CRC-32s checked before
+its bytes are used, unless ``verify_source=False``) -> ``validate`` of what was written (unless
+``verify=False``) -> fsync and rename into place -> the recipe to resume from it
+(``ops._resume``). The source is only read.
 """
 
 from __future__ import annotations
@@ -26,9 +28,13 @@ from ckpt_tool.ops._container import (check_container_target, output_container,
                                       place_container, to_validate)
 from ckpt_tool.ops._convert_plan import ConvertOptions, ConvertPlan, plan_convert
 from ckpt_tool.ops._raw_source import RawSource, raw_source_applies
-from ckpt_tool.ops._resume import ResumeRecipe, resume_for
+from ckpt_tool.ops._framework_files import carry_framework_files
+from ckpt_tool.ops._resume import MEGATRON_CKPT_FORMAT, ResumeRecipe, resume_for, written_facts
+from ckpt_tool.ops._resume_frameworks import recipe_for
 from ckpt_tool.ops._source import ReaderSource
+from ckpt_tool.ops._source_checks import UNVERIFIED_NOTE, check_source
 from ckpt_tool.ops._stacked_view import stacked_view
+from ckpt_tool.ops.manifest import check_source_manifest
 from ckpt_tool.storage import as_path, is_remote
 from ckpt_tool.ops._staging import (check_output_target, output_estimate, staged_output_ranks,
                                     verify_output)
@@ -38,6 +44,8 @@ from ckpt_tool.parallel import ranks as current_ranks
 __all__ = ["ConvertResult", "convert", "SINGLE_FILE_TARGETS", "Progress"]
 
 # Targets written as one file when DST looks like a file name.
+# Targets that keep no common state (a source without one converts to them as well).
+_NO_COMMON = ("safetensors", "hf")
 # Targets whose writers take raw element bytes (numpy) from a torch-free source.
 _RAW_TARGETS = ("safetensors", "torch_dist", "dcp")
 SINGLE_FILE_TARGETS = {"torch": (".pt", ".pth", ".bin", ".ckpt"), "safetensors": (".safetensors",)}
@@ -72,12 +80,14 @@ class ConvertResult:
     notes: list[str] = field(default_factory=list)
     container: Container = field(default_factory=Container)
     resume: ResumeRecipe | None = None
+    source_verified: bool = True
 
     def to_dict(self) -> dict[str, Any]:
         return {"source": self.source, "source_format": self.source_format,
                 "target": self.target, "format": self.format, "tensors": self.tensors,
                 "objects": self.objects, "nbytes": self.nbytes,
                 "seconds": round(self.seconds, 3), "verified": self.verified,
+                "source_verified": self.source_verified,
                 "largest_piece": self.largest_piece, "notes": self.notes,
                 "container": self.container.to_dict(),
                 "resume": None if self.resume is None else self.resume.to_dict()}
@@ -86,9 +96,13 @@ class ConvertResult:
 def convert(src: str | Path | SourcePlace, dst: str | Path, options: ConvertOptions, *,
             trust: bool = False, overwrite: bool = False, verify: bool = True,
             tp: int | None = None, pp: int | None = None, max_shard_size: int | None = None,
-            progress: Progress | None = None, workers: int = 1) -> ConvertResult:
+            progress: Progress | None = None, workers: int = 1,
+            verify_source: bool = True) -> ConvertResult:
     """Convert checkpoint ``src`` into ``dst`` in format ``options.to``; see the module doc.
-    ``src``: a path or ``formats.save_dir.locate_source``'s answer (``--iteration``)."""
+    ``src``: a path or ``formats.save_dir.locate_source``'s answer (``--iteration``).
+    ``verify``: validate the output before it is moved into place; ``verify_source``: check
+    every byte read against the CRC-32 its record carries and the source's manifest
+    (IntegrityError, exit 1, on a mismatch: nothing is written)."""
     start = time.perf_counter()
     place = src if isinstance(src, SourcePlace) else locate_source(src)
     if options.to == "hf" or options.to in ("torch_dist", "legacy"):
@@ -100,14 +114,14 @@ def convert(src: str | Path | SourcePlace, dst: str | Path, options: ConvertOpti
             done = ConvertResult(**convert_hf(
                 place.checkpoint, dst, options, trust=trust, overwrite=overwrite,
                 verify=verify, tp=tp, pp=pp, max_shard_size=max_shard_size,
-                progress=progress))
+                progress=progress, verify_source=verify_source))
             return _with_resume_of_import(done)
     if (tp is not None or pp is not None) and options.to != "legacy":
         raise UsageError("--tp/--pp only apply with --to legacy",
                          hint="use 'ckpt reshard' to change the parallel layout")
     r = current_ranks()
     out = check_output_target(dst, sources=(place.given,), overwrite=overwrite)
-    reader = open_checkpoint(place.checkpoint, trust=trust)
+    reader = open_checkpoint(place.checkpoint, trust=trust, verify=verify_source)
     view = stacked_view(reader, options.to)  # legacy -> dist: Megatron-Core's stacked keys
     reader = view or reader
     with reader:
@@ -120,6 +134,9 @@ def convert(src: str | Path | SourcePlace, dst: str | Path, options: ConvertOpti
         if one_file_model:  # one .safetensors file is the model: its optimizer has no place
             options = dataclasses.replace(options, model_only=True)
         plan = plan_convert(meta, options, reader.objects_in_common())
+        check_source(meta, plan.key_map.values(), needs_common=options.to not in _NO_COMMON)
+        if verify_source:
+            check_source_manifest(as_path(place.given), as_path(meta.root), r)
         if one_file_model:
             plan.notes.append(f"{out.name} holds the model's weights only: optimizer state "
                               "left out (give a directory as DST to keep it in "
@@ -134,7 +151,8 @@ def convert(src: str | Path | SourcePlace, dst: str | Path, options: ConvertOpti
                                                                  plan.dtypes)
         source: Any = (RawSource(reader, plan.key_map, sizes) if raw else
                        ReaderSource(reader, plan.key_map, plan.dtypes, sizes=sizes))
-        notes = list(plan.notes) + (view.notes() if view is not None else [])
+        notes = list(plan.notes) + (view.notes() if view is not None else []) + (
+            [] if verify_source else [UNVERIFIED_NOTE])
         if progress is not None:
             progress.start(plan.target.total_bytes, len(plan.target.tensors))
         job_progress = JobProgress(progress, r)
@@ -148,6 +166,8 @@ def convert(src: str | Path | SourcePlace, dst: str | Path, options: ConvertOpti
                        else {})
         # safetensors keeps only scalars of the common state: the summary has them (and
         # loading the full common state would import torch for nothing)
+        if options.to == "safetensors":  # (from the metadata's summary: checked here)
+            reader.check_common()
         common = (_scalar_summary(meta.common) if options.to == "safetensors"
                   else {} if passthrough else _full_common(reader, plan))
         request = WriteRequest(
@@ -165,19 +185,24 @@ def convert(src: str | Path | SourcePlace, dst: str | Path, options: ConvertOpti
         legacy = options.to == "legacy"  # (whose writer makes its own save directory)
         with staged_output_ranks(out, r, overwrite=overwrite, file_name=file_name,
                                  notes=notes, need_bytes=output_estimate(plan.target),
-                                 inner=None if legacy else container.iteration_dir) as staging:
+                                 inner=None if legacy else container.inner) as staging:
             where = staging if legacy else place_container(staging, container, r)
             writer = writer_cls(where, wopts)
             if r.is_main or writer_cls.supports_ranks:
                 notes += writer.write(request)
             r.barrier()
             job_progress.catch_up(source.tensors_done)
+            facts = (written_facts(container.checkpoint_in(staging), out, container, meta.format)
+                     if options.to in MEGATRON_CKPT_FORMAT else None)
+            if facts is not None and r.is_main:
+                notes += carry_framework_files(place, staging, container, None, facts.has_rng,
+                                               facts.has_optimizer)
+            r.barrier()
             if verify:
                 single = file_name or ("model.pt" if options.to == "torch" else "")
                 verify_output(staging / single if single else to_validate(staging, container),
                               trust=trust, what="converted", ranks=r)
-            resume = resume_for(container.checkpoint_in(staging), out, container, meta.format,
-                                options.to)
+            resume = None if facts is None else recipe_for(facts)
     tensors, objects = writer.written(plan.target)
     mine = job_progress.local
     total = r.broadcast(sum(r.gather(mine) or [0])) if r.world > 1 else mine
@@ -185,7 +210,8 @@ def convert(src: str | Path | SourcePlace, dst: str | Path, options: ConvertOpti
         source=str(meta.root), source_format=meta.format, target=str(out), format=options.to,
         tensors=tensors, objects=objects, nbytes=total,
         seconds=time.perf_counter() - start, verified=verify,
-        largest_piece=source.largest_piece, notes=notes, container=container, resume=resume)
+        largest_piece=source.largest_piece, notes=notes, container=container, resume=resume,
+        source_verified=verify_source)
 
 
 def _with_resume_of_import(done: ConvertResult) -> ConvertResult:

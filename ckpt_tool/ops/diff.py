@@ -50,9 +50,11 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Protocol
 
 from ckpt_tool.errors import UsageError, plural
+from ckpt_tool.ops.manifest import check_source_manifest
 from ckpt_tool.parallel import ranks as current_ranks
 from ckpt_tool.parallel import split_by_bytes
 from ckpt_tool.ops._diff_values import CommonDiff, TensorDiff, js
+from ckpt_tool.storage import as_path
 
 __all__ = ["diff", "DiffResult", "TensorDiff", "MetaChange", "CommonDiff", "parse_rename",
            "Progress"]
@@ -323,6 +325,8 @@ def diff(a: str | Path, b: str | Path, *, rename: Iterable[tuple[str, str]] = ()
             notes.append("--keys-only: values not compared")
         else:
             ranks = current_ranks()
+            for given, m in ((a, ma), (b, mb)):  # what each side's manifest says, first
+                check_source_manifest(as_path(given), as_path(m.root), ranks)
             todo = same_shape
             if ranks.world > 1:  # under torchrun: each rank compares its share (by bytes)
                 share = set(split_by_bytes([(n, t.nbytes + u.nbytes) for n, t, u in same_shape],
@@ -338,7 +342,7 @@ def diff(a: str | Path, b: str | Path, *, rename: Iterable[tuple[str, str]] = ()
                 if progress is not None:
                     progress.update(nbytes, done[1])
 
-            proven = fast_equal(todo, ma, mb, tick)
+            proven = fast_equal(todo, ma, mb, tick, ra.check_stored, rb.check_stored)
             for n, t, u in todo:
                 eq = proven.get(n, set())
                 if sum(math.prod(b - a for a, b in box) for box in eq) != t.numel:

@@ -30,6 +30,8 @@ from ckpt_tool.formats.writer import WriteRequest, WriterOptions, writer_for
 from ckpt_tool.model import CheckpointMeta, ChunkRef, TensorMeta
 from ckpt_tool.ops._extra_state import ExtraStates
 from ckpt_tool.ops._hf_source import HfSource
+from ckpt_tool.ops._source_checks import UNVERIFIED_NOTE, check_source
+from ckpt_tool.ops.manifest import check_source_manifest
 from ckpt_tool.ops._staging import check_output_target, staged_output_ranks, verify_output
 from ckpt_tool.parallel import JobProgress
 from ckpt_tool.parallel import ranks as current_ranks
@@ -39,6 +41,7 @@ from ckpt_tool.planning.hf_plan import Recipe, plan_export, plan_import
 from ckpt_tool.planning.hf_rules import (args_from_hf_config, guess_arch, hf_config_from_args,
                                          moe_layers_check, rule_for_config, rule_named)
 from ckpt_tool.planning.source_layout import args_of
+from ckpt_tool.storage import as_path
 
 __all__ = ["convert_hf", "is_hf_conversion", "load_hf_config"]
 
@@ -144,7 +147,7 @@ def _target(recipes: list[Recipe], to: str) -> CheckpointMeta:
 def convert_hf(src: str | Path, dst: str | Path, options: Any, *, trust: bool = False,
                overwrite: bool = False, verify: bool = True, tp: int | None = None,
                pp: int | None = None, max_shard_size: int | None = None,
-               progress: Any = None) -> dict[str, Any]:
+               progress: Any = None, verify_source: bool = True) -> dict[str, Any]:
     """Convert between a Megatron checkpoint and an HF directory (see the module doc);
     returns the fields of ``ops.convert.ConvertResult``."""
     start = time.perf_counter()
@@ -155,8 +158,11 @@ def convert_hf(src: str | Path, dst: str | Path, options: Any, *, trust: bool = 
                          "tensors under their own names")
     r = current_ranks()
     out = check_output_target(dst, sources=(src,), overwrite=overwrite)
-    with open_checkpoint(src, trust=trust) as reader:
+    with open_checkpoint(src, trust=trust, verify=verify_source) as reader:
         meta = reader.metadata()
+        check_source(meta)
+        if verify_source:
+            check_source_manifest(as_path(src), as_path(meta.root), r)
         if options.to == "hf":
             if tp is not None or pp is not None:
                 raise UsageError("--tp/--pp do not apply with --to hf",
@@ -182,7 +188,8 @@ def convert_hf(src: str | Path, dst: str | Path, options: Any, *, trust: bool = 
         wopts = WriterOptions(max_shard_size=max_shard_size or WriterOptions.max_shard_size,
                               max_memory=options.max_memory, tp=tp or 1, pp=pp or 1,
                               extra=extra)
-        notes: list[str] = list(extra.pop("notes", ()))
+        notes: list[str] = list(extra.pop("notes", ())) + ([] if verify_source
+                                                            else [UNVERIFIED_NOTE])
         writer_cls = writer_for(options.to)
         with staged_output_ranks(out, r, overwrite=overwrite, notes=notes) as staging:
             writer = writer_cls(staging, wopts)
@@ -197,4 +204,4 @@ def convert_hf(src: str | Path, dst: str | Path, options: Any, *, trust: bool = 
         source=str(meta.root), source_format=meta.format, target=str(out), format=options.to,
         tensors=tensors, objects=objects, nbytes=target.total_bytes,
         seconds=time.perf_counter() - start, verified=verify,
-        largest_piece=source.largest_piece, notes=notes)
+        largest_piece=source.largest_piece, notes=notes, source_verified=verify_source)

@@ -11,13 +11,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ckpt_tool.errors import FindingsError, InputError, plural
 from ckpt_tool.manifest import (check_manifest, manifest_for, write_file_manifest,
                                 write_manifest)
 from ckpt_tool.model import Finding
+from ckpt_tool.storage import read_range
 
-__all__ = ["manifest_findings", "add_manifest", "ManifestResult"]
+__all__ = ["manifest_findings", "check_source_manifest", "add_manifest", "ManifestResult"]
 
 
 def _where(given: Path, root: Path) -> list[tuple[Path, str]]:
@@ -49,6 +51,51 @@ def manifest_findings(given: Path, root: Path, *, deep: bool,
             continue
         return check_manifest(owner, deep=deep, prefix=prefix, stats=stats)
     return []
+
+
+def check_source_manifest(given: Path, root: Path, ranks: Any = None) -> None:
+    """The manifest covering a source that ``convert``, ``reshard`` or ``diff`` reads, checked
+    before anything is written or compared: every listed file at its recorded size and, for
+    files that are not ``torch.save`` archives, its digest (an archive's records are checked
+    against their own CRC-32s as they are read, which covers every byte of its data: hashing
+    it again would only double the cost). IntegrityError (exit 1) on the first mismatch.
+    ``ranks``: under torchrun rank 0 checks and every rank gets its verdict."""
+    from ckpt_tool.errors import IntegrityError
+
+    job = ranks if ranks is not None and ranks.world > 1 else None
+    problem = None
+    if job is None or job.is_main:
+        problem = _source_manifest_problem(given, root)
+    if job is not None:
+        problem = job.broadcast(problem)
+    if problem is not None:
+        file, message = problem
+        raise IntegrityError(f"{file}: {message}" if file else message, path=root,
+                             hint="the source changed after its manifest was written: "
+                             "restore it from a good copy (if the change was intended, "
+                             "remove the manifest or rewrite it with 'ckpt validate "
+                             "--write-manifest')")
+
+
+def _source_manifest_problem(given: Path, root: Path) -> tuple[str | None, str] | None:
+    for owner, prefix in _where(given, root):
+        found = manifest_for(owner)
+        if found is None or (prefix and not _lists(found[0], prefix)):
+            continue
+        errors = [f for f in check_manifest(owner, deep=True, prefix=prefix,
+                                            hash_only=_not_an_archive)
+                  if f.severity == "error"]
+        return (errors[0].file, errors[0].message) if errors else None
+    return None
+
+
+def _not_an_archive(path: Path) -> bool:
+    """Whether ``path`` does not start like a zip archive (a torch.save file, a .distcp file
+    of DCP items): its bytes are only checked by its manifest digest."""
+    try:
+        return read_range(path, 0, 4) != b"PK\x03\x04"
+    except OSError:
+        return True
 
 
 def _lists(manifest: Path, prefix: str) -> bool:

@@ -28,12 +28,17 @@ from ckpt_tool.ops._container import (check_container_target, output_container,
                                       place_container, to_validate)
 from ckpt_tool.ops._optim_unflatten import BucketLayoutHints, unflatten_bucketed_optimizer
 from ckpt_tool.ops._reshard_io import reshard_source
-from ckpt_tool.ops._resume import ResumeRecipe, resume_for
+from ckpt_tool.ops._framework_files import carry_framework_files
+from ckpt_tool.ops._resume import ResumeRecipe, written_facts
+from ckpt_tool.ops._resume_frameworks import recipe_for
+from ckpt_tool.ops._source_checks import UNVERIFIED_NOTE, check_source
 from ckpt_tool.ops._stacked_view import stacked_view
+from ckpt_tool.ops.manifest import check_source_manifest
 from ckpt_tool.ops._staging import (check_output_target, output_estimate, staged_output_ranks,
                                     verify_output)
 from ckpt_tool.parallel import JobProgress
 from ckpt_tool.parallel import ranks as current_ranks
+from ckpt_tool.storage import as_path
 
 __all__ = ["ReshardRequest", "ReshardResult", "reshard"]
 
@@ -96,10 +101,12 @@ class ReshardResult:
 def reshard(src: str | Path | SourcePlace, dst: str | Path | None, req: ReshardRequest, *,
             check: bool = False, dry_run: bool = False, trust: bool = False,
             overwrite: bool = False, verify: bool = True, progress: Any = None,
-            workers: int = 1) -> ReshardResult:
+            workers: int = 1, verify_source: bool = True) -> ReshardResult:
     """Plan (always) and, unless ``check``/``dry_run``, write the resharded checkpoint.
     ``src``: a path (a save directory is read at its tracker's iteration) or
-    ``formats.save_dir.locate_source``'s answer (``--iteration``)."""
+    ``formats.save_dir.locate_source``'s answer (``--iteration``). ``verify``: validate the
+    output before it is moved into place; ``verify_source``: check every byte read against the
+    CRC-32 its record carries and the source's manifest (IntegrityError, exit 1)."""
     from ckpt_tool.planning.layout import load_rules
     from ckpt_tool.planning.reshard import ReshardOptions, plan_reshard
 
@@ -111,7 +118,10 @@ def reshard(src: str | Path | SourcePlace, dst: str | Path | None, req: ReshardR
         if dst is None:
             raise UsageError("reshard needs an output path", hint="ckpt reshard SRC DST --tp N")
         out = check_output_target(dst, sources=(place.given,), overwrite=overwrite)
-    base = open_checkpoint(place.checkpoint, trust=trust)
+    base = open_checkpoint(place.checkpoint, trust=trust, verify=verify_source)
+    check_source(base.metadata(), needs_common=True)
+    if verify_source:
+        check_source_manifest(as_path(place.given), as_path(base.metadata().root), r)
     src_format = base.metadata().format
     to = req.to or ("legacy" if src_format == "legacy" else "torch_dist")
     if to not in ("torch_dist", "legacy"):
@@ -139,7 +149,8 @@ def reshard(src: str | Path | SourcePlace, dst: str | Path | None, req: ReshardR
                                target=None if out is None else str(out), format=to,
                                plan=plan.to_dict(ranks=dry_run), container=container)
         result.plan["target"]["origins"] = target_origins
-        result.notes = [f"dropped {k}" for k in plan.dropped]
+        result.notes = [f"dropped {k}" for k in plan.dropped] + (
+            [] if verify_source else [UNVERIFIED_NOTE])
         if view is not None:
             result.notes += view.notes()
         local_spec, why = _norm_names(req, common)
@@ -172,7 +183,7 @@ def reshard(src: str | Path | SourcePlace, dst: str | Path | None, req: ReshardR
         legacy = to == "legacy"  # (whose writer makes its own save directory)
         with staged_output_ranks(out, r, overwrite=overwrite, notes=result.notes,
                                  need_bytes=output_estimate(target),
-                                 inner=None if legacy else container.iteration_dir) as staging:
+                                 inner=None if legacy else container.inner) as staging:
             if legacy:  # every rank writes its share of the rank files
                 skipped = write_legacy_ranks(staging, plan, source, new_common, on_bytes,
                                              ranks=r if r.world > 1 else None,
@@ -194,12 +205,16 @@ def reshard(src: str | Path | SourcePlace, dst: str | Path | None, req: ReshardR
                 result.notes += writer_for("torch_dist")(where, wopts).write(request)
             r.barrier()
             job_progress.catch_up()
+            facts = written_facts(container.checkpoint_in(staging), out, container, src_format,
+                                  layout=layout.to_dict(), source_layout=plan.source.to_dict())
+            if r.is_main:
+                result.notes += carry_framework_files(place, staging, container, facts.layout,
+                                                      facts.has_rng, facts.has_optimizer)
+            r.barrier()
             if verify:
                 verify_output(to_validate(staging, container), trust=trust, what="resharded",
                               ranks=r)
-            result.resume = resume_for(container.checkpoint_in(staging), out, container,
-                                       src_format, to, layout=layout.to_dict(),
-                                       source_layout=plan.source.to_dict())
+            result.resume = recipe_for(facts)
     result.written = True
     mine = job_progress.local
     result.nbytes = r.broadcast(sum(r.gather(mine) or [0])) if r.world > 1 else mine
@@ -227,10 +242,13 @@ def _source_common(reader: Any) -> tuple[dict[str, Any], bool]:
 
 
 def _new_common(reader: Any, common: dict[str, Any], plan: Any, layout: Any) -> dict[str, Any]:
-    """The target's common state: the source's with the new sizes in ``args``."""
+    """The target's common state: the source's with the new sizes in ``args`` (a source
+    without ``args`` gets none: Megatron-Bridge and NeMo keep their configuration in their own
+    files, and Bridge falls back to ``args`` alone when its ``run_config.yaml`` is missing)."""
     new_common = dict(common)
-    new_common["args"] = updated_args(common.get("args"),
-                                      {**plan.args_updates, **_world_size(common, layout)})
+    if common.get("args") is not None:
+        new_common["args"] = updated_args(common.get("args"),
+                                          {**plan.args_updates, **_world_size(common, layout)})
     if hasattr(reader, "common_for_target"):  # a ChainedOptimizer's entries at the target
         new_common = reader.common_for_target(new_common, layout)
     return new_common

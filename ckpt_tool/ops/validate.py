@@ -7,7 +7,9 @@ Checks, in order (the pure ones live in ``ops/_checks.py``, CRC32/sha256 ones in
    iteration; dist checkpoints have a parseable ``metadata.json`` and ``.metadata`` (an
    interrupted save, e.g. ``*.distcp`` without ``.metadata``, is an *error finding*, exit 1);
 2. every file the chunks/objects reference exists and holds every item's byte range;
-3. every tensor is covered by its chunks exactly once (in bounds, no gap, no overlap);
+3. every tensor is covered by its chunks exactly once (in bounds, no gap, no overlap); the
+   metadata agrees with the files (tensors at all, the backend, zarr dtypes:
+   ``_validate_meta``); each DCP item holds the dtype and elements the metadata says (4.);
 4. integrity: the CRC32 of every zip entry of every DCP item and of every legacy/torch.save
    file (``torch.load`` does not check them), in one pass over a read-only mmap of each file;
    the manifest (``ckpt_tool.manifest``): files present at their sizes, digests with ``deep``;
@@ -15,8 +17,10 @@ Checks, in order (the pure ones live in ``ops/_checks.py``, CRC32/sha256 ones in
 6. the caller's expectations: ``expect_tp``/``expect_pp``/``expect_keys``/``expect_iteration``;
    legacy: every ``mp_rank_*`` file present, replicated tensors consistent across TP ranks;
    objects' pickles through the allowlist (``_validate_items``);
-7. ``deep``: read every tensor, count NaN/Inf (warnings), report read failures (errors);
-   plain tensor archives / raw elements are counted in place during 4. (no copies).
+7. ``deep``: PyTorch's own archive reader opens every torch.save archive (what it refuses
+   is an error, ``_validate_torch_reader``); read every tensor, count NaN/Inf (warnings),
+   report read failures (errors); plain tensor archives / raw elements are counted in place
+   during 4. (no copies).
 
 A path that is not a checkpoint at all (missing, unknown format, unsafe pickle without
 ``trust``) raises the usual :class:`~ckpt_tool.errors.InputError` (exit 2): there is nothing to
@@ -36,13 +40,14 @@ from ckpt_tool.storage import as_path, is_remote
 from ckpt_tool.ops._checks import (Finding, check_coverage, check_expectations, check_storage,
                                    error, warning)
 from ckpt_tool.ops._common_states import common_state_differences
-from ckpt_tool.ops._integrity import BoundedReader, check_zip_item, scan_archives
+from ckpt_tool.ops._integrity import check_loose_archives, scan_archives
 from ckpt_tool.ops.manifest import manifest_findings
 from ckpt_tool.ops._validate_deep import deep_read
+from ckpt_tool.ops._validate_meta import check_common_state, check_meta_against_files
+from ckpt_tool.ops._validate_torch_reader import torch_reader_findings
 from ckpt_tool.ops._validate_items import check_object_pickles, check_overlaps
 
-__all__ = ["Finding", "ValidateResult", "validate", "read_expected_keys", "BoundedReader",
-           "check_zip_item"]
+__all__ = ["Finding", "ValidateResult", "validate", "read_expected_keys"]
 
 _DCP_FORMATS = ("torch_dist", "dcp")
 _ARCHIVE_FORMATS = (*_DCP_FORMATS, "legacy", "torch")  # torch.save zips: CRC-checked
@@ -178,6 +183,7 @@ def validate(path: str | Path, *, trust: bool = False, deep: bool = False,
         findings.extend(check_storage(meta, sizes) + check_overlaps(meta))
         for key in sorted(meta.tensors):
             findings.extend(check_coverage(meta.tensors[key]))
+        findings.extend(check_meta_against_files(base, meta))
         findings.extend(_check_completion(meta) + _check_common_state(base, meta, trust))
         if meta.format == "legacy":
             findings.extend(_legacy_rank_findings(reader))
@@ -189,6 +195,7 @@ def validate(path: str | Path, *, trust: bool = False, deep: bool = False,
             crc_findings, counted = scan_archives(base, meta, sizes, stats, skip, deep=deep,
                                                   ranks=ranks, progress=progress)
             findings.extend(crc_findings)
+        findings.extend(check_loose_archives(base, meta))
         if meta.format in _DCP_FORMATS:
             findings.extend(_stale_data_files(base, meta))
         findings.extend(manifest_findings(p, root_path, deep=deep, stats=stats))
@@ -203,6 +210,8 @@ def validate(path: str | Path, *, trust: bool = False, deep: bool = False,
         if deep or not is_remote(base):  # (object items are data, like the CRCs)
             findings.extend(check_object_pickles(reader, meta, findings, deep=deep,
                                                  trust=trust, stats=stats))
+        if deep and meta.format in _ARCHIVE_FORMATS + ("zarr",):
+            findings.extend(torch_reader_findings(base, meta, findings, stats))
         if deep:
             findings.extend(deep_read(reader, meta, findings, stats, counted, nonfinite,
                                       progress))
@@ -341,18 +350,14 @@ def _legacy_rank_findings(reader: Any) -> list[Finding]:
 
 def _check_common_state(root: Path, meta: CheckpointMeta, trust: bool) -> list[Finding]:
     """Megatron-Core dist checkpoints keep their common state in ``common.pt`` (0.12-0.18) or
-    in the ``common_state`` object (0.19): without either, Megatron-Core cannot load them; with
-    both (no version writes both), 0.19 loads ``common.pt`` and ignores the object: an error
-    when the two disagree, a warning when they are the same."""
-    if meta.format not in ("torch_dist", "zarr"):
-        return []
+    in the ``common_state`` object (0.19): without either, Megatron-Core cannot load them
+    (``_validate_meta.check_common_state``); with both (no version writes both), 0.19 loads
+    ``common.pt`` and ignores the object: an error when the two disagree, a warning when they
+    are the same."""
+    missing = check_common_state(root, meta)
     obj = meta.extras.get("common_object")
-    has_file = (root / "common.pt").is_file()
-    if not has_file and not obj:
-        return [error("common.pt is missing (and there is no common_state object): the "
-                      "non-sharded state (iteration, args, ...) is lost", file="common.pt")]
-    if not (has_file and obj):
-        return []
+    if missing or not ((root / "common.pt").is_file() and obj):
+        return missing
     differ = common_state_differences(root, meta, obj, trust)
     if differ is None:  # one of them is unreadable: reported with the objects and files
         return []

@@ -35,8 +35,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 from ckpt_tool.model import CheckpointMeta, is_optimizer_key
 from ckpt_tool.planning.layout import RuleSet, rule_for
-from ckpt_tool.planning.param_order import (GPT_PARAMETER_ORDER, MOE_MLP_ORDER, moe_expert_keys,
-                                            stage_params)
+from ckpt_tool.planning.param_order import (GPT_PARAMETER_ORDER, MOE_MLP_ORDER, TIED_KEYS,
+                                            model_key_prefix, moe_expert_keys, stage_params)
 from ckpt_tool.planning.pieces import LocalTensor, rank_pieces
 from ckpt_tool.planning.sizes import Layout, LayerMap, ModelSizes
 
@@ -245,9 +245,10 @@ def optimizer_bucket_layout(meta: CheckpointMeta, sizes: ModelSizes, source: Lay
     lm = LayerMap(sizes.num_layers, source)
     model_keys = _model_keys(meta)
     experts = _expert_split(meta, sizes, ps, model_keys)
+    prefix = model_key_prefix(model_keys)
     known = {k for p in range(ps.pp)
              for k, _l, _e in stage_params(model_keys, spec, lm.layers_of(p), p == 0,
-                                           p == ps.pp - 1, experts[0])}
+                                           p == ps.pp - 1, experts[0], prefix)}
     unknown = [k for k in model_keys if k not in known]
     if unknown:
         raise BucketLayoutError(f"no parameter-order rule for {unknown[0]!r}"
@@ -284,6 +285,7 @@ def _chunk_buckets(meta: CheckpointMeta, sizes: ModelSizes, ps: _Sizes, spec: st
     layers = lm.layers_of(pp_rank, vp if vpp > 1 else None)
     first, last = pp_rank == 0 and vp == 0, pp_rank == ps.pp - 1 and vp == vpp - 1
     model_keys = _model_keys(meta)
+    prefix = model_key_prefix(model_keys)
     out: list[Bucket] = []
 
     def add(template: Bucket, locals_: list[tuple[str, LocalTensor]], dp: int) -> None:
@@ -294,9 +296,9 @@ def _chunk_buckets(meta: CheckpointMeta, sizes: ModelSizes, ps: _Sizes, spec: st
         numels = [math.prod(local.local_shape) for _k, local in reversed(locals_)]
         out.extend(_lay_out(replace(template, gbuf_idx=gbuf), locals_,
                             closing(ps.dp, gbuf, template.domain, numels), ps.divisor(dp),
-                            tied))
+                            tuple(prefix + k for k in TIED_KEYS) if tied else ()))
 
-    dense = [p for p in stage_params(model_keys, spec, layers, first, last, experts[0])
+    dense = [p for p in stage_params(model_keys, spec, layers, first, last, experts[0], prefix)
              if not (has_experts and p[2] is not None)]
     for tp_rank in range(ps.tp):
         add(Bucket(tp_rank + ps.tp * pp_rank, tp_rank, pp_rank, 0, dtype, 0,
@@ -306,7 +308,8 @@ def _chunk_buckets(meta: CheckpointMeta, sizes: ModelSizes, ps: _Sizes, spec: st
     if not has_experts:
         return out
     for ep_rank in range(ps.ep):
-        mine = [p for p in stage_params(model_keys, spec, layers, first, last, experts[ep_rank])
+        mine = [p for p in stage_params(model_keys, spec, layers, first, last, experts[ep_rank],
+                                        prefix)
                 if p[2] is not None]
         for etp_rank in range(ps.etp):
             idx = etp_rank + ps.etp * (ep_rank + ps.ep * pp_rank)
@@ -320,7 +323,7 @@ def _chunk_buckets(meta: CheckpointMeta, sizes: ModelSizes, ps: _Sizes, spec: st
 def _expert_split(meta: CheckpointMeta, sizes: ModelSizes, ps: _Sizes,
                   model_keys: list[str]) -> list[list[int]]:
     """The global routed experts of each expert-parallel rank (``[[]]`` for a dense model)."""
-    stacked = [k for k in moe_expert_keys() if k in meta.tensors]
+    stacked = [k for k in moe_expert_keys(model_key_prefix(model_keys)) if k in meta.tensors]
     if not stacked:
         return [[] for _ in range(ps.ep)]
     counts = {meta.tensors[k].shape[1] for k in stacked}
@@ -358,7 +361,7 @@ def _local(meta: CheckpointMeta, key: str, layer: int | None, experts: list[int]
 
 
 def _lay_out(template: Bucket, params: list[tuple[str, LocalTensor]], closing: _Closing,
-             divisor: int, tied: bool) -> list[Bucket]:
+             divisor: int, shared_keys: tuple[str, ...]) -> list[Bucket]:
     def pad(n: int, d: int) -> int:
         return -(-n // d) * d
 
@@ -379,7 +382,7 @@ def _lay_out(template: Bucket, params: list[tuple[str, LocalTensor]], closing: _
     for key, local in reversed(params):
         numel = math.prod(local.local_shape)
         start = pad(start, _PARAM_ALIGN)
-        shared = tied and key in ("embedding.word_embeddings.weight", "output_layer.weight")
+        shared = key in shared_keys
         if current.params and closing.before(len(buckets), start - bucket_start, shared):
             start = close(start)
         end = start + numel

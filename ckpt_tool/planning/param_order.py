@@ -3,6 +3,12 @@ key names (pure; no I/O). DDP lays its gradient buffers out in the reverse of th
 (:mod:`ckpt_tool.planning.optim_buckets`), so the order decides where each parameter's
 optimizer state lies in a ``dp_reshardable`` checkpoint.
 
+Keys are Megatron-Core's GPTModel names as Megatron-LM and Megatron-Bridge save them (the
+unwrapped model's ``sharded_state_dict``). NeMo 2 saves the wrapped model chunk's
+(``DDP(Float16Module(GPTModel))``: Megatron-Core's default ``sharded_state_dict`` names the
+child, so every key starts with ``module.``): :func:`model_key_prefix` finds that prefix and
+:func:`stage_params` takes it.
+
 Dense layers: the local spec registers ``input_layernorm`` (saved as
 ``linear_qkv.layer_norm_*``) before ``linear_proj``; Transformer-Engine layers fuse it into
 ``linear_qkv``, after ``linear_proj``.
@@ -21,7 +27,7 @@ from __future__ import annotations
 from typing import Mapping, Sequence
 
 __all__ = ["GPT_PARAMETER_ORDER", "MOE_MLP_ORDER", "LAYER_PREFIX", "StageParam", "stage_params",
-           "moe_expert_keys"]
+           "moe_expert_keys", "model_key_prefix", "TIED_KEYS"]
 
 LAYER_PREFIX = "decoder.layers."
 _ATTN_NORM = ["self_attention.linear_qkv.layer_norm_weight",
@@ -61,24 +67,50 @@ MOE_MLP_ORDER: dict[str, list[str]] = {
 }
 
 _EMBEDDING, _OUTPUT = "embedding.word_embeddings.weight", "output_layer.weight"
+#: The parameters DDP treats as the shared embedding when the embeddings are tied.
+TIED_KEYS = (_EMBEDDING, _OUTPUT)
+_ROOTS = ("embedding.", "decoder.", "output_layer.")
+_WRAPPER = "module."
 
 #: ``(key, global layer or None, global expert or None)``
 StageParam = tuple[str, "int | None", "int | None"]
 
 
-def moe_expert_keys() -> list[str]:
-    """The stacked routed-expert keys (full names) the order knows."""
-    prefix = LAYER_PREFIX + MOE_MLP_ORDER["experts_prefix"][0]
-    return [prefix + s for s in MOE_MLP_ORDER["experts"]]
+def model_key_prefix(keys: Mapping[str, object] | Sequence[str]) -> str:
+    """What stands before the GPTModel names in ``keys`` (the checkpoint's model keys): ``""``
+    (the unwrapped model), ``"module."`` (NeMo 2: the DDP-wrapped chunk), ``"module.module."``
+    ...; ``""`` when the keys do not agree on one."""
+    found = set()
+    for key in keys:
+        prefix = ""
+        while key.startswith(prefix + _WRAPPER):
+            prefix += _WRAPPER
+        if key[len(prefix):].startswith(_ROOTS):
+            found.add(prefix)
+    return found.pop() if len(found) == 1 else ""
+
+
+def moe_expert_keys(prefix: str = "") -> list[str]:
+    """The stacked routed-expert keys (full names, after ``prefix``) the order knows."""
+    stacked = prefix + LAYER_PREFIX + MOE_MLP_ORDER["experts_prefix"][0]
+    return [stacked + s for s in MOE_MLP_ORDER["experts"]]
 
 
 def stage_params(keys: Mapping[str, object] | Sequence[str], spec: str, layers: Sequence[int],
-                 first: bool, last: bool, experts: Sequence[int] = ()) -> list[StageParam]:
+                 first: bool, last: bool, experts: Sequence[int] = (),
+                 prefix: str = "") -> list[StageParam]:
     """One pipeline stage's (or model chunk's) parameters in registration order, restricted to
-    ``keys`` (the checkpoint's model keys). ``experts``: the global routed experts this rank
-    holds, in local order (empty for a dense model)."""
+    ``keys`` (the checkpoint's model keys, each GPTModel name after ``prefix``:
+    :func:`model_key_prefix`). ``experts``: the global routed experts this rank holds, in
+    local order (empty for a dense model)."""
+    present = {k[len(prefix):] for k in keys if k.startswith(prefix)}
+    return [(prefix + k, layer, expert)
+            for k, layer, expert in _stage_params(present, spec, layers, first, last, experts)]
+
+
+def _stage_params(present: set[str], spec: str, layers: Sequence[int], first: bool,
+                  last: bool, experts: Sequence[int]) -> list[StageParam]:
     order = GPT_PARAMETER_ORDER[spec]
-    present = set(keys)
     moe = any(k in present for k in moe_expert_keys())
     out: list[StageParam] = []
     if first:

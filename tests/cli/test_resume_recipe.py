@@ -65,7 +65,8 @@ def test_a_save_directory_gives_a_save_directory_and_the_recipe(tmp_path):
     assert result.stderr == ""
     doc = json.loads(result.stdout)
     assert doc["container"] == {"kind": "save_dir", "iteration_dir": "iter_0000010",
-                                "tracker": "10"}
+                                "tracker": "10", "framework": "megatron_lm"}
+    assert doc["resume"]["framework"] == "megatron_lm" and doc["resume"]["overrides"] == []
     assert doc["resume"]["megatron_lm"] == [
         "--load", str(tmp_path / "j"), "--tensor-model-parallel-size", "1",
         "--pipeline-model-parallel-size", "1", "--no-load-rng"]

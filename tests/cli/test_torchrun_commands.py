@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from ckpt_tool.manifest import write_manifest
 from ckpt_tool.ops._convert_plan import ConvertOptions
 from ckpt_tool.ops.convert import convert
 from ckpt_tool.ops.diff import diff
@@ -74,6 +75,7 @@ def test_diff_splits_tensors_and_agrees_on_the_verdict(tmp_path):
     data[key] = data[key].clone()
     data[key].view(-1)[0] += 1
     save_file(data, f, metadata={"format": "pt"})
+    write_manifest(out)  # an intended change: its manifest rewritten (else diff refuses it)
     proc = _torchrun("diff", str(OPTIM), str(out), "--json")
     assert proc.returncode == 1, proc.stderr[-3000:]  # every rank exits 1, not only one
     doc = json.loads(proc.stdout)
@@ -103,6 +105,47 @@ def test_validate_deep_splits_files_and_reports_every_finding(tmp_path):
     assert damaged == ["mp_rank_00_001/model_optim_rng.pt", "mp_rank_01_001/model_optim_rng.pt"]
     proc = _torchrun("validate", "--deep", str(src), "--json")
     assert proc.returncode == 0 and json.loads(proc.stdout)["findings"] == []
+
+
+def _flip_data_byte(ck: Path, key: str, at: int) -> None:
+    """Flip one byte of the tensor data of one DCP item of ``key`` (its CRC-32 then fails)."""
+    import io
+    import struct
+    import zipfile
+
+    from ckpt_tool.formats.base import open_checkpoint
+
+    with open_checkpoint(ck) as r:
+        chunk = r.metadata().tensors[key].chunks[-1]
+    path = ck / chunk.file
+    data = bytearray(path.read_bytes())
+    item = bytes(data[chunk.byte_offset:chunk.byte_offset + chunk.byte_length])
+    info = next(i for i in zipfile.ZipFile(io.BytesIO(item)).infolist()
+                if "/data/" in i.filename)
+    n, e = struct.unpack("<HH", item[info.header_offset + 26:info.header_offset + 30])
+    data[chunk.byte_offset + info.header_offset + 30 + n + e + at] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+def test_a_damaged_item_read_by_one_rank_fails_the_whole_command(tmp_path):
+    """Under torchrun each rank reads its share: whichever rank meets the damaged item, the
+    command fails (exit 1) and nothing appears at the target."""
+    import shutil
+
+    bad = tmp_path / "bad" / "iter_0000010"
+    shutil.copytree(OPTIM / "iter_0000010", bad)
+    _flip_data_byte(bad, "optimizer.state.exp_avg.output_layer.weight", 7)
+    for args in (("convert", str(bad), str(tmp_path / "c"), "--to", "torch_dist"),
+                 ("convert", str(bad), str(tmp_path / "s"), "--to", "safetensors"),
+                 ("reshard", str(bad), str(tmp_path / "r"), "--tp", "1", "--pp", "1")):
+        proc = _torchrun(*args)
+        assert proc.returncode == 1, (args, proc.stderr[-3000:])
+        # the rank that met it says which item (torchrun's summary shows it), the others
+        # that a rank failed
+        errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("ckpt: error:")]
+        assert errors and "fails its CRC-32 check" in proc.stderr, proc.stderr[-3000:]
+        assert not Path(args[2]).exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad"]  # no staging left
 
 
 PROGRESS_WORKER = r'''

@@ -11,7 +11,8 @@ import torch
 
 from ckpt_tool.formats import dcp_items as _dcp_io
 from ckpt_tool.formats.dcp_items import load_chunk, read_item_bytes
-from ckpt_tool.formats.torch_zip import NotSimple, as_tensor, raw_item, zip_records
+from ckpt_tool.formats.torch_zip import as_tensor, raw_item
+from ckpt_tool.formats.zip_directory import NotSimple, zip_records
 from ckpt_tool.formats.safe_pickle import load_torch_file
 from ckpt_tool.ops._checks import NonfiniteBatch, count_nonfinite, nonfinite
 from ckpt_tool.ops.inspect import inspect

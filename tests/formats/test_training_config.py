@@ -8,7 +8,9 @@ import json
 from pathlib import Path
 
 from ckpt_tool.formats.base import open_checkpoint
-from ckpt_tool.formats.mcore_dist.training_config import training_config
+from ckpt_tool.formats.mcore_dist.training_config import (bridge_run_config_for,
+                                                          from_nemo_context, nemo_io_for,
+                                                          training_config)
 
 FIX = Path(__file__).resolve().parents[2] / "fixtures"
 
@@ -62,3 +64,39 @@ def test_nemo2_context_beside_the_weights(tmp_path):
                              "transformer_impl": "transformer_engine",
                              "tensor_model_parallel_size": 4}  # no DDP settings taken
     assert training_config(tmp_path) is None
+
+
+def test_the_bridge_run_config_of_an_output_says_its_sizes_and_what_it_holds():
+    config = {"model": {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 1,
+                        "expert_tensor_parallel_size": 2, "hidden_size": 48},
+              "checkpoint": {"save_rng": True, "save_optim": True}, "ddp": {"bucket_size": 6000}}
+    layout = {"tp": 1, "pp": 2, "ep": 1, "etp": 1, "vpp": None, "first_stage_layers": None,
+              "last_stage_layers": None}
+    new, changed = bridge_run_config_for(config, layout, has_rng=False, has_optimizer=True)
+    assert new["model"] == {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 2,
+                            "expert_tensor_parallel_size": 1, "hidden_size": 48}
+    assert new["checkpoint"] == {"save_rng": False, "save_optim": True}
+    assert new["ddp"] == config["ddp"] and config["model"]["tensor_model_parallel_size"] == 2
+    assert changed == ["model.tensor_model_parallel_size=1",
+                       "model.pipeline_model_parallel_size=2",
+                       "model.expert_tensor_parallel_size=1", "checkpoint.save_rng=False"]
+    # fields the file does not hold stay out; no layout: only what the output holds
+    assert bridge_run_config_for(config, None, True, False)[1] == ["checkpoint.save_optim=False"]
+
+
+def test_the_nemo_context_of_an_output_gives_the_strategy_its_sizes():
+    graph = json.loads((FIX / "nemo2_mcore016_gpt_tp2dp2_distopt" / "checkpoints"
+                        / "default--val_loss=0.00-step=1-consumed_samples=4.0-last" / "context"
+                        / "io.json").read_text())
+    layout = {"tp": 2, "pp": 1, "ep": 1, "etp": 2, "vpp": None, "first_stage_layers": None,
+              "last_stage_layers": None}
+    assert nemo_io_for(graph, layout) == (graph, [])  # the sizes it has: nothing to do
+    new, changed = nemo_io_for(graph, {**layout, "tp": 1, "etp": 1, "pp": 2, "vpp": 2})
+    assert changed == ["trainer.strategy.tensor_model_parallel_size=1",
+                       "trainer.strategy.pipeline_model_parallel_size=2",
+                       "trainer.strategy.virtual_pipeline_model_parallel_size=2"]
+    args = from_nemo_context({}, new)
+    assert (args["tensor_model_parallel_size"], args["pipeline_model_parallel_size"],
+            args["virtual_pipeline_model_parallel_size"]) == (1, 2, 2)
+    assert from_nemo_context({}, graph)["tensor_model_parallel_size"] == 2  # a copy changed
+    assert nemo_io_for({"objects": {}}, layout) == ({"objects": {}}, [])  # no strategy

@@ -9,7 +9,9 @@ must equal its expected main parameter rounded to bf16.
     torchrun --nproc-per-node N _moe_resume_worker.py TP PP EP CKPT [FIXTURE] [--verify-integrity]
 
 FIXTURE's ``generate.py`` provides ``init(tp, pp, ep)`` and ``build(tp, pp, ep)`` (no virtual
-pipeline at the target) and its ``expected/optim.safetensors`` the per-parameter state.
+pipeline at the target), optionally ``load(ckpt, gpt, model, optimizer)`` (a framework's own
+resume, e.g. NeMo 2's; default Megatron-LM's), and its ``expected/optim.safetensors`` the
+per-parameter state.
 The Megatron-Core is the installed one, or with ``$CKPT_MEGATRON_SRC`` the ``megatron/core``
 source tree it names (0.19's: ``fixtures/_mcore_cpu.megatron_core_from_source``);
 ``--verify-integrity`` loads as Megatron-LM 0.18+'s ``--verify-integrity`` does (``integrity.json``
@@ -75,7 +77,10 @@ def main() -> int:
     with torch.no_grad():
         for p in gpt.parameters():
             p.fill_(float("nan"))
-    R.load_as_megatron_lm(ckpt, gpt, optimizer, verify_integrity=VERIFY_INTEGRITY)
+    if hasattr(gen, "load"):  # the framework's own resume (NeMo 2: the wrapped model's keys)
+        gen.load(ckpt, gpt, _model, optimizer)
+    else:
+        R.load_as_megatron_lm(ckpt, gpt, optimizer, verify_integrity=VERIFY_INTEGRITY)
     from megatron.core import parallel_state as ps
 
     for p, name in names.items():

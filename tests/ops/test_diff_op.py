@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "formats"))
 from _builders import split_grid, write_mcore_dist  # noqa: E402
+from _items import refresh_crcs  # noqa: E402
 
 import ckpt_tool.ops._diff_values as diff_values  # noqa: E402
 import ckpt_tool.ops._diff_windows as diff_windows  # noqa: E402
@@ -33,8 +34,9 @@ ALL = ["mcore016_gpt_tp2pp2_fp32", "mcore016_gpt_tp2pp2_bf16_optim", "dcp_plain"
 
 
 def poke(root: Path, key: str, offsets: tuple, index: tuple, value: float) -> float:
-    """Overwrite one fp32 element of a DCP item in place (torch.load does not check CRCs);
-    ``index`` is inside the chunk at ``offsets``. Returns the old value."""
+    """Overwrite one fp32 element of a DCP item in place, and the record's CRC-32 with it (an
+    intact item holding other values: damage is refused, not compared); ``index`` is inside
+    the chunk at ``offsets``. Returns the old value."""
     with open_checkpoint(root) as r:
         chunk = next(c for c in r.metadata().tensors[key].chunks if c.offsets == offsets)
     path = root / chunk.file
@@ -48,6 +50,7 @@ def poke(root: Path, key: str, offsets: tuple, index: tuple, value: float) -> fl
     (old,) = struct.unpack("<f", data[at:at + 4])
     data[at:at + 4] = struct.pack("<f", value)
     path.write_bytes(bytes(data))
+    refresh_crcs(path, chunk.byte_offset, chunk.byte_length)
     return old
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 import ckpt_tool.ops._diff_windows as dw
+from _items import refresh_crcs
 from ckpt_tool.formats.base import open_checkpoint
 from ckpt_tool.ops.diff import diff
 
@@ -104,6 +105,7 @@ def test_diff_finds_one_element_in_first_or_last_window(copy, monkeypatch, index
     data = bytearray(path.read_bytes())
     data[at:at + 4] = struct.pack("<f", 42.0)
     path.write_bytes(bytes(data))
+    refresh_crcs(path, chunk.byte_offset, chunk.byte_length)  # (an intact item)
     r = diff(MCORE, copy)
     (v,) = r.values
     assert v.key == "output_layer.weight" and v.differing == 1 and v.first_index == index

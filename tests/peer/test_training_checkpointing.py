@@ -193,7 +193,7 @@ def test_megatron_lm_resumes_from_reshard_at_the_new_layout(tmp_path: Path, mode
     assert done.returncode == 0, done.stderr[-3000:]
     doc = json.loads(done.stdout)
     assert doc["container"] == {"kind": "save_dir", "iteration_dir": "iter_0000002",
-                                "tracker": "2"}
+                                "tracker": "2", "framework": "megatron_lm"}
     assert (out / "latest_checkpointed_iteration.txt").read_text() == "2"
     flags = doc["resume"]["megatron_lm"]
     assert flags[:2] == ["--load", str(out)] and "--no-load-rng" in flags, flags

@@ -23,6 +23,9 @@ FIXTURE_BASES = {
     "zarr": FIX / "mcore015_zarr_gpt_tp2pp2" / "iter_0000010",
     "dcp": FIX / "dcp_plain",
     "legacy": FIX / "megatron_legacy_tp2pp2",
+    # (integrity cases: bf16 weights with Adam state; MCore 0.15's flattened optimizer state)
+    "torch_dist_bf16": FIX / "mcore016_gpt_tp2pp2_bf16_optim" / "iter_0000010",
+    "torch_dist_flat": FIX / "mcore015_gpt_flattened_optim" / "iter_0000010",
 }
 FILE_NAMES = {"torch": "model.pt", "safetensors": "model.safetensors",
               "st_index": "model.safetensors.index.json"}
@@ -436,7 +439,71 @@ def _corpus() -> list[Case]:
         C("index-shard-is-directory", "st_index", as_dir(SH2)),
         C("index-shard-symlink-loop", "st_index", symlink_loop(SH2)),
     ]
-    return td + zarr + dcp + legacy + torch_ + st + ix
+    return td + zarr + dcp + legacy + torch_ + st + ix + _integrity_corpus()
+
+
+# -- integrity: damage only the zip CRC-32s or the items themselves reveal ---------------------
+# (the real loaders accept most of these: torch.load ignores the CRCs, and nothing compares
+# the metadata with the items. They are broken all the same: must_reject.)
+
+EXP_AVG = "optimizer.state.exp_avg.output_layer.weight"
+FLAT_EXP_AVG = "optimizer.state.exp_avg.decoder.layers.mlp.linear_fc1.weight"
+BF16_W = "embedding.word_embeddings.weight"
+
+
+def _meta_dtype(fqn, dtype):
+    import torch
+
+    def fn(md, ck):
+        md.state_dict_metadata[fqn].properties.dtype = getattr(torch, dtype)
+    return dcp_meta(fn)
+
+
+def _meta_rows(fqn, extra):
+    import torch
+
+    def fn(md, ck):
+        tm = md.state_dict_metadata[fqn]
+        tm.size = torch.Size([tm.size[0] + extra, *tm.size[1:]])
+    return dcp_meta(fn)
+
+
+def _no_arrays(ck):
+    for z in sorted(ck.rglob(".zarray")):
+        shutil.rmtree(z.parent)
+
+
+_ZARR_JSON = (b'{"sharded_backend": "zarr", "sharded_backend_version": 1, '
+              b'"common_backend": "torch", "common_backend_version": 1}')
+
+
+def _integrity_corpus() -> list[Case]:
+    C = Case
+    crc = dict(must_reject=True, tags=("integrity",))
+    meta = dict(must_reject=True, tags=("integrity",))
+    return [
+        C("item-data-crc", "torch_dist", lambda ck: m.flip_item_data(ck, OUT_W), **crc),
+        C("common-record-crc", "torch_dist", _f("common.pt", lambda p: m.flip_record_data(
+            p, ".data/serialization_id")), **crc),
+        C("central-disk-start", "torch_dist",
+          item_field(OUT_W, "central", "disk", entry=4, mask=0x02), tags=("integrity",)),
+        C("metadata-dtype-float16", "torch_dist", _meta_dtype(OUT_W, "float16"), **meta),
+        C("metadata-dtype-int64", "torch_dist", _meta_dtype(OUT_W, "int64"), **meta),
+        C("metadata-shape-beyond-chunks", "torch_dist", _meta_rows(OUT_W, 64), **meta),
+        C("metadata-json-says-zarr", "torch_dist", write("metadata.json", _ZARR_JSON), **meta),
+        C("metadata-dtype-float16-for-bf16", "torch_dist_bf16", _meta_dtype(BF16_W, "float16"),
+          **meta),
+        C("exp-avg-item-crc", "torch_dist_bf16", lambda ck: m.flip_item_data(ck, EXP_AVG),
+          **crc),
+        C("flattened-optim-item-crc", "torch_dist_flat",
+          lambda ck: m.flip_item_data(ck, FLAT_EXP_AVG), **crc),
+        C("no-arrays", "zarr", _no_arrays, **meta),
+        C("zarray-dtype-same-size", "zarr",
+          json_edit(f"{ZW}/.zarray", lambda d, p: d.update(dtype="<f2")), **meta),
+        C("item-data-crc", "dcp", lambda ck: m.flip_item_data(ck, "model.embed.weight"), **crc),
+        C("rank-file-data-crc", "legacy", _f(LEG, m.flip_record_data), **crc),
+        C("data-crc", "torch", _f(ST, m.flip_record_data), **crc),
+    ]
 
 
 def dcp_meta_tb(fqn, scale_chunks):

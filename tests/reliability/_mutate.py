@@ -167,3 +167,28 @@ def edit_st(path: Path, fn) -> None:
     header, body = read_st(path)
     fn(header)
     write_st(path, header, body)
+
+
+# -- integrity: damage that the zip CRC-32s or the items themselves reveal -----------------------
+
+def record_start(blob: bytes, name_part: str) -> int:
+    """Where the data of the first record whose name contains ``name_part`` starts in the
+    archive ``blob`` (its local header read as every zip reader does)."""
+    info = next(i for i in zipfile.ZipFile(io.BytesIO(blob)).infolist()
+                if name_part in i.filename)
+    n, e = struct.unpack_from("<HH", blob, info.header_offset + 26)
+    return info.header_offset + 30 + n + e
+
+
+def flip_item_data(ck: Path, fqn: str, at: int = 5, mask: int = 0x10,
+                   record: str = "/data/") -> None:
+    """Flip one byte of a DCP item's record (by default its tensor's data): the record's
+    CRC-32 no longer matches, nothing else changes."""
+    path, off, length = item_blob(ck, fqn)
+    blob = path.read_bytes()[off:off + length]
+    xor(path, off + record_start(blob, record) + at, mask)
+
+
+def flip_record_data(path: Path, record: str = "/data/", at: int = 5, mask: int = 0x10) -> None:
+    """The same in a whole ``torch.save`` file (a legacy rank file, a torch.save file)."""
+    xor(path, record_start(path.read_bytes(), record) + at, mask)

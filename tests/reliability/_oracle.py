@@ -109,7 +109,8 @@ def _st_index(path: Path) -> None:
 
 
 LOADERS = {"torch_dist": _torch_dist, "zarr": _zarr, "dcp": _dcp, "legacy": _legacy,
-           "torch": _torch, "safetensors": _safetensors, "st_index": _st_index}
+           "torch": _torch, "safetensors": _safetensors, "st_index": _st_index,
+           "torch_dist_bf16": _torch_dist, "torch_dist_flat": _torch_dist}
 
 
 def _one(base: str, path: str, store: str) -> str:

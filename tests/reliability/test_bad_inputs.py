@@ -39,14 +39,7 @@ ALLOWED = {"inspect": {0, 2}, "validate": {0, 1, 2}, "validate-deep": {0, 1, 2},
 LIMIT_AS = 6 << 30  # address space of an isolated command
 MAX_RSS_KB = 1536 << 10  # its peak resident memory (torch itself is ~0.4 GB)
 # Defects the corpus found that are not fixed yet (strict: the test fails once they are)
-KNOWN: dict[tuple[str, str], str] = {
-    ("torch_dist/last-chunk-claims-1e15-rows", "validate"):
-        "plain validate does not compare a DCP item's element count with .metadata (--deep "
-        "and every command that reads the item do); the integrity checks add it",
-    ("torch_dist/shape-1e15-rows", "reshard"):
-        "reshard reads the rows the target layout needs and does not check that the source's "
-        "chunks cover its shape; the integrity checks of a source add it",
-}
+KNOWN: dict[tuple[str, str], str] = {}
 TIMEOUT = 300  # only a hang gets near this, even on a loaded machine
 
 

@@ -67,24 +67,52 @@ def test_validate_deep_reads_everything_and_agrees_with_the_local_run(s3):
         assert remote["nonfinite"] == local["nonfinite"]
 
 
-def test_a_damaged_remote_item_is_found_by_deep(s3, tmp_path):
+def _damaged_copy(src: Path, dst: Path) -> str:
+    """``src`` copied to ``dst`` with one byte of its biggest tensor item flipped (its zip
+    record's CRC-32 no longer matches); the damaged file, relative to ``dst``."""
     import shutil
 
-    bad = tmp_path / "dcp"
-    shutil.copytree(DCP, bad)
     from ckpt_tool.formats import open_checkpoint
 
-    with open_checkpoint(DCP) as reader:
-        chunk = max((c for t in reader.metadata().tensors.values() for c in t.chunks),
+    shutil.copytree(src, dst)
+    with open_checkpoint(src) as reader:
+        meta = reader.metadata()
+        chunk = max((c for t in meta.tensors.values() for c in t.chunks),
                     key=lambda c: c.byte_length)
-    f = bad / chunk.file
-    data = bytearray(f.read_bytes())
+    rel = (Path(meta.root) / chunk.file).relative_to(src)
+    data = bytearray((dst / rel).read_bytes())
     data[chunk.byte_offset + chunk.byte_length // 2] ^= 0xFF  # in the tensor's bytes
-    f.write_bytes(bytes(data))
-    url = s3.upload(bad, "bad")
+    (dst / rel).write_bytes(bytes(data))
+    return rel.as_posix()
+
+
+def test_a_damaged_remote_item_is_found_by_deep(s3, tmp_path):
+    file = _damaged_copy(DCP, tmp_path / "dcp")
+    url = s3.upload(tmp_path / "dcp", "bad")
     assert _json(["validate", url, "--json"])["ok"]  # metadata only: the bytes are not read
     doc = _json(["validate", url, "--deep", "--json"])
-    assert not doc["ok"] and any(x["file"] == chunk.file for x in doc["findings"])
+    assert not doc["ok"] and any(x["file"] == file for x in doc["findings"])
+
+
+def test_a_damaged_remote_item_is_refused_as_a_local_one_is(s3, tmp_path):
+    """convert (the torch path and the raw byte-moving one), reshard and diff check every
+    item they read from the store against its CRC-32s, as for a local source: exit 1 naming
+    the record, nothing written; --no-verify lets the damage through (what was refused)."""
+    _damaged_copy(DCP, tmp_path / "dcp")
+    _damaged_copy(GPT, tmp_path / "gpt")
+    dcp, gpt = s3.upload(tmp_path / "dcp", "dcp"), s3.upload(tmp_path / "gpt", "gpt")
+    runs = {"dcp": ["convert", dcp, str(tmp_path / "dcp_out"), "--to", "dcp"],
+            "st": ["convert", dcp, str(tmp_path / "st_out"), "--to", "safetensors"],
+            "tp1": ["reshard", gpt, str(tmp_path / "tp1_out"), "--tp", "1", "--pp", "1"]}
+    for name, args in runs.items():
+        result = runner.invoke(app, args)
+        assert result.exit_code == 1, (name, result.output)
+        assert "fails its CRC-32 check" in result.output, (name, result.output)
+        assert not (tmp_path / f"{name}_out").exists(), name
+        result = runner.invoke(app, args + ["--no-verify"])
+        assert result.exit_code == 0, (name, result.output)
+    result = runner.invoke(app, ["diff", gpt, str(GPT)])
+    assert result.exit_code == 1 and "fails its CRC-32 check" in result.output, result.output
 
 
 def test_convert_and_diff_from_the_server_match_the_local_source(s3, tmp_path):

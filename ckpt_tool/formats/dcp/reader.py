@@ -293,12 +293,19 @@ class DcpReader(Reader):
         return out
 
     # -- data -------------------------------------------------------------------------------
+    def stored_archives(self, chunks: Any) -> list[tuple[Path, int | None, int | None]]:
+        """The items storing ``chunks`` (see :meth:`Reader.stored_archives`)."""
+        from ckpt_tool.formats.dcp_items import item_ranges
+
+        return item_ranges(self.root, chunks)
+
     def read(self, key: str, slices: tuple[slice, ...] | None = None) -> Any:
         """The global tensor ``key`` (DCP fqn), or ``slices`` of it, assembled from its chunks."""
         from ckpt_tool.formats.dcp_items import assemble, load_chunk_view
 
         return assemble(self._tensor_meta(key), slices,
-                        lambda c: load_chunk_view(self.root, c, trust=self.trust))
+                        lambda c: load_chunk_view(self.root, c, trust=self.trust,
+                                                  verify=self.verify))
 
     def read_object(self, unique_key: str) -> Any:
         """The value of a bytes item (fqn): DCP stores ``torch.save(value)``, loaded safely."""
@@ -309,9 +316,10 @@ class DcpReader(Reader):
         if unique_key in self._object_transforms:
             raise UnsupportedError(f"stream transforms {list(self._object_transforms[unique_key])}"
                                    " are not supported yet")
-        data = read_item_bytes(self.root, o.file, o.byte_offset, o.byte_length)
+        data = read_item_bytes(self.root, o.file, o.byte_offset, o.byte_length,
+                               verify=self.verify)
         try:
-            return load_torch_file(io.BytesIO(data), trust=self.trust)
+            return load_torch_file(io.BytesIO(data), trust=self.trust, verify=False)
         except CorruptCheckpointError as exc:
             exc.path = exc.path or str(self.root / str(o.file))
             raise
@@ -322,9 +330,19 @@ class DcpReader(Reader):
         from ckpt_tool.formats.common_state import load_torch_save_light
         from ckpt_tool.formats.dcp_items import read_item_bytes
 
-        o = self._object_meta(unique_key)
-        data = read_item_bytes(self.root, o.file, o.byte_offset, o.byte_length)
+        o = self._object_meta(unique_key)  # (validate checks the CRCs in its own pass)
+        data = read_item_bytes(self.root, o.file, o.byte_offset, o.byte_length, verify=False)
         return load_torch_save_light(data, trust=self.trust, where=self.root / str(o.file))
+
+    def check_common(self) -> None:
+        """The CRC-32s of the bytes items the common state is made of."""
+        from ckpt_tool.formats.archive_check import check_many
+
+        common = self.objects_in_common()
+        if self.verify:
+            check_many((self.root / str(o.file), o.byte_offset, o.byte_length)
+                       for o in self.metadata().objects if o.unique_key in common
+                       and o.file and o.byte_offset is not None and o.byte_length)
 
     def objects_in_common(self) -> frozenset[str]:
         """The bytes items that are the common state: all but Megatron-Core ShardedObjects

@@ -129,18 +129,27 @@ class LegacyReader(Reader):
         path = self.root / rel
         if not path.is_file():
             raise CorruptCheckpointError(f"rank file {rel} is missing", path=self.root)
+        if self.verify:  # torch.load does not check the CRCs: every record's first
+            from ckpt_tool.formats.archive_check import check_file
+
+            check_file(path, f"rank file {rel}")
         try:
             state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
         except pickle.UnpicklingError:
             from ckpt_tool.formats.safe_pickle import load_torch_file
 
-            state = load_torch_file(path, trust=self.trust)
+            state = load_torch_file(path, trust=self.trust, verify=False)
         except (RuntimeError, EOFError, zipfile.BadZipFile) as exc:
             raise CorruptCheckpointError(f"cannot load {rel} ({exc})", path=self.root) from None
         self._files[rel] = state
         while len(self._files) > _LRU_FILES:
             self._files.popitem(last=False)
         return state
+
+    def stored_archives(self, chunks: Any) -> list[tuple[Path, int | None, int | None]]:
+        """The rank files holding ``chunks``, whole (see :meth:`Reader.stored_archives`)."""
+        files = dict.fromkeys(c.file for c in chunks if c.file)
+        return [(self.root / f, None, None) for f in files]
 
     def read(self, key: str, slices: tuple[slice, ...] | None = None) -> Any:
         """The merged global tensor ``key`` (or ``slices`` of it); loads (mmap) only the rank

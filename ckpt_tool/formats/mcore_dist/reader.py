@@ -166,13 +166,26 @@ class McoreDistReader(Reader):
             version=str(self.config.get("sharded_backend_version")))
         return self._meta
 
+    def check_common(self) -> None:
+        """The CRC-32s of ``common.pt`` (or of the ``common_state`` object's item)."""
+        from ckpt_tool.formats.archive_check import check_file, check_many
+
+        if not self.verify:
+            return
+        if (self.root / COMMON_FILE).is_file():
+            check_file(self.root / COMMON_FILE, COMMON_FILE)
+            return
+        obj = _common_object(self.metadata().objects)
+        if obj is not None and obj.file and obj.byte_offset is not None and obj.byte_length:
+            check_many([(self.root / obj.file, obj.byte_offset, obj.byte_length)])
+
     def common(self) -> dict[str, Any]:
         """The full common state, loaded with torch through the safe unpickler."""
         f = self.root / COMMON_FILE
         if f.is_file():
             from ckpt_tool.formats.safe_pickle import load_torch_file
 
-            state = load_torch_file(f, trust=self.trust)
+            state = load_torch_file(f, trust=self.trust, verify=self.verify)
             return state if isinstance(state, dict) else {"value": state}
         obj = _common_object(self.metadata().objects)
         return self.read_object(obj.unique_key) if obj is not None else {}
@@ -218,7 +231,8 @@ class TorchDistReader(McoreDistReader):
         from ckpt_tool.formats.common_state import load_torch_save_light
         from ckpt_tool.formats.dcp_items import read_item_bytes
 
-        data = read_item_bytes(self.root, obj.file, obj.byte_offset, obj.byte_length)
+        data = read_item_bytes(self.root, obj.file, obj.byte_offset, obj.byte_length,
+                               verify=False)  # (metadata and validate: checked apart)
         payload = load_torch_save_light(data, trust=self.trust, where=self.root / str(obj.file))
         return payload[0] if isinstance(payload, list) and len(payload) == 1 else payload
 
@@ -234,7 +248,8 @@ class TorchDistReader(McoreDistReader):
         from ckpt_tool.formats.dcp_items import read_item_bytes
 
         o = self._object_meta(unique_key)
-        data = read_item_bytes(self.root, o.file, o.byte_offset, o.byte_length)
+        data = read_item_bytes(self.root, o.file, o.byte_offset, o.byte_length,
+                               verify=self.verify)
         payload = _light_or_none(data, self.trust, self.root / str(o.file))
         return data if isinstance(payload, list) and len(payload) == 1 else None
 
@@ -244,6 +259,10 @@ class TorchDistReader(McoreDistReader):
         f = self.root / COMMON_FILE
         if not f.is_file():
             return None
+        if self.verify:  # it is copied as it is: its CRCs first
+            from ckpt_tool.formats.archive_check import check_file
+
+            check_file(f, COMMON_FILE)
         return f if isinstance(_light_or_none(f, self.trust, f), dict) else None
 
     def common_torch_free(self) -> dict[str, Any] | None:
@@ -254,6 +273,10 @@ class TorchDistReader(McoreDistReader):
 
         f = self.root / COMMON_FILE
         if f.is_file():
+            if self.verify:
+                from ckpt_tool.formats.archive_check import check_file
+
+                check_file(f, COMMON_FILE)
             state = load_exact(f, trust=self.trust)
         else:  # Megatron-Core 0.19: the common_state object's torch.save([state])
             obj = _common_object(self.metadata().objects)
@@ -265,7 +288,8 @@ class TorchDistReader(McoreDistReader):
     def _item_bytes(self, o: ObjectMeta) -> bytes:
         from ckpt_tool.formats.dcp_items import read_item_bytes
 
-        return read_item_bytes(self.root, o.file, o.byte_offset, o.byte_length)
+        return read_item_bytes(self.root, o.file, o.byte_offset, o.byte_length,
+                               verify=self.verify)
 
     def object_item_torch_free(self, unique_key: str) -> bytes | None:
         """``torch.save([read_object(unique_key)])``'s bytes (what a torch_dist writer
@@ -275,19 +299,27 @@ class TorchDistReader(McoreDistReader):
         from ckpt_tool.formats.torch_save_object import load_exact, object_item
 
         o = self._object_meta(unique_key)
-        data = read_item_bytes(self.root, o.file, o.byte_offset, o.byte_length)
+        data = read_item_bytes(self.root, o.file, o.byte_offset, o.byte_length,
+                               verify=self.verify)
         payload = load_exact(data, trust=self.trust)
         if payload is None:
             return None
         return object_item(payload[0] if isinstance(payload, list) and len(payload) == 1
                            else payload)
 
+    def stored_archives(self, chunks: Any) -> list[tuple[Path, int | None, int | None]]:
+        """The items storing ``chunks`` (see :meth:`Reader.stored_archives`)."""
+        from ckpt_tool.formats.dcp_items import item_ranges
+
+        return item_ranges(self.root, chunks)
+
     def read(self, key: str, slices: tuple[slice, ...] | None = None) -> Any:
         """The global tensor ``key`` (or ``slices`` of it), assembled from its stored chunks."""
         from ckpt_tool.formats.dcp_items import assemble, load_chunk_view
 
         return assemble(self._tensor_meta(key), slices,
-                        lambda c: load_chunk_view(self.root, c, trust=self.trust))
+                        lambda c: load_chunk_view(self.root, c, trust=self.trust,
+                                                  verify=self.verify))
 
     def read_object(self, unique_key: str) -> Any:
         """The payload of a ShardedObject (``rng_state/shard_0.0_1.2``)."""
@@ -297,8 +329,9 @@ class TorchDistReader(McoreDistReader):
         from ckpt_tool.formats.safe_pickle import load_torch_file
 
         o = self._object_meta(unique_key)
-        data = read_item_bytes(self.root, o.file, o.byte_offset, o.byte_length)
-        payload = load_torch_file(io.BytesIO(data), trust=self.trust)
+        data = read_item_bytes(self.root, o.file, o.byte_offset, o.byte_length,
+                               verify=self.verify)
+        payload = load_torch_file(io.BytesIO(data), trust=self.trust, verify=False)
         # MCore stores torch.save([obj.data]) for a ShardedObject's bytes item.
         return payload[0] if isinstance(payload, list) and len(payload) == 1 else payload
 
@@ -341,7 +374,7 @@ class ZarrReader(McoreDistReader):
         from ckpt_tool.formats.safe_pickle import load_torch_file
 
         o = self._object_meta(unique_key)
-        return load_torch_file(self.root / str(o.file), trust=self.trust)
+        return load_torch_file(self.root / str(o.file), trust=self.trust, verify=self.verify)
 
 
 def _light_or_none(source: Any, trust: bool, where: Path) -> Any:

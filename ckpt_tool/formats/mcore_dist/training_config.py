@@ -15,6 +15,12 @@ common state has no Megatron-LM ``args``, in Megatron-LM's argument names (docs/
   construction (communication-overlap callbacks), so its bucket settings are not taken.
 
 Only values the files hold are returned; nothing is defaulted.
+
+``reshard``/``convert`` carry these files into their output, saying what it holds
+(:func:`bridge_run_config_for`, :func:`nemo_io_for`): the new parallel sizes, and for
+Megatron-Bridge whether it holds RNG and optimizer state (``checkpoint.save_rng`` /
+``save_optim``, which Bridge's ``load_checkpoint`` reads with ``model.tensor_model_parallel_size``
+and ``pipeline_model_parallel_size`` to decide what to load).
 """
 
 from __future__ import annotations
@@ -23,7 +29,8 @@ import json
 from pathlib import Path
 from typing import Any, Mapping
 
-__all__ = ["training_config", "RUN_CONFIG", "from_bridge_run_config", "from_nemo_context"]
+__all__ = ["training_config", "RUN_CONFIG", "from_bridge_run_config", "from_nemo_context",
+           "bridge_run_config_for", "nemo_io_for", "load_yaml", "load_json"]
 
 RUN_CONFIG = "run_config.yaml"
 _SIZES = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
@@ -48,12 +55,12 @@ def training_config(root: Path) -> dict[str, Any] | None:
     """``{"source": what was read, "args": {Megatron-LM name: value}}`` from the files beside
     the checkpoint directory ``root``; None when there are none (or they hold nothing)."""
     if (root / RUN_CONFIG).is_file():
-        found = from_bridge_run_config(_load_yaml(root / RUN_CONFIG))
+        found = from_bridge_run_config(load_yaml(root / RUN_CONFIG))
         where = f"Megatron-Bridge {RUN_CONFIG}"
     elif root.name == "weights" and (root.parent / "context").is_dir():
         context = root.parent / "context"
-        model = _load_yaml(context / "model.yaml") if (context / "model.yaml").is_file() else {}
-        graph = _load_json(context / "io.json") if (context / "io.json").is_file() else {}
+        model = load_yaml(context / "model.yaml") if (context / "model.yaml").is_file() else {}
+        graph = load_json(context / "io.json") if (context / "io.json").is_file() else {}
         found = from_nemo_context(model, graph)
         where = "NeMo context/model.yaml and io.json"
     else:
@@ -99,6 +106,109 @@ def _model_args(model: Any) -> dict[str, Any]:
     return out
 
 
+# Layout.to_dict() name -> Megatron-Core's TransformerConfig / NeMo MegatronStrategy argument
+_LAYOUT_FIELDS = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size",
+                  "ep": "expert_model_parallel_size", "etp": "expert_tensor_parallel_size",
+                  "vpp": "virtual_pipeline_model_parallel_size",
+                  "first_stage_layers": "num_layers_in_first_pipeline_stage",
+                  "last_stage_layers": "num_layers_in_last_pipeline_stage"}
+
+
+def bridge_run_config_for(config: Any, layout: Mapping[str, Any] | None, has_rng: bool,
+                          has_optimizer: bool) -> tuple[Any, list[str]]:
+    """A parsed ``run_config.yaml`` for the checkpoint written from it: ``model``'s parallel
+    sizes those of ``layout`` (``Layout.to_dict()``; None: unchanged), ``checkpoint.save_rng`` /
+    ``save_optim`` false when it holds no RNG / optimizer state. Returns the new config and
+    what changed (``section.field=value``); fields the file does not hold are left out."""
+    if not isinstance(config, Mapping):
+        return config, []
+    out = {k: dict(v) if isinstance(v, Mapping) else v for k, v in config.items()}
+    changed: list[str] = []
+
+    def put(section: str, name: str, value: Any) -> None:
+        part = out.get(section)
+        if isinstance(part, dict) and name in part and part[name] != value:
+            part[name] = value
+            changed.append(f"{section}.{name}={value}")
+
+    for key, name in _LAYOUT_FIELDS.items():
+        if layout is not None and key in layout:
+            value = layout[key]
+            put("model", name, None if key == "vpp" and (value or 1) == 1 else value)
+    if not has_rng:
+        put("checkpoint", "save_rng", False)
+    if not has_optimizer:
+        put("checkpoint", "save_optim", False)
+    return out, changed
+
+
+_STRATEGY = "<root>.trainer.strategy"
+# MegatronStrategy's defaults (an argument left at its default is not in io.json)
+_STRATEGY_DEFAULTS = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
+                      "expert_model_parallel_size": 1}
+
+
+def nemo_io_for(graph: Any, layout: Mapping[str, Any]) -> tuple[Any, list[str]]:
+    """A parsed NeMo ``context/io.json`` (a fiddle graph) whose ``MegatronStrategy`` has the
+    parallel sizes of ``layout``: each leaf at ``<root>.trainer.strategy.<size>`` set, a size
+    the strategy was not given (its default) added as an argument where ``layout`` differs
+    from that default. Returns the new graph and what changed; unchanged (and nothing
+    changed) when the graph has no strategy object."""
+    import copy
+
+    out = copy.deepcopy(graph)
+    node = _strategy_node(out)
+    if node is None:
+        return graph, []
+    items = node.setdefault("items", [])
+    given = {}
+    for item in items:
+        leaf = item[1] if isinstance(item, list) and len(item) == 2 else None
+        for path in (leaf.get("paths") or []) if isinstance(leaf, dict) else []:
+            if str(path).startswith(_STRATEGY + "."):
+                given[str(path)[len(_STRATEGY) + 1:]] = leaf
+    changed: list[str] = []
+    tp = layout.get("tp")
+    for key, name in _LAYOUT_FIELDS.items():
+        if key not in layout:
+            continue
+        value = layout[key]
+        if key == "vpp" and (value or 1) == 1:
+            value = None
+        if name in given:
+            if given[name].get("value") != value:
+                given[name]["value"] = value
+                changed.append(f"trainer.strategy.{name}={value}")
+            continue
+        default = _STRATEGY_DEFAULTS.get(name)
+        if value == default or (key == "etp" and value == tp):
+            continue
+        items.append([f"Attr(name='{name}')",
+                      {"type": "leaf", "value": value, "paths": [f"{_STRATEGY}.{name}"]}])
+        _add_argument_name(node, name)
+        changed.append(f"trainer.strategy.{name}={value}")
+    return (out, changed) if changed else (graph, [])
+
+
+def _strategy_node(graph: Any) -> dict[str, Any] | None:
+    """The fiddle object reached at ``<root>.trainer.strategy``."""
+    objects = graph.get("objects") if isinstance(graph, dict) else None
+    for node in (objects or {}).values():
+        if isinstance(node, dict) and _STRATEGY in (node.get("paths") or []):
+            return node
+    return None
+
+
+def _add_argument_name(node: dict[str, Any], name: str) -> None:
+    """Append ``name`` to the ``argument_names`` of a fiddle Config's metadata."""
+    metadata = node.get("metadata")
+    for item in (metadata or {}).get("items") or []:
+        if isinstance(item, list) and len(item) == 2 and "argument_names" in str(item[0]):
+            names = item[1].setdefault("items", []) if isinstance(item[1], dict) else None
+            if names is not None:
+                names.append([f"Index(index={len(names)})", name])
+
+
 def _plain(value: Any) -> bool:
     return value is None or isinstance(value, (bool, int, float, str))
 
@@ -120,7 +230,7 @@ def _fiddle_leaves(graph: Any) -> dict[str, Any]:
     return out
 
 
-def _load_yaml(path: Path) -> Any:
+def load_yaml(path: Path) -> Any:
     import yaml
 
     from ckpt_tool.errors import CorruptCheckpointError
@@ -132,7 +242,7 @@ def _load_yaml(path: Path) -> Any:
                                      f"({str(exc).splitlines()[0]})", path=path) from None
 
 
-def _load_json(path: Path) -> Any:
+def load_json(path: Path) -> Any:
     from ckpt_tool.errors import CorruptCheckpointError
 
     try:

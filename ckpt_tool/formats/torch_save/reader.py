@@ -131,23 +131,35 @@ class TorchSaveReader(Reader):
                storages: dict[str, tuple[int, int]], byteorder: str) -> ChunkRef | None:
         return placeholder_chunk(self.path, key, t, shape, storages, byteorder)
 
+    def _check(self) -> None:
+        """The CRC-32 of every record, before ``torch.load`` (which does not check them)."""
+        if self.verify:
+            from ckpt_tool.formats.archive_check import check_file
+
+            check_file(self.path)
+
     def _load(self) -> dict[str, Any]:
         if self._loaded is None:
             import pickle
 
             import torch
 
+            self._check()
             try:
                 state = torch.load(self.path, map_location="cpu", mmap=True, weights_only=True)
             except pickle.UnpicklingError:
                 from ckpt_tool.formats.safe_pickle import load_torch_file
 
-                state = load_torch_file(self.path, trust=self.trust)
+                state = load_torch_file(self.path, trust=self.trust, verify=False)
             except (RuntimeError, EOFError, zipfile.BadZipFile) as exc:
                 raise CorruptCheckpointError(f"cannot load the torch.save file ({exc})",
                                              path=self.path) from None
             self._loaded = flatten_state(state)[0]
         return self._loaded
+
+    def stored_archives(self, chunks: Any) -> list[tuple[Path, int | None, int | None]]:
+        """The file, whole (see :meth:`Reader.stored_archives`)."""
+        return [(self.path, None, None)] if any(True for _ in chunks) else []
 
     def read(self, key: str, slices: tuple[slice, ...] | None = None) -> Any:
         """The tensor ``key`` (or ``slices`` of it) as a new contiguous tensor."""
@@ -169,12 +181,13 @@ class TorchSaveReader(Reader):
 
         import torch
 
+        self._check()
         try:
             state = torch.load(self.path, map_location="cpu", mmap=True, weights_only=True)
         except pickle.UnpicklingError:
             from ckpt_tool.formats.safe_pickle import load_torch_file
 
-            state = load_torch_file(self.path, trust=self.trust)
+            state = load_torch_file(self.path, trust=self.trust, verify=False)
         return flatten_state(state)[1]
 
     def close(self) -> None:
