@@ -206,6 +206,11 @@ def check_range(fd: int, offset: int, length: int, what: str, *,
     if length <= 0:
         raise CorruptCheckpointError(f"{what}: no bytes, not a torch.save archive", path=path,
                                      hint=HINT)
+    size = os.fstat(fd).st_size
+    if offset < 0 or offset + length > size:
+        raise CorruptCheckpointError(f"{what}: the file ends at byte {size}, before the item "
+                                     "does (truncated, or its recorded place is damaged)",
+                                     path=path, hint=HINT)
 
     def check() -> None:
         start = offset - offset % mmap.ALLOCATIONGRANULARITY
