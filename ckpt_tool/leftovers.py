@@ -11,6 +11,11 @@ the same target reclaims them — safely, because every writer holds ``.<name>.c
 (``fcntl.flock``) while it works, so an entry is only reclaimed when no live run owns it. A
 parked previous output whose target is missing is put back first, never deleted: only the
 staging of the run that was killed is.
+
+On an object store (``ckpt_tool.storage.writing``) the run marker ``.<name>.ckpt-writing``
+plays the lock's and the staging's parts: what an unfinished write left is the marker and the
+objects under ``<name>/`` (plus its open multipart uploads), reclaimed by the next run once
+the marker's run is gone.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from typing import Iterator
 
 from ckpt_tool._program import cleanup_on_stop
 from ckpt_tool.errors import UsageError
+from ckpt_tool.storage import as_path, is_remote
 
 __all__ = ["STAGING_MARK", "OLD_MARK", "LOCK_SUFFIX", "PARKED_NAME", "leftovers",
            "describe_leftovers", "parked_previous", "restore_command", "target_lock", "reclaim"]
@@ -34,7 +40,13 @@ PARKED_NAME = "old"  # the previous output inside its ``.<name>.ckpt-old-*`` dir
 
 
 def leftovers(target: str | Path) -> list[Path]:
-    """The staging / parked entries of writes to ``target`` found beside it."""
+    """The staging / parked entries of writes to ``target`` found beside it (on an object
+    store: the run marker, then the objects of the unfinished output)."""
+    if is_remote(target):
+        from ckpt_tool.storage.writing import remote_leftovers
+
+        t = as_path(target)
+        return remote_leftovers(t) if t.key else []
     out = Path(os.path.abspath(target))
     try:
         names = os.listdir(out.parent)
@@ -90,6 +102,10 @@ def _size(path: Path) -> int:
 
 def describe_leftovers(found: list[Path]) -> str:
     """One phrase: what is left and how big, e.g. ``.x.ckpt-staging-ab12 (726.0 MiB)``."""
+    if is_remote(found[0]):
+        from ckpt_tool.storage.writing import describe_remote_leftovers
+
+        return describe_remote_leftovers(found)
     sizes = [_size(p) for p in found]
     first = f"{found[0].name} ({sizes[0] / 2**20:.1f} MiB)"
     more = f" and {len(found) - 1} more ({sum(sizes[1:]) / 2**20:.1f} MiB)" if len(found) > 1 \

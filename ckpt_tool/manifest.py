@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterable
 from ckpt_tool._crc import crc32
 from ckpt_tool.digests import noted
 from ckpt_tool.model import Finding
+from ckpt_tool.storage import as_path, file_size, is_remote, open_read
 
 __all__ = ["INTEGRITY_JSON", "SIDECAR", "FILE_SUFFIX", "ALGORITHMS", "digest_file",
            "manifest_name", "build_manifest", "write_manifest", "write_file_manifest",
@@ -57,7 +58,7 @@ def digest_file(path: str | Path, algorithm: str) -> tuple[int, str]:
     crc = size = 0
     buf = bytearray(_BLOCK)
     view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
+    with (open_read(path) if is_remote(path) else open(path, "rb", buffering=0)) as f:
         while n := f.readinto(buf):
             if h is not None:
                 h.update(view[:n])
@@ -73,6 +74,10 @@ def manifest_name(root: str | Path) -> str:
 
 
 def _files(root: Path) -> list[str]:
+    if is_remote(root):
+        head = len(root.key) + 1 if root.key else 0
+        names = sorted(key[head:] for key, _ in root.store.walk(root.key))
+        return [n for n in names if not ("/" not in n and is_manifest(n))]
     out = []
     for dirpath, dirs, files in os.walk(root):
         dirs.sort()
@@ -179,7 +184,7 @@ def write_file_manifest(file: str | Path, *, as_name: str | None = None,
 def manifest_for(path: str | Path) -> tuple[Path, Path] | None:
     """``(manifest file, the directory its names are relative to)`` for a checkpoint
     directory or file, or None when it has none."""
-    p = Path(path)
+    p = as_path(path)
     if p.is_dir():
         for name in (INTEGRITY_JSON, SIDECAR):
             if (p / name).is_file():
@@ -227,7 +232,8 @@ def check_manifest(path: str | Path, *, deep: bool = False, prefix: str = "",
         return [_finding("warning", f"manifest uses {algorithm!r}; only "
                          f"{' and '.join(ALGORITHMS)} are checked", label)]
     names = sorted(n for n in files if n.startswith(prefix))
-    hash_them = deep or sizes is None
+    # (on an object store only with ``deep``: without it only metadata is fetched)
+    hash_them = deep or (sizes is None and not is_remote(base))
     out: list[Finding] = []
     present = []
     for name in names:
@@ -238,7 +244,7 @@ def check_manifest(path: str | Path, *, deep: bool = False, prefix: str = "",
                                 f"{name!r}", label))
             continue
         try:
-            size = os.stat(f).st_size
+            size = file_size(f)
         except OSError:
             out.append(_finding("error", f"file listed in {mpath.name} is missing", shown))
             continue

@@ -60,6 +60,10 @@ def write_integrity_json(checkpoint_dir: str, marker: bytes) -> None:
             if rel == "." and (is_manifest(f) or f == _MARKER or f.startswith(_MARKER + ".")):
                 continue
             names.append(name)
+    # (ranks that saved into directories of their own, e.g. the local spools of a save to an
+    # object store, name files rank 0 does not see)
+    names = sorted(set(names) | {n for n in known if "/" in n or not (
+        is_manifest(n) or n == _MARKER or n.startswith(_MARKER + "."))})
     known = {n: v for n, v in known.items() if n in set(names)}
     known[_MARKER] = (len(marker), hashlib.sha256(marker).hexdigest())
     write_manifest(checkpoint_dir, algorithm="sha256", known=known, names=names,

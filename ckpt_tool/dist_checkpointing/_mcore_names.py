@@ -52,9 +52,13 @@ except ImportError:
 
 
 class _MultiStorageClientFlag:
-    """The multi-storage-client switch: ours supports local file systems only, so the feature
-    is never enabled and :meth:`import_package` says so (``enable`` is accepted and has no
-    effect, so code that enables it when ``multistorageclient`` is absent keeps working)."""
+    """The multi-storage-client switch. ``save``/``load`` and the other functions of
+    ``ckpt_tool.dist_checkpointing`` take ``msc://profile/path`` (and ``s3://``) paths
+    themselves (``ckpt_tool.storage``: the profile is read from multi-storage-client's own
+    configuration file), so the switch that makes Megatron-Core route file calls through the
+    ``multistorageclient`` package stays off: :meth:`is_enabled` is ``False``, and
+    :meth:`import_package` says to pass the URL instead (``enable`` is accepted and has no
+    effect, so code that enables it keeps working)."""
 
     def __init__(self) -> None:
         self._enabled = False
@@ -68,13 +72,14 @@ class _MultiStorageClientFlag:
         self._enabled = False
 
     def is_enabled(self) -> bool:
-        """Always ``False``: ckpt_tool reads and writes local paths only."""
+        """Always ``False``: msc:// paths are read and written without the package."""
         return False
 
     def import_package(self) -> Any:
-        """Raises: the multi-storage client is not supported by ckpt_tool."""
-        raise RuntimeError("the multi-storage client (msc://) is not supported by "
-                           "ckpt_tool.dist_checkpointing: use a local or mounted path")
+        """Raises: the ``multistorageclient`` API is not provided (pass msc:// paths)."""
+        raise RuntimeError("ckpt_tool.dist_checkpointing does not hand out the "
+                           "multistorageclient package: pass the msc:// (or s3://) path to "
+                           "save/load, which read and write object stores themselves")
 
 
 MultiStorageClientFeature = _MultiStorageClientFlag()

@@ -18,6 +18,7 @@ import torch
 from ckpt_tool._pause_points import pause_point
 from ckpt_tool._torchrun import group_initialized
 from ckpt_tool.formats.mcore_dist.config import config_bytes
+from ckpt_tool.storage import as_path, is_remote
 from ckpt_tool.formats.mcore_dist.forms import COMMON_STATE_KEY
 
 from ._manifest import remove_integrity_json, write_integrity_json
@@ -173,7 +174,7 @@ def load_tensors_metadata(
     N-D reformulated (flattened optimizer state) are described by their original shape.
     """
     sharded_strategy, _ = verify_checkpoint_and_load_strategy(checkpoint_dir, sharded_strategy)
-    return sharded_strategy.load_tensors_metadata(Path(checkpoint_dir))
+    return sharded_strategy.load_tensors_metadata(as_path(checkpoint_dir))
 
 
 def load_sharded_metadata(
@@ -273,6 +274,13 @@ def save(
     Returns:
         the AsyncRequest with ``async_sharded_save``, else None.
     """
+    if is_remote(checkpoint_dir):  # s3:// or msc://: saved locally, then uploaded in order
+        from ._remote_save import save_remote
+
+        return save_remote(lambda spool: save(
+            sharded_state_dict, spool, sharded_strategy, common_strategy,
+            validate_access_integrity, async_sharded_save,
+            preprocess_common_before_consistancy_check, content_metadata), str(checkpoint_dir))
     checkpoint_dir = str(checkpoint_dir)
     if _rank() == 0:
         if os.path.isdir(checkpoint_dir) and os.listdir(checkpoint_dir):

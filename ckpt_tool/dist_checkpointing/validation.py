@@ -17,6 +17,7 @@ import torch
 from ckpt_tool._torchrun import group_initialized
 from ._mcore_names import MultiStorageClientFeature  # noqa: F401 (re-exported as in MCore)
 from ._integrity import check_object_shards, check_tensor_shards, group_by_key
+from ckpt_tool.storage import as_path
 from .core import CheckpointingException, maybe_load_config
 from .dict_utils import diff, extract_matching_values, nested_values
 from .mapping import (
@@ -176,7 +177,7 @@ def verify_checkpoint_and_load_strategy(
     ``metadata.json``; a ``(backend, version)`` tuple selects that default explicitly. The
     chosen strategies must accept the checkpoint's backends and versions.
     """
-    if not os.path.isdir(checkpoint_dir):
+    if not as_path(checkpoint_dir).is_dir():  # (also an s3:// or msc:// prefix)
         raise CheckpointingException(f"Checkpoint directory {checkpoint_dir} does not exist")
     saved_config = maybe_load_config(checkpoint_dir)
     if saved_config is None:

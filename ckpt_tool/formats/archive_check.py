@@ -16,7 +16,9 @@ an object's bytes item -- goes through here first:
   slab by slab: memory stays small whatever the size) do that once per item of a file: a
   verdict is kept by the file's identity (device, inode, size, mtime) and byte range, so the
   second read of an item (another slice of the same chunk) costs nothing, and threads reading
-  one item at once wait for one check;
+  one item at once wait for one check; an object of an object store (``ckpt_tool.storage``)
+  gets the same checks over the bytes fetched (:func:`check_fetched`), its identity its URL,
+  size and modification time;
 * :func:`torch_reader_problem` asks PyTorch's own archive reader (``PyTorchFileReader``, no
   unpickling) for its verdict: ``validate --deep`` runs it besides the fast checks.
 
@@ -34,14 +36,15 @@ import threading
 import zipfile
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from ckpt_tool._crc import crc32
 from ckpt_tool.errors import CorruptCheckpointError, IntegrityError
 from ckpt_tool.formats.zip_directory import NotSimple, TorchRejects, ZipRecord, zip_records
+from ckpt_tool.storage import as_path, file_size, is_remote
 
-__all__ = ["check_archive", "check_item", "check_range", "check_file", "check_many",
-           "torch_reader_problem", "check_zip_item", "BoundedReader", "HINT"]
+__all__ = ["check_archive", "check_item", "check_fetched", "check_range", "check_file",
+           "check_many", "torch_reader_problem", "check_zip_item", "BoundedReader", "HINT"]
 
 HINT = ("the source is damaged: restore it from a good copy; 'ckpt validate --deep' lists "
         "every damaged item")
@@ -144,21 +147,55 @@ def _settle(key: tuple, good: bool) -> None:
         _busy.pop(key).set()
 
 
+def _once(key: tuple, check: Callable[[], Any]) -> Any:
+    """``check()`` unless the item ``key`` is known good (then None); good once it returns."""
+    if not _claim(key):
+        return None
+    good = False
+    try:
+        got = check()
+        good = True
+    finally:
+        _settle(key, good)
+    return got
+
+
 def check_item(fd: int, offset: int, length: int, buf: Any, what: str, *,
                path: str | Path | None = None) -> list[ZipRecord] | None:
     """:func:`check_archive` of the item ``buf`` (bytes ``[offset, offset + length)`` of the
     open file ``fd``), unless that item of that file was checked already; its records when
     they were parsed here (for the caller's reader: not parsed twice), else None."""
-    key = _identity(fd, offset, length)
-    if not _claim(key):
-        return None
-    good = False
+    return _once(_identity(fd, offset, length),
+                 lambda: check_archive(buf, what, path=path))
+
+
+def check_fetched(path: Any, offset: int, length: int, buf: Any,
+                  what: str) -> list[ZipRecord] | None:
+    """:func:`check_item` of an item fetched from an object store (``ckpt_tool.storage``)
+    into ``buf``: the same check, the object's identity its URL, size and modification
+    time."""
+    st = path.stat()
+    return _once((str(path), st.st_size, st.st_mtime_ns, offset, length),
+                 lambda: check_archive(buf, what, path=path))
+
+
+def _check_object_range(path: Any, offset: int, length: int, what: str) -> None:
+    """:func:`check_range` of an object-store item: fetched whole (parallel ranged GETs; the
+    memory of one item, as the read that follows), then :func:`check_fetched`."""
+    from ckpt_tool.storage import read_into
+
+    if length <= 0:
+        raise CorruptCheckpointError(f"{what}: no bytes, not a torch.save archive", path=path,
+                                     hint=HINT)
+    buf = bytearray(length)
     try:
-        records = check_archive(buf, what, path=path)
-        good = True
-    finally:
-        _settle(key, good)
-    return records
+        got = read_into(path, offset, buf)
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{what}: the object is missing", path=path) from None
+    if got != length:
+        raise CorruptCheckpointError(f"{what}: the object is truncated ({length} bytes "
+                                     f"needed, {got} present)", path=path, hint=HINT)
+    check_fetched(path, offset, length, buf, what)
 
 
 def check_range(fd: int, offset: int, length: int, what: str, *,
@@ -169,11 +206,13 @@ def check_range(fd: int, offset: int, length: int, what: str, *,
     if length <= 0:
         raise CorruptCheckpointError(f"{what}: no bytes, not a torch.save archive", path=path,
                                      hint=HINT)
-    key = _identity(fd, offset, length)
-    if not _claim(key):
-        return
-    good = False
-    try:
+    size = os.fstat(fd).st_size
+    if offset < 0 or offset + length > size:
+        raise CorruptCheckpointError(f"{what}: the file ends at byte {size}, before the item "
+                                     "does (truncated, or its recorded place is damaged)",
+                                     path=path, hint=HINT)
+
+    def check() -> None:
         start = offset - offset % mmap.ALLOCATIONGRANULARITY
         with mmap.mmap(fd, offset + length - start, access=mmap.ACCESS_READ,
                        offset=start) as mapped:
@@ -189,14 +228,16 @@ def check_range(fd: int, offset: int, length: int, what: str, *,
 
             with memoryview(mapped) as whole, whole[offset - start:] as item:
                 check_archive(item, what, path=path, release=release)
-        good = True
-    finally:
-        _settle(key, good)
+
+    _once(_identity(fd, offset, length), check)
 
 
 def check_file(path: str | Path, what: str = "torch.save file") -> None:
     """:func:`check_range` of the whole file ``path`` (a ``torch.save`` file), once per
-    version of the file."""
+    version of the file (an object of an object store: fetched whole, then checked)."""
+    if is_remote(path):
+        _check_object_range(as_path(path), 0, file_size(as_path(path)), what)
+        return
     with open(path, "rb") as f:
         check_range(f.fileno(), 0, os.fstat(f.fileno()).st_size, what, path=path)
 
@@ -211,6 +252,10 @@ def check_many(archives: Iterable[tuple[Path, int | None, int | None]]) -> None:
         path, offset, length = a
         if offset is None or length is None:
             check_file(path)
+            return
+        if is_remote(path):
+            _check_object_range(as_path(path), offset, length,
+                                f"item at bytes [{offset}, {offset + length})")
             return
         with open(path, "rb") as f:
             check_range(f.fileno(), offset, length,

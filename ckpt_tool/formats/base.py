@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterable
 
 from ckpt_tool.errors import CorruptCheckpointError, InputError, NotACheckpointError
 from ckpt_tool.model import CheckpointMeta, ChunkRef, ObjectMeta, TensorMeta
+from ckpt_tool.storage import as_path, is_remote
 
 __all__ = ["Reader", "Format", "register", "formats", "detect", "open_checkpoint", "inside_name",
            "check_readable", "os_input_error"]
@@ -41,7 +42,7 @@ class Reader(abc.ABC):
     verify: bool = True
 
     def __init__(self, path: Path, *, trust: bool = False):
-        self.path = Path(path)
+        self.path = as_path(path)
         self.trust = trust
 
     @abc.abstractmethod
@@ -119,13 +120,15 @@ class Format:
     """A registered format: its name, how to recognise it and how to open it.
 
     ``sniff(path)`` returns ``None`` on a match or a short reason why the path is not this format
-    (so detection failures can list what was tried and why).
+    (so detection failures can list what was tried and why). ``remote``: its reader reads
+    object-store locations (``ckpt_tool.storage.ObjectPath``) as well as local paths.
     """
 
     name: str
     sniff: Callable[[Path], str | None]
     open: Callable[..., Reader]
     description: str = ""
+    remote: bool = False
 
 
 _REGISTRY: dict[str, Format] = {}
@@ -197,13 +200,34 @@ def inside_name(name: Any, what: str, source: str) -> str:
     return name
 
 
+def _interrupted_write(p: Any) -> InputError | None:
+    """An object-store location that holds only what an unfinished write left (its run
+    marker is beside it: ``ckpt_tool.storage.writing``), as one clear error; else None."""
+    from ckpt_tool.leftovers import describe_leftovers, leftovers
+
+    left = leftovers(p)
+    if not left:
+        return None
+    return InputError(f"no checkpoint here, but an unfinished write left "
+                      f"{describe_leftovers(left)}", path=p,
+                      hint="rerun the command that writes it (the rerun reclaims them), or "
+                           "delete them")
+
+
 def check_readable(path: str | Path) -> None:
     """InputError naming the problem when ``path`` cannot be read at all: missing, a symlink
     loop or broken symlink (the path or a marker file in it), no permission, not a regular
-    file (a FIFO, socket or device: ``regular_files``)."""
+    file (a FIFO, socket or device: ``regular_files``); on an object store: neither an object
+    nor a prefix with objects under it."""
     from ckpt_tool.formats.regular_files import check_regular, open_regular
 
-    p = Path(path)
+    p = as_path(path)
+    if is_remote(p):
+        if not p.exists():
+            raise _interrupted_write(p) or InputError(
+                "no such object or prefix", path=p,
+                hint="check the URL (the bucket, the prefix) and the endpoint")
+        return
     try:
         st = os.stat(p)
         if stat.S_ISDIR(st.st_mode):
@@ -231,8 +255,9 @@ def detect(path: str | Path) -> Format:
     from ckpt_tool.formats.regular_files import check_tree
     from ckpt_tool.formats.save_dir import resolve_checkpoint_dir
 
-    p = Path(path)
+    p = as_path(path)
     check_readable(p)
+    remote = is_remote(p)
     reasons = []
     try:
         try:
@@ -244,12 +269,18 @@ def detect(path: str | Path) -> Format:
         if root.is_dir():  # no FIFO, socket or device in it: before any format reads a file
             check_tree(root)
         for fmt in formats().values():
+            if remote and not fmt.remote:
+                reasons.append(f"{fmt.name}: not read from object stores (copy it to a local "
+                               "disk)")
+                continue
             why = fmt.sniff(p)
             if why is None:
                 return fmt
             reasons.append(f"{fmt.name}: {why}")
     except OSError as exc:
         raise os_input_error(exc, p) from None
+    if remote and (left := _interrupted_write(p)) is not None:
+        raise left
     raise NotACheckpointError(
         "not a checkpoint of any known format [" + "; ".join(reasons) + "]", path=p,
         hint="pass a checkpoint directory, an iter_* directory or a training save directory",
@@ -259,6 +290,6 @@ def detect(path: str | Path) -> Format:
 def open_checkpoint(path: str | Path, *, trust: bool = False, verify: bool = True) -> Reader:
     """Detect the format of ``path`` and open a reader on it (``verify``: see
     :attr:`Reader.verify`)."""
-    reader = detect(path).open(Path(path), trust=trust)
+    reader = detect(path).open(as_path(path), trust=trust)
     reader.verify = verify
     return reader

@@ -19,6 +19,7 @@ from typing import Any
 
 from ckpt_tool.errors import CorruptCheckpointError, InputError
 from ckpt_tool.formats.safe_pickle import StandIn, safe_load
+from ckpt_tool.storage import as_path, is_remote
 
 __all__ = ["load_torch_save_light", "summarize_common", "jsonable", "PARALLEL_ARGS",
            "MODEL_ARGS"]
@@ -54,12 +55,12 @@ def load_torch_save_light(source: str | os.PathLike | bytes, *, trust: bool = Fa
         if not source:
             raise CorruptCheckpointError("empty torch.save payload", path=where)
     else:
-        where = Path(source)
+        where = as_path(source)
         if not where.is_file():
             raise InputError("no such file", path=where, hint="check the path")
         if where.stat().st_size == 0:
             raise CorruptCheckpointError("empty file (zero bytes)", path=where)
-        blob = where
+        blob = where.open("rb") if is_remote(where) else where
     if not zipfile.is_zipfile(blob):
         if not torch_fallback:
             raise NeedsTorch("not a zip archive (legacy torch.save format)")

@@ -22,6 +22,7 @@ from ckpt_tool.errors import CorruptCheckpointError, IntegrityError, Unsupported
 from ckpt_tool.formats.torch_zip import torch_dtype
 from ckpt_tool.model import ChunkRef, TensorMeta
 from ckpt_tool.planning.overlap import chunk_index
+from ckpt_tool.storage import is_remote, read_into
 
 __all__ = ["read_item_bytes", "load_chunk", "load_chunk_view", "item_ranges", "normalize_slices",
            "assemble", "torch_dtype"]
@@ -36,13 +37,23 @@ def read_item_bytes(root: Path, file: str | None, offset: int | None, length: in
         raise CorruptCheckpointError("no storage location recorded for the item", path=root)
     path = root / file
     try:
-        with open(path, "rb") as f:
-            f.seek(offset)
-            data = f.read(length)
+        if is_remote(path):
+            data = bytearray(length)
+            del data[read_into(path, offset, data):]
             if verify and len(data) == length:
-                from ckpt_tool.formats.archive_check import check_item
+                from ckpt_tool.formats.archive_check import check_fetched
 
-                check_item(f.fileno(), offset, length, data, _where(offset, length), path=path)
+                check_fetched(path, offset, length, data, _where(offset, length))
+            data = bytes(data)
+        else:
+            with open(path, "rb") as f:
+                f.seek(offset)
+                data = f.read(length)
+                if verify and len(data) == length:
+                    from ckpt_tool.formats.archive_check import check_item
+
+                    check_item(f.fileno(), offset, length, data, _where(offset, length),
+                               path=path)
     except FileNotFoundError:
         raise CorruptCheckpointError(f"data file {file} is missing", path=root) from None
     if len(data) != length:
@@ -70,6 +81,8 @@ def _load_chunk_raw(path: Path, offset: int, length: int, copy: bool = True,
     from ckpt_tool.formats.torch_zip import as_byte_view, as_tensor, frombuffer_u8, raw_item
     from ckpt_tool.formats.zip_directory import NotSimple
 
+    if is_remote(path):
+        return _load_chunk_fetched(path, offset, length, verify=verify)
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -122,6 +135,31 @@ def _load_chunk_raw(path: Path, offset: int, length: int, copy: bool = True,
             mapped.close()
         except BufferError:  # a view still alive somewhere: the GC unmaps it later
             pass
+
+
+def _load_chunk_fetched(path: Any, offset: int, length: int, *, verify: bool) -> Any:
+    """:func:`_load_chunk_raw` of an object-store item: its bytes fetched (parallel ranged
+    GETs) into a private buffer and checked as a local item's are, the tensor a view of it
+    (never shared with anything else); None when the item is short or unusual (the caller's
+    fallback reports or handles it)."""
+    from ckpt_tool.formats.archive_check import check_fetched
+    from ckpt_tool.formats.torch_zip import as_tensor, raw_item
+    from ckpt_tool.formats.zip_directory import NotSimple
+
+    if length <= 0 or offset < 0:
+        return None
+    buf = bytearray(length)
+    try:
+        if read_into(path, offset, buf) != length:
+            return None
+    except FileNotFoundError:
+        return None
+    records = check_fetched(path, offset, length, buf, _where(offset, length)) \
+        if verify else None
+    try:
+        return as_tensor(raw_item(buf, records))
+    except NotSimple:
+        return None
 
 
 class ByteView:

@@ -23,6 +23,7 @@ from ckpt_tool.errors import CorruptCheckpointError, InputError
 from ckpt_tool.formats.base import inside_name
 from ckpt_tool.formats.safe_pickle import safe_load
 from ckpt_tool.model import ChunkRef, ObjectMeta, TensorMeta
+from ckpt_tool.storage import as_path, open_read
 
 __all__ = ["metadata_path", "read_dcp_metadata", "read_dcp_metadata_light", "dcp_tensor_metas",
            "mcore_classes", "METADATA_FILE", "data_file_name"]
@@ -36,7 +37,7 @@ def metadata_path(checkpoint_dir: str | os.PathLike, rank: int | None = None) ->
 
     ``checkpoint_dir`` may also be the metadata file itself.
     """
-    p = Path(checkpoint_dir)
+    p = as_path(checkpoint_dir)
     if p.is_file() and p.name.endswith(".metadata"):
         return p
     if not p.exists():
@@ -60,7 +61,7 @@ def _open_checked(path: Path) -> Any:
     if path.stat().st_size == 0:
         raise CorruptCheckpointError("empty metadata file (zero bytes)", path=path,
                                      hint="the save was interrupted; use an earlier checkpoint")
-    return open(path, "rb")
+    return open_read(path)
 
 
 @functools.cache

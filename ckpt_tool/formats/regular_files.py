@@ -10,6 +10,9 @@ locate it (the tracker, a manifest beside a single file), and :func:`open_regula
 file without blocking and refuses it if it is not regular (for the few files read before
 the tree is known).
 
+An object store holds nothing but objects (``ckpt_tool.storage``): its locations pass these
+checks untouched.
+
 Reads of regular files are not bounded by a timeout: a file system that stops answering (a
 hard NFS mount) blocks the kernel call itself, which no process can bound; the process can
 still be killed, and what it leaves is reclaimed (``ckpt_tool.leftovers``).
@@ -24,6 +27,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from ckpt_tool.errors import InputError
+from ckpt_tool.storage import is_remote
 
 __all__ = ["check_tree", "check_regular", "open_regular", "kind_of", "MAX_DEPTH"]
 
@@ -50,6 +54,8 @@ def _refuse(path: str | Path, kind: str) -> InputError:
 def check_regular(path: str | Path) -> None:
     """InputError when ``path`` (followed if a symlink) exists and is neither a regular file
     nor a directory; nothing when it is one, or cannot be stat'ed (the read reports that)."""
+    if is_remote(path):
+        return
     try:
         mode = os.stat(path).st_mode
     except (OSError, ValueError):
@@ -63,6 +69,8 @@ def check_tree(root: str | Path, depth: int = MAX_DEPTH) -> None:
     """InputError naming the first entry under the directory ``root`` (``depth`` levels down,
     symlinks followed) that is neither a regular file nor a directory. Entries that cannot be
     stat'ed (broken links, loops, no permission) are left to the reads that report them."""
+    if is_remote(root):
+        return
     try:
         entries = sorted(os.scandir(root), key=lambda e: e.name)
     except OSError:
@@ -86,6 +94,10 @@ def check_tree(root: str | Path, depth: int = MAX_DEPTH) -> None:
 def open_regular(path: str | Path) -> BinaryIO:
     """``open(path, "rb")`` that never blocks in the open and refuses (InputError) anything
     but a regular file; OSErrors of the open as ``open`` raises them."""
+    if is_remote(path):
+        from ckpt_tool.storage import as_path
+
+        return as_path(path).open("rb")
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
     try:
         mode = os.fstat(fd).st_mode

@@ -382,13 +382,18 @@ def load_torch_file(path_or_fileobj: str | os.PathLike | IO[bytes], *, trust: bo
     """
     import torch
 
-    where = path_or_fileobj if isinstance(path_or_fileobj, (str, os.PathLike)) else None
-    if where is not None and not Path(where).is_file():
+    from ckpt_tool.storage import as_path, is_remote
+
+    where = path_or_fileobj if isinstance(path_or_fileobj, (str, os.PathLike)) \
+        or is_remote(path_or_fileobj) else None
+    if where is not None and not as_path(where).is_file():
         from ckpt_tool.errors import InputError
 
         raise InputError("no such file", path=where, hint="check the path")
     if verify:
         _check_zip(path_or_fileobj, where)
+    if where is not None and is_remote(where):
+        path_or_fileobj = as_path(where).open("rb")
     try:
         return torch.load(path_or_fileobj, map_location=map_location, weights_only=False,
                           pickle_module=safe_pickle_module(trust=trust))
@@ -404,11 +409,10 @@ _ZIP_MAGIC = b"PK\x03\x04"  # what torch.load takes for a zip archive (else a le
 def _check_zip(source: Any, where: Any) -> None:
     """The CRC-32 check of ``load_torch_file(verify=True)``."""
     from ckpt_tool.formats.archive_check import check_archive, check_file
+    from ckpt_tool.storage import as_path, read_range
 
     if where is not None:
-        with open(where, "rb") as f:
-            zipped = f.read(4) == _ZIP_MAGIC
-        if zipped:
+        if read_range(as_path(where), 0, 4) == _ZIP_MAGIC:
             check_file(where)
     elif isinstance(source, io.BytesIO):
         with source.getbuffer() as view:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_tool.errors import InputError, NotACheckpointError, UsageError
+from ckpt_tool.storage import as_path
 
 __all__ = ["LATEST_FILE", "resolve_checkpoint_dir", "iteration_dir_name", "read_latest",
            "iteration_dirs", "select_iteration", "iterations_text", "Container", "SourcePlace",
@@ -70,7 +71,7 @@ def resolve_checkpoint_dir(path: str | Path) -> Path:
     training save directory (follows ``latest_checkpointed_iteration.txt``). Raises InputError
     when the path is missing or the save directory points at a missing iteration.
     """
-    p = Path(path)
+    p = as_path(path)
     if not p.exists():
         raise InputError("no such file or directory", path=p, hint="check the path")
     if p.is_file():
@@ -109,7 +110,7 @@ def iteration_dirs(save_dir: Path) -> list[Path]:
     """The iteration directories of a training save directory: ``release`` first, then the
     ``iter_*`` ones by number (the last is the latest); empty for any other directory."""
     try:
-        found = [x for x in Path(save_dir).iterdir() if x.is_dir()
+        found = [x for x in as_path(save_dir).iterdir() if x.is_dir()
                  and (_ITER_DIR.fullmatch(x.name) or x.name == "release")]
     except OSError:
         return []
@@ -128,7 +129,7 @@ def select_iteration(path: str | Path, iteration: int | None = None) -> tuple[Pa
     has no tracker file. ``iteration`` N: the ``iter_*`` directory of N in the save directory
     ``path`` (or ``path`` itself when it is that directory); an InputError lists the
     iterations when N is not there, a UsageError says when ``path`` is no save directory."""
-    p = Path(path)
+    p = as_path(path)
     iters = iteration_dirs(p) if p.is_dir() else []
     if iteration is None:
         if not iters or (p / LATEST_FILE).is_file() \
@@ -239,7 +240,7 @@ def locate_source(path: str | Path, iteration: int | None = None) -> SourcePlace
     directory holding a checkpoint: an iteration directory. A NeMo 2 checkpoint directory (or
     its ``weights/``): a NeMo container. Anything else: bare (a missing path too: opening it
     says so). A checkpoint with Megatron-Bridge's ``run_config.yaml`` beside it is Bridge's."""
-    p = Path(path)
+    p = as_path(path)
     if p.is_file() and (p.name in _METADATA_FILES or p.name == LATEST_FILE):
         p = p.parent
     if p.name == NEMO_WEIGHTS and is_nemo_checkpoint_dir(p.parent):

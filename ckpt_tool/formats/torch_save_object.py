@@ -113,6 +113,10 @@ def load_exact(source: str | os.PathLike | bytes, *, trust: bool = False) -> Any
     reports what is wrong)."""
     from ckpt_tool.formats.safe_pickle import SafeUnpickler
 
+    from ckpt_tool.storage import is_remote
+
+    if is_remote(source):
+        source = source.open("rb")
     try:
         with zipfile.ZipFile(io.BytesIO(source) if isinstance(source, bytes) else source) as zf:
             names = zf.namelist()

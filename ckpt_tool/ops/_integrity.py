@@ -39,6 +39,7 @@ from ckpt_tool.ops._mapping import map_ranges, prefault
 from ckpt_tool.ops._scan_item import check_slowly, scan_unit
 from ckpt_tool.ops._scan_units import Out, Unit, plan_files, plan_items
 from ckpt_tool.ops._scan_vector import scan_items
+from ckpt_tool.storage import read_range
 
 __all__ = ["scan_archives", "check_loose_archives"]
 
@@ -340,9 +341,8 @@ def check_loose_archives(base: Path, meta: CheckpointMeta) -> list[Finding]:
     out = []
     for name in names:
         try:
-            with open(base / name, "rb") as f:
-                if f.read(4) != b"PK\x03\x04":
-                    continue  # not a zip (empty, a legacy pickle): the loaders say why
+            if read_range(base / name, 0, 4) != b"PK\x03\x04":
+                continue  # not a zip (empty, a legacy pickle): the loaders say why
             check_file(base / name, "file")
         except CorruptCheckpointError as exc:
             out.append(error(exc.message, file=name))

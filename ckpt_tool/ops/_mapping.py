@@ -8,6 +8,9 @@ then covers every file, and closing that ``mmap`` object unmaps them all (Python
 tracking still refuses to close it while views exist). Where libc's ``mmap`` cannot be called
 (Windows), each range gets a ``mmap`` of its own.
 
+Ranges of objects on an object store (``ckpt_tool.storage``) are fetched instead, all at once
+with parallel ranged GETs, into one buffer laid out the same way (:class:`Fetched`).
+
 Filling the page tables of a mapping (~0.4 us a page) and tearing them down cost about as much
 as the CRC of the bytes: with ``populate=False`` the caller can have :func:`prefault` (one
 ``madvise(MADV_POPULATE_READ)``) and ``mmap.close`` done on another thread, without the GIL,
@@ -25,7 +28,9 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["map_ranges", "prefault"]
+from ckpt_tool.storage import is_remote
+
+__all__ = ["map_ranges", "prefault", "Fetched"]
 
 _MAP_FIXED = 0x10  # the same on Linux, macOS and the BSDs
 _POPULATE = 64 << 20  # ranges up to this size are mapped in one go, not page by page
@@ -62,6 +67,8 @@ def map_ranges(ranges: list[tuple[Path, int, int]], populate: bool = True
     mapped elsewhere or not at all (the file is missing, shorter than ``hi`` or cannot be
     mapped). ``populate``: page tables filled now (else on first use, or :func:`prefault`).
     The caller closes each ``mmap``."""
+    if ranges and is_remote(ranges[0][0]):
+        return _fetch(ranges)
     if _mmap_fixed is None:
         return _map_each(ranges)
     fds: list[int | None] = []
@@ -96,10 +103,49 @@ def map_ranges(ranges: list[tuple[Path, int, int]], populate: bool = True
                 os.close(fd)
 
 
+class Fetched(bytearray):
+    """Bytes of object ranges fetched into memory, in place of a mapping (``close`` is
+    there for the callers that close what :func:`map_ranges` gives)."""
+
+    def close(self) -> None:
+        pass
+
+
+def _fetch(ranges: list[tuple[Any, int, int]]) -> list[tuple[Any, list[int | None]]]:
+    from ckpt_tool.storage.s3 import fetch_into
+
+    places, total = [], 0
+    for _, lo, hi in ranges:
+        places.append(total)
+        total += max(0, hi - lo)
+    if not total:
+        return []
+    region = Fetched(total)
+    view = memoryview(region)
+    jobs = [(path, lo, view[place:place + hi - lo])
+            for (path, lo, hi), place in zip(ranges, places)]
+    try:
+        got = fetch_into([j for j, (_, lo, hi) in zip(jobs, ranges) if hi > lo])
+    except FileNotFoundError:
+        got = None
+    view.release()
+    del jobs
+    if got is None:  # an object gone: each range alone, the missing ones left out
+        out = []
+        for i, one in enumerate(ranges if len(ranges) > 1 else ()):
+            for region, at1 in _fetch([one]):
+                out.append((region, [None] * i + at1 + [None] * (len(ranges) - i - 1)))
+        return out
+    it = iter(got)
+    at = [place if hi > lo and next(it) == hi - lo else None
+          for (_, lo, hi), place in zip(ranges, places)]
+    return [(region, at)]
+
+
 def prefault(region: mmap.mmap) -> None:
     """Fill the page tables of ``region`` (a :func:`map_ranges` mapping) in one system call,
     without the GIL; best effort: pages it leaves are faulted in on first use."""
-    if _madvise is None or not len(region):
+    if _madvise is None or not isinstance(region, mmap.mmap) or not len(region):
         return
     view = np.frombuffer(region, np.uint8)
     addr = view.ctypes.data

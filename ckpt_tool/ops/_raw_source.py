@@ -15,16 +15,17 @@ import mmap
 import os
 import threading
 import weakref
-from pathlib import Path
 from typing import Any
 
 from ckpt_tool.errors import CorruptCheckpointError, IntegrityError
-from ckpt_tool.formats.archive_check import check_item
+from ckpt_tool.formats.archive_check import check_fetched, check_item
 from ckpt_tool.formats.torch_zip import raw_item
 from ckpt_tool.formats.zip_directory import NotSimple
 from ckpt_tool.formats.base import Reader
 from ckpt_tool.model import ChunkRef, TensorMeta, dtype_itemsize
+from ckpt_tool.ops._mapping import Fetched
 from ckpt_tool.planning.overlap import chunk_index
+from ckpt_tool.storage import as_path, is_remote, read_into
 
 __all__ = ["RawSource", "raw_source_applies"]
 
@@ -57,7 +58,7 @@ class RawSource:
 
     def __init__(self, reader: Reader, key_map: dict[str, str], sizes: dict[str, int]):
         self.reader = reader
-        self.root = Path(reader.metadata().root)
+        self.root = as_path(reader.metadata().root)
         self.key_map = key_map
         self.sizes = sizes
         self.largest_piece = 0
@@ -159,22 +160,33 @@ class RawSource:
         """The chunk's elements as a read-only array over the mapped item (in the chunk's
         shape; the mapping lives as long as the array), the item's CRC-32s checked first over
         the same mapping (the copy then finds its pages). The stored item is the ground truth:
-        one that contradicts the metadata's dtype or element count is damage (IntegrityError)."""
+        one that contradicts the metadata's dtype or element count is damage (IntegrityError).
+        An object-store item is fetched into memory (ranged GETs) and checked the same way."""
         import numpy as np
 
-        fd, size = self._file(str(chunk.file))
-        if chunk.byte_offset + chunk.byte_length > size:
-            raise CorruptCheckpointError(f"data file {chunk.file} is truncated", path=self.root)
-        start = chunk.byte_offset - chunk.byte_offset % mmap.ALLOCATIONGRANULARITY
-        mapped = mmap.mmap(fd, chunk.byte_offset + chunk.byte_length - start,
-                           access=mmap.ACCESS_READ, offset=start)
-        item = memoryview(mapped)[chunk.byte_offset - start:]
-        records = None
-        if self.reader.verify:  # every record's CRC-32 before a byte is used
-            records = check_item(fd, chunk.byte_offset, chunk.byte_length, item,
-                                 f"item at bytes [{chunk.byte_offset}, "
-                                 f"{chunk.byte_offset + chunk.byte_length})",
-                                 path=self.root / str(chunk.file))
+        what = f"item at bytes [{chunk.byte_offset}, {chunk.byte_offset + chunk.byte_length})"
+        path = self.root / str(chunk.file)
+        if is_remote(path):  # the item fetched (parallel ranged GETs) in place of a mapping
+            fetched = Fetched(chunk.byte_length)
+            if read_into(path, chunk.byte_offset, fetched) < chunk.byte_length:
+                raise CorruptCheckpointError(f"data file {chunk.file} is truncated",
+                                             path=self.root)
+            item = memoryview(fetched)
+            records = check_fetched(path, chunk.byte_offset, chunk.byte_length, item,
+                                    what) if self.reader.verify else None
+        else:
+            fd, size = self._file(str(chunk.file))
+            if chunk.byte_offset + chunk.byte_length > size:
+                raise CorruptCheckpointError(f"data file {chunk.file} is truncated",
+                                             path=self.root)
+            start = chunk.byte_offset - chunk.byte_offset % mmap.ALLOCATIONGRANULARITY
+            mapped = mmap.mmap(fd, chunk.byte_offset + chunk.byte_length - start,
+                               access=mmap.ACCESS_READ, offset=start)
+            item = memoryview(mapped)[chunk.byte_offset - start:]
+            records = None
+            if self.reader.verify:  # every record's CRC-32 before a byte is used
+                records = check_item(fd, chunk.byte_offset, chunk.byte_length, item, what,
+                                     path=path)
         raw = raw_item(item, records)
         if raw.dtype != dtype or raw.numel != math.prod(chunk.sizes):
             raise IntegrityError(
@@ -189,6 +201,7 @@ class RawSource:
         if data.shape != tuple(chunk.sizes):
             data = data.reshape(chunk.sizes)
         return data
+
 
 def _close_all(files: dict[str, tuple[int, int]]) -> None:
     while files:

@@ -24,6 +24,7 @@ from ckpt_tool.formats.torch_zip import as_tensor, raw_item
 from ckpt_tool.formats.zip_directory import NotSimple, TorchRejects, ZipRecord, zip_records
 from ckpt_tool.ops._checks import NonfiniteBatch, count_slabs, crc32_counting, error, nonfinite
 from ckpt_tool.ops._scan_units import Archive, Out, Unit
+from ckpt_tool.storage import is_remote, open_read
 
 __all__ = ["scan_unit", "check_slowly"]
 
@@ -153,6 +154,10 @@ def scan_unit(base: Path, u: Unit, size: int, small: int, slab: int) -> Out:
     out = Out()
     if u.items is not None:
         u = Unit(u.file, [u.items.archive(i) for i in range(u.lo, u.hi)])
+    if is_remote(base):  # its ranges could not be fetched (``_mapping``): the object is gone
+        out.findings.append(error("cannot read data file (the object is missing or shorter "
+                                  "than when it was listed)", file=u.file))
+        return out
     try:
         f = open(base / u.file, "rb")
     except OSError as exc:
@@ -202,7 +207,7 @@ def check_slowly(base: Path, view: memoryview, shift: int, archives: list[Archiv
     """:func:`_check_archive` of each of ``archives`` of ``u``, at ``offset + shift`` of
     ``view`` (a mapping of its file)."""
     try:
-        f = open(base / u.file, "rb")
+        f = open_read(base / u.file)
     except OSError as exc:  # gone since it was mapped
         out.findings.append(error(f"cannot open data file ({exc.strerror})", file=u.file))
         return

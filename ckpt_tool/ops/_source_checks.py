@@ -10,7 +10,6 @@ ground truth for its dtype and size, ``dcp_items.assemble``, ``_raw_source``).
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Iterable
 
 from ckpt_tool.errors import IntegrityError
@@ -18,6 +17,7 @@ from ckpt_tool.model import CheckpointMeta
 from ckpt_tool.ops._checks import check_coverage
 from ckpt_tool.ops._validate_items import check_overlaps
 from ckpt_tool.ops._validate_meta import check_common_state, check_meta_against_files
+from ckpt_tool.storage import as_path
 
 __all__ = ["check_source", "UNVERIFIED_NOTE"]
 
@@ -35,7 +35,7 @@ def check_source(meta: CheckpointMeta, keys: Iterable[str] | None = None, *,
     carries it on (``needs_common``: it would be written empty, and look complete), or a
     tensor of ``keys`` (default: all) that its chunks do not cover exactly once or whose
     dtype is unknown."""
-    root = Path(meta.root)
+    root = as_path(meta.root)
     base = root if root.is_dir() else root.parent
     problems = check_meta_against_files(base, meta) + check_overlaps(meta) + (
         check_common_state(base, meta) if needs_common else [])

@@ -10,6 +10,10 @@ so the target is never missing; elsewhere the old output is parked beside the ta
 new one is in place. A run killed in that moment leaves the old output parked: ``validate``
 and ``inspect`` say how to put it back, and the next run for the target puts it back before
 anything else (``ckpt_tool.leftovers.reclaim``).
+
+An object-store target (``s3://``, ``msc://``) is written in a local spool directory the same
+way, then uploaded data first and completion marker last under a run marker
+(``ckpt_tool.storage.writing``): :func:`staged_output` hides the difference from the writers.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from ckpt_tool.errors import OutputError, UsageError, plural
 from ckpt_tool.digests import take as take_digests
 from ckpt_tool.leftovers import OLD_MARK, PARKED_NAME, STAGING_MARK, reclaim, target_lock
 from ckpt_tool.manifest import current_umask, fsync_dir
+from ckpt_tool.storage import as_path, is_remote
 
 __all__ = ["check_output_target", "staged_output", "staged_output_ranks", "fsync_tree",
            "verify_output", "output_estimate", "STAGING_MARK"]
@@ -35,9 +40,14 @@ __all__ = ["check_output_target", "staged_output", "staged_output_ranks", "fsync
 def check_output_target(dst: str | Path, *, sources: tuple[str | Path, ...] = (),
                         overwrite: bool = False) -> Path:
     """Refuse an existing ``dst`` (unless ``overwrite``) and a ``dst`` inside (or equal to, or
-    containing) any source. Returns ``dst`` as an absolute path."""
+    containing) any source. Returns ``dst`` as an absolute path (an ``ObjectPath`` for an
+    object-store target)."""
+    if is_remote(dst):
+        return _check_remote_target(as_path(dst), sources, overwrite)
     out = Path(os.path.abspath(dst))
     for src in sources:
+        if is_remote(src):
+            continue
         s = Path(os.path.realpath(src))
         real_out = Path(os.path.realpath(out))
         if real_out == s or s in real_out.parents:
@@ -52,6 +62,29 @@ def check_output_target(dst: str | Path, *, sources: tuple[str | Path, ...] = ()
     if not out.parent.is_dir():
         raise UsageError("the output's parent directory does not exist", path=out.parent,
                          hint="create it first")
+    return out
+
+
+def _check_remote_target(out: Any, sources: tuple[str | Path, ...], overwrite: bool) -> Any:
+    from ckpt_tool.storage.writing import exists
+
+    if not out.key:
+        raise UsageError("the output must be a prefix inside the bucket, not the bucket itself",
+                         path=out, hint="add a name: s3://bucket/NAME")
+    for src in sources:
+        s = as_path(src)
+        if not is_remote(s) or s.spec.bucket != out.spec.bucket \
+                or s.spec.endpoint_url != out.spec.endpoint_url:
+            continue
+        if s == out or s in out.parents:
+            raise UsageError("the output is inside the input checkpoint", path=out,
+                             hint="write the output somewhere outside the source")
+        if out in s.parents:
+            raise UsageError("the output prefix contains the input checkpoint", path=out,
+                             hint="choose another output path")
+    if not overwrite and exists(out):
+        raise UsageError("the output already exists", path=out,
+                         hint="pass --overwrite to replace it, or choose another path")
     return out
 
 
@@ -83,7 +116,12 @@ def staged_output(dst: str | Path, *, overwrite: bool = False,
     on the target's file system is an OutputError before anything is written, and running
     out of space (or into a file size limit) while writing is one too, staging removed.
     A previous output that a killed run left parked beside a missing ``dst`` is put back
-    first; without ``overwrite`` the run then stops (UsageError: the output exists)."""
+    first; without ``overwrite`` the run then stops (UsageError: the output exists).
+    An object-store ``dst``: :func:`_remote_staged`."""
+    if is_remote(dst):
+        with _remote_staged(as_path(dst), overwrite, file_name, notes, inner) as staging:
+            yield staging
+        return
     out = Path(os.path.abspath(dst))
     with target_lock(out):
         note, restored = reclaim(out)
@@ -181,6 +219,39 @@ def _staged(out: Path, overwrite: bool, file_name: str | None,
         take_digests(staging)
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+@contextlib.contextmanager
+def _remote_staged(out: Any, overwrite: bool, file_name: str | None,
+                   notes: list[str] | None, inner: str | None = None) -> Iterator[Path]:
+    """:func:`staged_output` for an object-store target: the run marker held throughout,
+    what killed runs left reclaimed first, the output spooled in a local directory
+    (``CKPT_SPOOL_DIR``, else the system's temporary directory), then uploaded in order."""
+    from ckpt_tool.storage.writing import (delete_output, exists, reclaim_remote,
+                                           remote_target_lock, upload_tree)
+
+    with remote_target_lock(out) as lock:
+        note = reclaim_remote(out, keep_output=exists(out))
+        if note and notes is not None:
+            notes.append(note)
+        spool = Path(tempfile.mkdtemp(prefix=f"ckpt-spool-{out.name}-",
+                                      dir=os.environ.get("CKPT_SPOOL_DIR") or None))
+        try:
+            yield spool
+            side = _add_manifest(spool, file_name, out, inner)
+            take_digests(spool)
+            if exists(out):
+                if not overwrite:
+                    raise UsageError("the output appeared while writing", path=out,
+                                     hint="pass --overwrite to replace it")
+                delete_output(out)
+            # (interruptible: a Ctrl-C aborts the upload and removes what it put)
+            upload_tree(spool, out, lock, file_name, side)
+            with committing():  # complete: a later Ctrl-C is ignored
+                pass
+        finally:
+            take_digests(spool)
+            shutil.rmtree(spool, ignore_errors=True)
 
 
 def _put_in_place(out: Path, produced: Path, side: Path | None, overwrite: bool) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 from ckpt_tool.formats.archive_check import torch_reader_problem
 from ckpt_tool.model import CheckpointMeta
 from ckpt_tool.ops._checks import Finding, error
+from ckpt_tool.storage import open_read
 
 __all__ = ["torch_reader_findings"]
 
@@ -74,7 +75,7 @@ def torch_reader_findings(base: Path, meta: CheckpointMeta, so_far: list[Finding
             f = files.get(file)
             if f is None:
                 try:
-                    f = files[file] = open(base / file, "rb")
+                    f = files[file] = open_read(base / file)
                 except OSError:
                     continue  # reported by the storage checks
             size = f.seek(0, 2)

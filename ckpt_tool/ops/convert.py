@@ -35,6 +35,7 @@ from ckpt_tool.ops._source import ReaderSource
 from ckpt_tool.ops._source_checks import UNVERIFIED_NOTE, check_source
 from ckpt_tool.ops._stacked_view import stacked_view
 from ckpt_tool.ops.manifest import check_source_manifest
+from ckpt_tool.storage import as_path, is_remote
 from ckpt_tool.ops._staging import (check_output_target, output_estimate, staged_output_ranks,
                                     verify_output)
 from ckpt_tool.parallel import JobProgress
@@ -135,7 +136,7 @@ def convert(src: str | Path | SourcePlace, dst: str | Path, options: ConvertOpti
         plan = plan_convert(meta, options, reader.objects_in_common())
         check_source(meta, plan.key_map.values(), needs_common=options.to not in _NO_COMMON)
         if verify_source:
-            check_source_manifest(Path(place.given), Path(meta.root), r)
+            check_source_manifest(as_path(place.given), as_path(meta.root), r)
         if one_file_model:
             plan.notes.append(f"{out.name} holds the model's weights only: optimizer state "
                               "left out (give a directory as DST to keep it in "
@@ -216,11 +217,13 @@ def convert(src: str | Path | SourcePlace, dst: str | Path, options: ConvertOpti
 def _with_resume_of_import(done: ConvertResult) -> ConvertResult:
     """An HF directory imported as a Megatron checkpoint, with its recipe (read from the
     output by rank 0, which prints it: the other ranks may not see the renamed output yet)."""
-    if done.format not in ("torch_dist", "legacy") or not current_ranks().is_main:
+    if done.format not in ("torch_dist", "legacy") or not current_ranks().is_main \
+            or (is_remote(done.target) and done.format == "legacy"):  # (not read from there)
         return done
     place = locate_source(done.target)
     return dataclasses.replace(done, container=place.container, resume=resume_for(
-        place.checkpoint, Path(done.target), place.container, done.source_format, done.format))
+        place.checkpoint, as_path(done.target), place.container, done.source_format,
+        done.format))
 
 
 def _single_file_name(out: Path, to: str) -> str | None:

@@ -54,6 +54,7 @@ from ckpt_tool.ops.manifest import check_source_manifest
 from ckpt_tool.parallel import ranks as current_ranks
 from ckpt_tool.parallel import split_by_bytes
 from ckpt_tool.ops._diff_values import CommonDiff, TensorDiff, js
+from ckpt_tool.storage import as_path
 
 __all__ = ["diff", "DiffResult", "TensorDiff", "MetaChange", "CommonDiff", "parse_rename",
            "Progress"]
@@ -325,7 +326,7 @@ def diff(a: str | Path, b: str | Path, *, rename: Iterable[tuple[str, str]] = ()
         else:
             ranks = current_ranks()
             for given, m in ((a, ma), (b, mb)):  # what each side's manifest says, first
-                check_source_manifest(Path(given), Path(m.root), ranks)
+                check_source_manifest(as_path(given), as_path(m.root), ranks)
             todo = same_shape
             if ranks.world > 1:  # under torchrun: each rank compares its share (by bytes)
                 share = set(split_by_bytes([(n, t.nbytes + u.nbytes) for n, t, u in same_shape],

@@ -41,6 +41,7 @@ from ckpt_tool.planning.hf_plan import Recipe, plan_export, plan_import
 from ckpt_tool.planning.hf_rules import (args_from_hf_config, guess_arch, hf_config_from_args,
                                          moe_layers_check, rule_for_config, rule_named)
 from ckpt_tool.planning.source_layout import args_of
+from ckpt_tool.storage import as_path
 
 __all__ = ["convert_hf", "is_hf_conversion", "load_hf_config"]
 
@@ -161,7 +162,7 @@ def convert_hf(src: str | Path, dst: str | Path, options: Any, *, trust: bool = 
         meta = reader.metadata()
         check_source(meta)
         if verify_source:
-            check_source_manifest(Path(src), Path(meta.root), r)
+            check_source_manifest(as_path(src), as_path(meta.root), r)
         if options.to == "hf":
             if tp is not None or pp is not None:
                 raise UsageError("--tp/--pp do not apply with --to hf",

@@ -17,6 +17,7 @@ from ckpt_tool.errors import FindingsError, InputError, plural
 from ckpt_tool.manifest import (check_manifest, manifest_for, write_file_manifest,
                                 write_manifest)
 from ckpt_tool.model import Finding
+from ckpt_tool.storage import read_range
 
 __all__ = ["manifest_findings", "check_source_manifest", "add_manifest", "ManifestResult"]
 
@@ -92,8 +93,7 @@ def _not_an_archive(path: Path) -> bool:
     """Whether ``path`` does not start like a zip archive (a torch.save file, a .distcp file
     of DCP items): its bytes are only checked by its manifest digest."""
     try:
-        with open(path, "rb") as f:
-            return f.read(4) != b"PK\x03\x04"
+        return read_range(path, 0, 4) != b"PK\x03\x04"
     except OSError:
         return True
 

@@ -38,6 +38,7 @@ from ckpt_tool.ops._staging import (check_output_target, output_estimate, staged
                                     verify_output)
 from ckpt_tool.parallel import JobProgress
 from ckpt_tool.parallel import ranks as current_ranks
+from ckpt_tool.storage import as_path
 
 __all__ = ["ReshardRequest", "ReshardResult", "reshard"]
 
@@ -120,7 +121,7 @@ def reshard(src: str | Path | SourcePlace, dst: str | Path | None, req: ReshardR
     base = open_checkpoint(place.checkpoint, trust=trust, verify=verify_source)
     check_source(base.metadata(), needs_common=True)
     if verify_source:
-        check_source_manifest(Path(place.given), Path(base.metadata().root), r)
+        check_source_manifest(as_path(place.given), as_path(base.metadata().root), r)
     src_format = base.metadata().format
     to = req.to or ("legacy" if src_format == "legacy" else "torch_dist")
     if to not in ("torch_dist", "legacy"):

@@ -24,6 +24,7 @@ from .._mcore_names import MultiStorageClientFeature  # noqa: F401 (re-exported 
 from ..core import CheckpointingException
 from ..dict_utils import dict_list_map_inplace, nested_values
 from ..mapping import ShardedObject, ShardedStateDict, StateDict, is_main_replica
+from ckpt_tool.storage import as_path
 from .base import (
     LoadCommonStrategy,
     SaveCommonStrategy,
@@ -103,13 +104,13 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
     def load_common(self, checkpoint_dir: Union[str, Path]) -> StateDict:
         """The common state dict: ``common.pt``, else (Megatron-Core 0.19) the torch_dist
         data's ``common_state`` object; CheckpointingException when there is neither."""
-        path = Path(checkpoint_dir) / COMMON_STATE_FNAME
+        path = as_path(checkpoint_dir) / COMMON_STATE_FNAME
         if path.is_file():
             return _load_file(path, self.trust)
-        state = _common_state_object(Path(checkpoint_dir), self.trust)
+        state = _common_state_object(as_path(checkpoint_dir), self.trust)
         if state is None:
-            listing = sorted(p.name for p in Path(checkpoint_dir).iterdir()) \
-                if Path(checkpoint_dir).is_dir() else []
+            listing = sorted(p.name for p in as_path(checkpoint_dir).iterdir()) \
+                if as_path(checkpoint_dir).is_dir() else []
             logger.debug("Checkpoint directory content: %s", listing)
             raise CheckpointingException(
                 f"Common file {path} does not exist (nor a common_state object in the "
@@ -127,11 +128,13 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
         """
 
         def load_one(sh_obj: ShardedObject):
-            path = Path(checkpoint_dir) / f"{sh_obj.unique_key}.pt"
+            root = as_path(checkpoint_dir)
+            path = root / f"{sh_obj.unique_key}.pt"
             candidates = [
                 path,
-                (Path(checkpoint_dir) / sh_obj.unique_key).with_suffix(".pt"),
-                Path(checkpoint_dir) / (sh_obj.unique_key.rsplit("_", 1)[0] + ".pt"),
+                (root / sh_obj.unique_key).with_name(
+                    (root / sh_obj.unique_key).stem + ".pt"),
+                root / (sh_obj.unique_key.rsplit("_", 1)[0] + ".pt"),
             ]
             found = next((c for c in candidates if c.is_file()), None)
             if found is None:
@@ -147,7 +150,7 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
         offset + 1.
         """
         found = {}
-        for subdir in sorted(Path(checkpoint_dir).iterdir()):
+        for subdir in sorted(as_path(checkpoint_dir).iterdir()):
             if not subdir.is_dir():
                 continue
             objs = [ShardedObject.empty_from_unique_key(f"{subdir.name}/{f.stem}")

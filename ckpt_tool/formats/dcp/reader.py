@@ -25,6 +25,7 @@ from ckpt_tool.errors import CkptError, CorruptCheckpointError, InputError, Unsu
 from ckpt_tool.formats.save_dir import resolve_checkpoint_dir
 from ckpt_tool.formats.base import Format, Reader, register
 from ckpt_tool.model import CheckpointMeta, ObjectMeta, TensorMeta
+from ckpt_tool.storage import as_path, is_remote, read_range
 
 __all__ = ["DcpReader", "DCP", "sniff", "metadata_files", "merge_metas", "nest"]
 
@@ -41,7 +42,7 @@ _SHARDED_OBJECT_RE = re.compile(r"/shard_[\d.]+?(?:_[\d.]+)?$")
 
 
 def _checkpoint_dir(path: Path) -> Path:
-    p = Path(path)
+    p = as_path(path)
     if p.is_file() and _RANK_METADATA_RE.fullmatch(p.name):
         return p.parent
     return resolve_checkpoint_dir(p)
@@ -257,7 +258,9 @@ class DcpReader(Reader):
             by_file.setdefault(str(o.file), []).append(o)
         for file, objs in sorted(by_file.items()):
             try:
-                f = open(self.root / file, "rb")
+                # an object is read item by item (ranged GETs), never whole
+                f = _ItemRanges(self.root / file) if is_remote(self.root) \
+                    else open(self.root / file, "rb")
             except OSError as exc:
                 for o in objs:
                     unreadable[o.unique_key] = f"cannot open {file} ({exc.strerror})"
@@ -265,7 +268,10 @@ class DcpReader(Reader):
             with f:
                 for o in sorted(objs, key=lambda o: o.byte_offset or 0):
                     f.seek(int(o.byte_offset or 0))
-                    data = f.read(int(o.byte_length or 0))
+                    try:
+                        data = f.read(int(o.byte_length or 0))
+                    except FileNotFoundError:
+                        data = b""
                     if len(data) != o.byte_length:
                         unreadable[o.unique_key] = f"{file} is truncated"
                         continue
@@ -359,6 +365,25 @@ class DcpReader(Reader):
         return nest({k: self.read_object(k) for k in keys}, paths)
 
 
+class _ItemRanges:
+    """``seek`` + ``read`` of one object as one ranged GET per read (the summary's items)."""
+
+    def __init__(self, path: Any):
+        self._path, self._pos = path, 0
+
+    def seek(self, pos: int) -> None:
+        self._pos = pos
+
+    def read(self, n: int) -> bytes:
+        return read_range(self._path, self._pos, n)
+
+    def __enter__(self) -> "_ItemRanges":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
 def _megatron_core_signs(root: Path, metadata_class: Any, objects: list[ObjectMeta]) -> str:
     """What shows a DCP directory to be a Megatron-Core dist checkpoint's data (``""`` when
     nothing does): ``common.pt`` (0.12-0.18 write it first), Megatron-Core's ``MCoreMetadata``
@@ -407,6 +432,6 @@ def _lists(node: Any) -> Any:
 
 
 DCP = register(Format(
-    name="dcp", sniff=sniff, open=DcpReader,
+    name="dcp", sniff=sniff, open=DcpReader, remote=True,
     description="PyTorch DCP checkpoint (torch.distributed.checkpoint: .metadata + .distcp; "
                 "FSDP2, torchtitan), also per-rank __{rank}.metadata saves"))

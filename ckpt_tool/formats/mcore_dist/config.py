@@ -52,6 +52,13 @@ def maybe_load_config(checkpoint_dir: Optional[str]) -> Optional[CheckpointingCo
     """
     if not checkpoint_dir:
         return None
+    from ckpt_tool.storage import as_path, is_remote
+
+    if is_remote(checkpoint_dir):  # s3:// or msc://
+        config = as_path(checkpoint_dir) / CONFIG_FNAME
+        if not config.is_file():
+            return None
+        return CheckpointingConfig(**json.loads(config.read_bytes()))
     config_path = os.path.join(os.fspath(checkpoint_dir), CONFIG_FNAME)
     if not os.path.exists(config_path):
         return None

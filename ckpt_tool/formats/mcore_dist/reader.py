@@ -390,7 +390,7 @@ def _light_or_none(source: Any, trust: bool, where: Path) -> Any:
 
 
 TORCH_DIST = register(Format(
-    name="torch_dist", sniff=_sniffer("torch_dist"), open=TorchDistReader,
+    name="torch_dist", sniff=_sniffer("torch_dist"), open=TorchDistReader, remote=True,
     description="Megatron-Core dist checkpoint, torch_dist backend (DCP .metadata + .distcp)"))
 ZARR = register(Format(
     name="zarr", sniff=_sniffer("zarr"), open=ZarrReader,

@@ -206,5 +206,7 @@ def _serialized(value: Any) -> bytes:
 
 
 def _copy_file(src: os.PathLike, dst: os.PathLike) -> None:
-    with open(src, "rb") as fi, open(dst, "xb") as fo:
+    from ckpt_tool.storage import open_read
+
+    with open_read(src) as fi, open(dst, "xb") as fo:
         shutil.copyfileobj(fi, fo, 16 << 20)

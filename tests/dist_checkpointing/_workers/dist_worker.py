@@ -106,7 +106,7 @@ def main() -> int:
     with_objects = not args.no_objects
 
     if args.op == "save":
-        if rank == 0:
+        if rank == 0 and "://" not in args.dir:  # (an s3:// or msc:// URL: no directory)
             os.makedirs(args.dir, exist_ok=True)
         dist.barrier()
         sd = layouts.build_sharded_state_dict(mapping, layout, with_objects)
