@@ -102,7 +102,7 @@ def _in_process(ckpt: Path, work: Path, repeat: int) -> None:
     st, pt = work / "st_inproc", work / "inproc.pt"
     ours = _timed(
         "import shutil, torch\nfrom ckpt_tool.ops.convert import convert\n"
-        "from ckpt_tool.ops._convert_plan import ConvertOptions",
+        "from ckpt_tool.ops.convert import ConvertOptions",
         f"shutil.rmtree({str(st)!r}, ignore_errors=True)\n"
         f"convert({str(ckpt)!r}, {str(st)!r}, ConvertOptions(to='safetensors'))", repeat)
     dcp = _timed("from torch.distributed.checkpoint.format_utils import dcp_to_torch_save as f",
@@ -126,7 +126,7 @@ def _crc_cost(ckpt: Path, work: Path, repeat: int) -> None:
     out = work / "crc_cost"
     code = (
         "import json, shutil, time\nfrom ckpt_tool.ops.convert import convert\n"
-        "from ckpt_tool.ops._convert_plan import ConvertOptions\n"
+        "from ckpt_tool.ops.convert import ConvertOptions\n"
         "import ckpt_tool.formats.archive_check as ac\n"
         "best = {}\n"
         f"for to in ('safetensors', 'torch_dist'):\n"

@@ -18,7 +18,7 @@ Then times, each in a fresh process (imports included), best of ``--repeat``, pa
   >= 70% of cat's MB/s), cat and ours interleaved, best of ``--repeat``, page cache warm.
   Reported end to end, and -- because a fresh process pays the torch import that ``cat`` does
   not -- also in-process, after imports: ``validate(deep=True)`` as a whole, and its read phase
-  alone (``ops._integrity.scan_archives(deep=True)``: the one pass that CRCs every zip record
+  alone (``ops.validate._integrity_pass.scan_archives(deep=True)``: the one pass that CRCs every zip record
   and counts NaN/Inf of every tensor in place).
 
 ``--mb N`` adds a second, bandwidth-bound case: a plain PyTorch DCP checkpoint of about N MB in
@@ -129,7 +129,7 @@ import json, sys, time
 from pathlib import Path
 from ckpt_tool.ops.inspect import inspect
 from ckpt_tool.ops.validate import _file_sizes, validate
-from ckpt_tool.ops._integrity import scan_archives
+from ckpt_tool.ops.validate._integrity_pass import scan_archives
 d = sys.argv[1]
 meta = inspect(d).meta
 base = Path(meta.root)

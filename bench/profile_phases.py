@@ -25,14 +25,14 @@ PHASES = [
     ("ckpt_tool.ops.convert", "convert", "command body (convert)"),
     ("ckpt_tool.ops.reshard", "reshard", "command body (reshard)"),
     ("ckpt_tool.formats.mcore_dist.reader", "TorchDistReader._sharded", "read .metadata"),
-    ("ckpt_tool.ops._convert_plan", "plan_convert", "plan (convert)"),
+    ("ckpt_tool.ops.convert._plan", "plan_convert", "plan (convert)"),
     ("ckpt_tool.planning.reshard", "plan_reshard", "plan (reshard)"),
     ("ckpt_tool.formats.dcp_raw_save", "raw_dcp_save", "write data files + .metadata"),
     ("ckpt_tool.formats.dcp_raw_save", "_write_metadata", "  .metadata pickle"),
     ("ckpt_tool.formats.safetensors.writer", "SafetensorsWriter.write", "write safetensors"),
-    ("ckpt_tool.ops._staging", "verify_output", "verify the output"),
-    ("ckpt_tool.ops._staging", "_add_manifest", "integrity manifest"),
-    ("ckpt_tool.ops._staging", "fsync_tree", "fsync of the output tree"),
+    ("ckpt_tool.ops._output_staging", "verify_output", "verify the output"),
+    ("ckpt_tool.ops._output_staging", "_add_manifest", "integrity manifest"),
+    ("ckpt_tool.ops._output_staging", "fsync_tree", "fsync of the output tree"),
 ]
 
 

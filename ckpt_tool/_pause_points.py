@@ -12,7 +12,7 @@ Cost when off: one environment lookup per point.
 
 The points (where they are passed):
 
-* ``staging`` - an output's staging directory exists, nothing written in it (``ops._staging``);
+* ``staging`` - an output's staging directory exists, nothing written in it (``ops._output_staging``);
 * ``writing`` - a writer reported its first bytes written (``parallel.JobProgress``);
 * ``deferred`` - about to call into torch's C++ writer, where a stop signal waits for the
   call's end (``formats.write_guard.uninterrupted``);

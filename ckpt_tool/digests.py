@@ -1,5 +1,5 @@
 """File digests computed while the file is written, for the integrity manifest
-(``ckpt_tool.manifest``): the manifest then costs no second pass over the output.
+(``ckpt_tool.integrity_manifest``): the manifest then costs no second pass over the output.
 
 :class:`FollowingDigest` runs a thread that reads a file behind its writer (``os.pread`` of
 what the writer says is on disk: the page cache, 8 MiB at a time) and hashes it, so hashing

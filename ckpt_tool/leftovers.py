@@ -2,7 +2,7 @@
 writing one target at once.
 
 Outputs are written into ``.<name>.ckpt-staging-*`` beside the target and renamed into place
-(``ckpt_tool.ops._staging``). Replacing an existing target exchanges the two atomically where
+(``ckpt_tool.ops._output_staging``). Replacing an existing target exchanges the two atomically where
 the file system can; where it cannot, the old target is parked in ``.<name>.ckpt-old-*/old``
 between two renames. A run killed with ``kill -9`` leaves those entries behind. They are
 found here (``validate`` and ``inspect`` report them, also when the target itself does not

@@ -7,7 +7,7 @@ import os
 import zlib
 
 from ckpt_tool import digests
-from ckpt_tool.manifest import build_manifest
+from ckpt_tool.integrity_manifest import build_manifest
 
 
 def _write_following(path, chunks, algorithm):

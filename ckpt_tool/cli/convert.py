@@ -83,7 +83,7 @@ def convert(
       ckpt convert checkpoints/gpt/iter_0001000 gpt-hf --to hf
       ckpt convert gpt-hf gpt-mcore --to torch_dist --tp 2
     """
-    from ckpt_tool.ops._convert_plan import ConvertOptions, parse_rename
+    from ckpt_tool.ops.convert import ConvertOptions, parse_rename
     from ckpt_tool.ops.convert import convert as run_convert
 
     place = source_place(src, iteration)

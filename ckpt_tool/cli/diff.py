@@ -118,10 +118,10 @@ def verdict(result: Any) -> str:
         v = result.values[0]
         line += (f"; first: {v.key}{list(v.first_index)} is {_num(v.first_a)} in A, "
                  f"{_num(v.first_b)} in B" + result.named(v.key)[len(v.key):])
-    from ckpt_tool.ops._diff_resharded import HINT
+    from ckpt_tool.ops.diff import RESHARDED_HINT
 
-    if not result.identical and HINT in result.notes:
-        line += f" ({HINT})"
+    if not result.identical and RESHARDED_HINT in result.notes:
+        line += f" ({RESHARDED_HINT})"
     return line
 
 
@@ -162,8 +162,8 @@ def render(result: Any) -> None:
     _table("objects only in B", ("unique key",), [(k,) for k in d["objects_only_in_b"]])
     _table("object payloads", ("object.field", "kind", "A", "B"),
            [(c["path"], c["kind"], c["a"], c["b"]) for c in d["objects"]])
-    from ckpt_tool.ops._diff_resharded import HINT
+    from ckpt_tool.ops.diff import RESHARDED_HINT
 
     for note in d["notes"]:
-        if note != HINT:  # (in the verdict line)
+        if note != RESHARDED_HINT:  # (in the verdict line)
             message(f"note: {note}")

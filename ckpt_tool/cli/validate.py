@@ -82,7 +82,7 @@ def validate(
     if not result.ok and not write_manifest:
         raise typer.Exit(1)
     if write_manifest and ranks().is_main:
-        from ckpt_tool.ops.manifest import add_manifest
+        from ckpt_tool.ops.manifest_checks import add_manifest
 
         wrote = add_manifest(Path(path), Path(result.root or path), result.findings)
         message(f"wrote {wrote.manifest} ({plural(wrote.files, 'file')})")

@@ -1,5 +1,5 @@
 """The integrity manifest of a checkpoint the library saves: Megatron-Core's ``integrity.json``
-(``ckpt_tool.manifest``, docs/formats.md §11), written by rank 0 just before ``metadata.json``.
+(``ckpt_tool.integrity_manifest``, docs/formats.md §11), written by rank 0 just before ``metadata.json``.
 
 Each rank's writer computed the sha256 of the data files it wrote right after their fsync
 (``filesystem_async.take_file_digests``, in the checkpoint process for async saves); the
@@ -17,7 +17,7 @@ from typing import Dict, Tuple
 
 import torch
 
-from ckpt_tool.manifest import INTEGRITY_JSON, is_manifest, write_manifest
+from ckpt_tool.integrity_manifest import INTEGRITY_JSON, is_manifest, write_manifest
 
 from .strategies.filesystem_async import take_file_digests
 

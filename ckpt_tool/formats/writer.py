@@ -7,7 +7,7 @@ largest piece they ask for, never the checkpoint.
 
 Call order (done by ``ckpt_tool.ops.convert`` and the reshard executor, never by users)::
 
-    with staged_output(dst, overwrite=...) as staging:   # ops/_staging.py: atomic rename at end
+    with staged_output(dst, overwrite=...) as staging:   # ops/_output_staging.py: atomic rename at end
         writer = writer_for("safetensors")(staging, WriterOptions(...))
         notes = writer.write(request)                     # WriteRequest below; returns notes
     # only now does ``dst`` exist

@@ -61,11 +61,11 @@ def _save(ckpt_dir: str) -> int:
 
 def no_exchange() -> None:
     """``renameat2(RENAME_EXCHANGE)`` answers EINVAL in this process, as it does on a file
-    system without it (NFS, FUSE): ``ops._staging.exchange`` then parks the old output."""
+    system without it (NFS, FUSE): ``ops._output_staging.exchange`` then parks the old output."""
     import ctypes
     import errno
 
-    import ckpt_tool.ops._staging as staging
+    import ckpt_tool.ops._output_staging as staging
 
     def einval(*args: object) -> int:
         ctypes.set_errno(errno.EINVAL)

@@ -78,7 +78,7 @@ def test_a_stop_signal_inside_torchs_writer_waits_for_the_call(tmp_path, sig):
 
 _SIGNAL_AT = r"""
 import os, runpy, signal, sys
-import ckpt_tool.ops._staging as staging
+import ckpt_tool.ops._output_staging as staging
 
 where = sys.argv.pop(1)
 original = {"fsync": staging.fsync_tree, "commit": staging._put_in_place}[where]

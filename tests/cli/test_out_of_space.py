@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-import ckpt_tool.ops._staging as staging_mod
+import ckpt_tool.ops._output_staging as staging_mod
 from ckpt_tool.cli.app import app
 
 runner = CliRunner()

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from ckpt_tool.manifest import write_manifest
-from ckpt_tool.ops._convert_plan import ConvertOptions
+from ckpt_tool.integrity_manifest import write_manifest
+from ckpt_tool.ops.convert import ConvertOptions
 from ckpt_tool.ops.convert import convert
 from ckpt_tool.ops.diff import diff
 from ckpt_tool.ops.reshard import ReshardRequest, reshard
@@ -152,7 +152,7 @@ PROGRESS_WORKER = r'''
 import sys
 from ckpt_tool.ops.convert import convert
 from ckpt_tool.ops.reshard import reshard, ReshardRequest
-from ckpt_tool.ops._convert_plan import ConvertOptions
+from ckpt_tool.ops.convert import ConvertOptions
 from ckpt_tool.parallel import ranks
 
 

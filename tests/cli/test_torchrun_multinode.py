@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from ckpt_tool.ops._convert_plan import ConvertOptions
+from ckpt_tool.ops.convert import ConvertOptions
 from ckpt_tool.ops.convert import convert
 from ckpt_tool.ops.diff import diff
 from ckpt_tool.ops.reshard import ReshardRequest, reshard

@@ -16,7 +16,7 @@ from pathlib import Path
 from ckpt_tool.formats import dcp_raw_save
 from ckpt_tool.formats.dcp import writer as dcp_writer
 from ckpt_tool.formats.mcore_dist import torch_dist_writer
-from ckpt_tool.ops._convert_plan import ConvertOptions
+from ckpt_tool.ops.convert import ConvertOptions
 from ckpt_tool.formats.save_dir import locate_source
 from ckpt_tool.ops.convert import convert
 from ckpt_tool.ops.reshard import ReshardRequest, reshard

@@ -14,7 +14,7 @@ from ckpt_tool.formats.dcp_items import load_chunk, read_item_bytes
 from ckpt_tool.formats.torch_zip import as_tensor, raw_item
 from ckpt_tool.formats.zip_directory import NotSimple, zip_records
 from ckpt_tool.formats.safe_pickle import load_torch_file
-from ckpt_tool.ops._checks import NonfiniteBatch, count_nonfinite, nonfinite
+from ckpt_tool.ops.validate._checks import NonfiniteBatch, count_nonfinite, nonfinite
 from ckpt_tool.ops.inspect import inspect
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"

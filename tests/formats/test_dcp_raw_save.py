@@ -136,7 +136,7 @@ def test_raw_path_writes_what_dcp_writes(name, threads, tmp_path, monkeypatch):
 
 def test_convert_torch_dist_to_torch_dist_never_imports_torch(tmp_path):
     src = _fixture("mcore016_gpt_tp2pp2_bf16_optim") / "iter_0000010"
-    code = ("import sys, json; from ckpt_tool.ops.convert import convert; from ckpt_tool.ops._convert_plan import ConvertOptions;"
+    code = ("import sys, json; from ckpt_tool.ops.convert import convert; from ckpt_tool.ops.convert import ConvertOptions;"
             f"r = convert({str(src)!r}, {str(tmp_path / 'out')!r}, ConvertOptions(to='torch_dist'));"
             "print(json.dumps(['torch' in sys.modules, r.verified]))")
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}

@@ -85,7 +85,7 @@ def _convert(src: Path, out: Path, monkeypatch, raw_saves, *, raw: bool, workers
     import torch.distributed.checkpoint as dcp
 
     from ckpt_tool.formats.dcp import writer as dcp_writer
-    from ckpt_tool.ops._convert_plan import ConvertOptions
+    from ckpt_tool.ops.convert import ConvertOptions
     from ckpt_tool.ops.convert import convert
 
     before = len(raw_saves)
@@ -176,7 +176,7 @@ def test_convert_torch_dist_to_dcp_never_imports_torch(tmp_path):
     ``args``, rng_state tensors) converts to DCP, verified, without importing torch."""
     src = _fixture("mcore016_gpt_tp2pp2_bf16_optim") / "iter_0000010"
     code = ("import sys, json; from ckpt_tool.ops.convert import convert; "
-            "from ckpt_tool.ops._convert_plan import ConvertOptions; "
+            "from ckpt_tool.ops.convert import ConvertOptions; "
             "from ckpt_tool.formats import dcp_raw_save; saves = []; real = dcp_raw_save.raw_dcp_save; "
             "dcp_raw_save.raw_dcp_save = lambda d, *a, **k: saves.append(d) or real(d, *a, **k); "
             f"r = convert({str(src)!r}, {str(tmp_path / 'out')!r}, ConvertOptions(to='dcp'));"

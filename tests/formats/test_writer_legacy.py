@@ -11,7 +11,7 @@ import torch
 
 from ckpt_tool.errors import UsageError
 from ckpt_tool.formats import open_checkpoint
-from ckpt_tool.ops._convert_plan import ConvertOptions
+from ckpt_tool.ops.convert import ConvertOptions
 from ckpt_tool.ops.convert import convert
 
 FIX = Path(__file__).resolve().parents[2] / "fixtures"

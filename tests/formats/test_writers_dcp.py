@@ -276,7 +276,7 @@ def test_dcp_common_state_as_dcp_items(tmp_path):
     common = src.common()
     assert isinstance(sd["args"], argparse.Namespace) and same(sd["args"], common["args"])
     assert sd["iteration"] == common["iteration"] == 10
-    from ckpt_tool.ops._diff_values import compare_common
+    from ckpt_tool.ops.diff._values import compare_common
 
     assert compare_common(common, open_checkpoint(tmp_path / "out").common()) == []
 

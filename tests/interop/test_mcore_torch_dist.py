@@ -121,7 +121,7 @@ def test_mcore_loads_our_torch_free_conversion(mcore_ckpt, tmp_path, monkeypatch
     (data files by our archive writer, ``.metadata`` pickled by reference, ``common.pt`` and
     the objects copied as stored); Megatron-Core reads and loads it like the source."""
     from ckpt_tool.formats import dcp_raw_save
-    from ckpt_tool.ops._convert_plan import ConvertOptions
+    from ckpt_tool.ops.convert import ConvertOptions
     from ckpt_tool.ops.convert import convert
 
     calls = []
@@ -141,7 +141,7 @@ def test_mcore_loads_our_torch_free_conversion(mcore_ckpt, tmp_path, monkeypatch
 TWO_RANK_CONVERT = r"""
 import sys
 from ckpt_tool.formats import dcp_raw_save
-from ckpt_tool.ops._convert_plan import ConvertOptions
+from ckpt_tool.ops.convert import ConvertOptions
 from ckpt_tool.ops.convert import convert
 from ckpt_tool.parallel import ranks
 

@@ -21,8 +21,8 @@ import torch
 from ckpt_tool.formats.base import open_checkpoint
 from ckpt_tool.formats.dcp_raw_metadata import check_grid
 from ckpt_tool.model import ChunkRef, TensorMeta
-from ckpt_tool.ops._checks import check_coverage
-from ckpt_tool.ops._raw_source import RawSource
+from ckpt_tool.ops.validate._checks import check_coverage
+from ckpt_tool.ops._torch_free_source import RawSource
 from ckpt_tool.planning.overlap import grid_tiling
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "formats"))

@@ -8,7 +8,7 @@ import pytest
 
 from ckpt_tool.errors import UsageError
 from ckpt_tool.formats import open_checkpoint
-from ckpt_tool.ops._convert_plan import ConvertOptions, parse_rename, plan_convert
+from ckpt_tool.ops.convert import ConvertOptions, parse_rename, plan_convert
 
 FIX = Path(__file__).resolve().parents[2] / "fixtures"
 

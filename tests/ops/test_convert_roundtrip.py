@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ckpt_tool.formats import open_checkpoint
-from ckpt_tool.ops._convert_plan import ConvertOptions
+from ckpt_tool.ops.convert import ConvertOptions
 from ckpt_tool.ops.convert import convert
 
 FIX = Path(__file__).resolve().parents[2] / "fixtures"
@@ -97,7 +97,7 @@ def test_dist_to_safetensors_moves_bytes_without_torch(tmp_path):
     import sys
 
     code = ("import sys\nfrom ckpt_tool.ops.convert import convert\n"
-            "from ckpt_tool.ops._convert_plan import ConvertOptions\n"
+            "from ckpt_tool.ops.convert import ConvertOptions\n"
             f"convert({str(BF16_OPTIM)!r}, {str(tmp_path / 'st')!r}, "
             "ConvertOptions(to='safetensors'))\n"
             "print('torch' in sys.modules)\n")

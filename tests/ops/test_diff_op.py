@@ -17,8 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "formats"))
 from _builders import split_grid, write_mcore_dist  # noqa: E402
 from _items import refresh_crcs  # noqa: E402
 
-import ckpt_tool.ops._diff_values as diff_values  # noqa: E402
-import ckpt_tool.ops._diff_windows as diff_windows  # noqa: E402
+import ckpt_tool.ops.diff._values as diff_values  # noqa: E402
+import ckpt_tool.ops.diff._windows as diff_windows  # noqa: E402
 from ckpt_tool.errors import CkptError, UsageError  # noqa: E402
 from ckpt_tool.formats.base import open_checkpoint  # noqa: E402
 from ckpt_tool.ops.diff import diff, parse_rename  # noqa: E402

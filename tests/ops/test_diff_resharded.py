@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from ckpt_tool.cli.app import app
-from ckpt_tool.ops._diff_resharded import HINT
+from ckpt_tool.ops.diff import RESHARDED_HINT as HINT
 from ckpt_tool.ops.diff import diff
 from ckpt_tool.ops.reshard import ReshardRequest, reshard
 

@@ -1,4 +1,4 @@
-"""``ops._diff_windows``: threaded byte comparison of real checkpoint items, one flipped byte."""
+"""``ops.diff._windows``: threaded byte comparison of real checkpoint items, one flipped byte."""
 
 import shutil
 import threading
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-import ckpt_tool.ops._diff_windows as dw
+import ckpt_tool.ops.diff._windows as dw
 from _items import refresh_crcs
 from ckpt_tool.formats.base import open_checkpoint
 from ckpt_tool.ops.diff import diff

@@ -18,7 +18,7 @@ from ckpt_tool.cli.app import app
 from ckpt_tool.errors import CkptError, UsageError
 from ckpt_tool.leftovers import (OLD_MARK, STAGING_MARK, leftovers, parked_previous,
                                  restore_command, target_lock)
-from ckpt_tool.ops._staging import exchange
+from ckpt_tool.ops._output_staging import exchange
 from ckpt_tool.ops.convert import ConvertOptions, convert
 
 FIX = Path(__file__).resolve().parents[2] / "fixtures" / "mcore016_gpt_tp2dp2_fp16opt"

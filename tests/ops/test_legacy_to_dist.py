@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 from ckpt_tool.cli.app import app
 from ckpt_tool.formats import open_checkpoint
-from ckpt_tool.ops._convert_plan import ConvertOptions
+from ckpt_tool.ops.convert import ConvertOptions
 from ckpt_tool.ops.convert import convert
 from ckpt_tool.ops.reshard import ReshardRequest, reshard
 

@@ -15,7 +15,7 @@ import pytest
 from typer.testing import CliRunner
 
 from ckpt_tool.cli.app import app
-from ckpt_tool.manifest import build_manifest, check_manifest, digest_file
+from ckpt_tool.integrity_manifest import build_manifest, check_manifest, digest_file
 from ckpt_tool.ops.validate import validate
 
 runner = CliRunner()

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import ckpt_tool.ops.reshard as reshard_op
-from ckpt_tool.ops._reshard_io import PaddedSource
+from ckpt_tool.ops.reshard._io import PaddedSource
 from ckpt_tool.ops.reshard import ReshardRequest, reshard
 
 FIX = Path(__file__).resolve().parents[2] / "fixtures"
@@ -71,7 +71,7 @@ def test_same_files_as_the_torch_path(tmp_path, monkeypatch, src, tp, pp, common
 def test_zero_fill_stays_on_torch(tmp_path):
     """``--vocab-fill zero`` pads with ``row * 0`` (signed zeros, as before): through torch."""
     from ckpt_tool.formats import open_checkpoint
-    from ckpt_tool.ops._reshard_io import reshard_source
+    from ckpt_tool.ops.reshard._io import reshard_source
 
     out = reshard(MODEL_ONLY, tmp_path / "z", ReshardRequest(tp=4, pp=1, vocab_fill="zero"))
     assert out.written

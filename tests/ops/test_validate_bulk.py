@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import ckpt_tool.ops._integrity as integrity
-import ckpt_tool.ops._scan_item as scan_item
+import ckpt_tool.ops.validate._integrity_pass as integrity
+import ckpt_tool.ops.validate._scan_item as scan_item
 from ckpt_tool.formats.zip_directory import zip_records
 from ckpt_tool.ops.inspect import inspect
 from ckpt_tool.ops.validate import validate
@@ -160,7 +160,7 @@ def test_bulk_and_per_item_paths_agree(tmp_path, monkeypatch):
 
 
 def test_small_tensors_over_many_pools(tmp_path, monkeypatch, per_item_calls):
-    import ckpt_tool.ops._scan_count as scan_count
+    import ckpt_tool.ops.validate._scan_count as scan_count
 
     sd = {f"b{i:02d}": torch.randn(40 + i) for i in range(30)}
     bad = {3: (1, 0), 4: (0, 2), 17: (3, 1), 29: (0, 1)}
@@ -177,8 +177,8 @@ def test_small_tensors_over_many_pools(tmp_path, monkeypatch, per_item_calls):
 def test_finite_agrees_with_counting_on_every_pattern():
     import numpy as np
 
-    from ckpt_tool.ops._checks import _BITS, count_nonfinite
-    from ckpt_tool.ops._scan_count import finite
+    from ckpt_tool.ops.validate._checks import _BITS, count_nonfinite
+    from ckpt_tool.ops.validate._scan_count import finite
 
     for dtype, (udt, mask, _, _) in _BITS.items():
         size = np.dtype(udt).itemsize
@@ -195,7 +195,7 @@ def test_finite_agrees_with_counting_on_every_pattern():
 
 
 def test_negative_nan_and_inf_alone_in_a_pool(tmp_path, monkeypatch, per_item_calls):
-    import ckpt_tool.ops._scan_count as scan_count
+    import ckpt_tool.ops.validate._scan_count as scan_count
 
     sd = {f"n{i}": torch.randn(50) for i in range(4)}
     sd["n2"][7] = -float("inf")
@@ -209,7 +209,7 @@ def test_negative_nan_and_inf_alone_in_a_pool(tmp_path, monkeypatch, per_item_ca
 
 @pytest.mark.parametrize("writer", ["dcp", "mcore"])
 def test_mixed_float_dtypes_in_one_file(tmp_path, monkeypatch, writer, per_item_calls):
-    import ckpt_tool.ops._scan_count as scan_count
+    import ckpt_tool.ops.validate._scan_count as scan_count
 
     dtypes = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.complex64]
     sd, want = {}, {}
@@ -233,7 +233,7 @@ def test_mixed_float_dtypes_in_one_file(tmp_path, monkeypatch, writer, per_item_
 def mapping(request, monkeypatch):
     """The files of a batch mapped back to back in one buffer, or (where libc's mmap cannot be
     called) each on its own."""
-    import ckpt_tool.ops._mapping as m
+    import ckpt_tool.ops._mapped_ranges as m
 
     if request.param == "a_mapping_per_file":
         monkeypatch.setattr(m, "_mmap_fixed", None)
@@ -246,7 +246,7 @@ def mapping(request, monkeypatch):
 def test_map_ranges_holds_the_files_bytes(tmp_path, mapping, populate):
     import mmap
 
-    from ckpt_tool.ops._mapping import map_ranges, prefault
+    from ckpt_tool.ops._mapped_ranges import map_ranges, prefault
 
     blobs = [bytes(range(256)) * (1 + 37 * i) + b"end%d" % i for i in range(4)]
     for i, b in enumerate(blobs):
@@ -299,7 +299,7 @@ def test_batches_mapped_ahead_and_unmapped_behind(tmp_path, monkeypatch, per_ite
     import torch.distributed.checkpoint as dcp_api
     from torch.distributed.checkpoint import FileSystemWriter
 
-    import ckpt_tool.ops._mapping as mapping_mod
+    import ckpt_tool.ops._mapped_ranges as mapping_mod
 
     sd = {f"t{i:02d}": torch.randn(30 + i) for i in range(24)}
     sd["t05"][3] = float("nan")
@@ -336,7 +336,7 @@ def test_describe_all_describes_each_distinct_pickle_once():
     import numpy as np
 
     from ckpt_tool._crc import crc32
-    from ckpt_tool.ops._scan_count import byte_rows, describe_all
+    from ckpt_tool.ops.validate._scan_count import byte_rows, describe_all
 
     recs = [b"alpha-pickle", b"alpha-pickle", b"beta", b"alpha-pickle", b"alphA-pickle", b"beta"]
     blob = b"".join(b"~" * 3 + r for r in recs)

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from ckpt_tool.model import CheckpointMeta, ChunkRef, ObjectMeta, TensorMeta
-from ckpt_tool.ops._checks import (Finding, check_coverage, check_expectations, check_storage)
+from ckpt_tool.ops.validate._checks import (Finding, check_coverage, check_expectations,
+                                            check_storage)
 from ckpt_tool.formats.archive_check import BoundedReader, check_zip_item
 from ckpt_tool.ops.validate import validate
 
@@ -362,7 +363,7 @@ def test_deep_reads_big_tensors_in_slabs(tmp_path, monkeypatch):
     import torch
     import torch.distributed.checkpoint as dcp_api
 
-    import ckpt_tool.ops._validate_deep as v
+    import ckpt_tool.ops.validate._deep as v
 
     w = torch.zeros(10, 4)
     w[7, 2] = float("nan")

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import ckpt_tool.ops._integrity as integrity
+import ckpt_tool.ops.validate._integrity_pass as integrity
 from ckpt_tool.formats import detect
 from ckpt_tool.formats.zip_directory import zip_records
-from ckpt_tool.ops._checks import nonfinite
+from ckpt_tool.ops.validate._checks import nonfinite
 from ckpt_tool.ops.inspect import inspect
 from ckpt_tool.ops.validate import validate
 

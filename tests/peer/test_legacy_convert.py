@@ -26,7 +26,7 @@ import fetch_megatron  # noqa: E402
 from _megatron_lm import run_worker  # noqa: E402
 
 from ckpt_tool.formats.base import open_checkpoint  # noqa: E402
-from ckpt_tool.ops._convert_plan import ConvertOptions  # noqa: E402
+from ckpt_tool.ops.convert import ConvertOptions  # noqa: E402
 from ckpt_tool.ops.convert import convert  # noqa: E402
 
 pytestmark = [pytest.mark.interop, pytest.mark.multiproc]

@@ -43,7 +43,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 
 from ckpt_tool._pause_points import pause_point
-from ckpt_tool.manifest import digest_file
+from ckpt_tool.integrity_manifest import digest_file
 
 from .._staging_pool import exact_storage, staged_nbytes, staging_pool
 from .._mcore_names import HAVE_PSUTIL  # noqa: F401 (re-exported as in MCore)

@@ -6,5 +6,5 @@ with ``pytorch_model.bin.index.json`` (read through the allowlisting unpickler).
 docs/formats.md section 10.
 
 Modules: :mod:`.reader`, :mod:`.writer`. Converting to and from Megatron-Core checkpoints is
-planned by ``ckpt_tool.planning.hf_rules`` / ``hf_plan`` and run by ``ckpt_tool.ops.hf_convert``.
+planned by ``ckpt_tool.planning.hf_rules`` / ``hf_plan`` and run by ``ckpt_tool.ops.convert._hf``.
 """

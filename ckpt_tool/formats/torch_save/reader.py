@@ -31,7 +31,7 @@ from ckpt_tool.formats.torch_save_files import (
     zip_data_offsets,
     zip_storages,
 )
-from ckpt_tool.manifest import is_manifest
+from ckpt_tool.integrity_manifest import is_manifest
 from ckpt_tool.model import ChunkRef, CheckpointMeta, TensorMeta
 
 __all__ = ["LEGACY_MAGIC", "flatten_state", "zip_data_offsets", "TorchSaveReader", "TORCH"]

@@ -5,7 +5,7 @@ from pathlib import Path
 
 from ckpt_tool._torchrun import exit_cleanly
 from ckpt_tool.errors import FindingsError
-from ckpt_tool.ops._staging import verify_output
+from ckpt_tool.ops._output_staging import verify_output
 from ckpt_tool.parallel import ranks
 
 r = ranks()

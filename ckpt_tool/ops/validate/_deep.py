@@ -7,7 +7,7 @@ from typing import Any, Iterator
 
 from ckpt_tool.errors import plural
 from ckpt_tool.model import CheckpointMeta
-from ckpt_tool.ops._checks import Finding, error, warning
+from ckpt_tool.ops.validate._checks import Finding, error, warning
 
 __all__ = ["deep_read"]
 
@@ -28,7 +28,7 @@ def _slabs(meta: Any) -> Iterator[tuple[slice, ...] | None]:
 
 
 def _nan_inf(t: Any) -> tuple[int, int]:
-    from ckpt_tool.ops._checks import nonfinite
+    from ckpt_tool.ops.validate._checks import nonfinite
 
     return nonfinite(t)
 

@@ -1,4 +1,4 @@
-"""The work units of ``validate``'s integrity pass (``_integrity``), and how they are planned.
+"""The work units of ``validate``'s integrity pass (``_integrity_pass``), and how they are planned.
 
 A :class:`Unit` is one thread's work in one file: a run of DCP items (held column-wise in
 :class:`Items`, thousands of them without an object per item) or whole-file archives
@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ckpt_tool.formats.zip_directory import NotSimple, ZipRecord, zip_records
-from ckpt_tool.ops._checks import Finding
+from ckpt_tool.ops.validate._checks import Finding
 
 __all__ = ["Archive", "Raw", "Items", "Unit", "Out", "plan_files", "plan_items"]
 

@@ -11,9 +11,9 @@ covers in B's unchunked tensor (and the reverse), and compares bytes:
   item, located in place by ``formats.torch_zip`` (optional: without it, such pieces are left
   to the element-wise path).
 
-The byte ranges, ordered by A's file and offset, go to ``_diff_windows.compare_all`` (bounded
+The byte ranges, ordered by A's file and offset, go to ``_windows.compare_all`` (bounded
 mmap windows, a few threads, ``memcmp``). A piece whose bytes differ is not a difference yet:
-the element-wise path (``_diff_values``) decides (``-0.0 == 0.0``, NaN payloads, tolerances).
+the element-wise path (``_values``) decides (``-0.0 == 0.0``, NaN payloads, tolerances).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Callable
 
 from ckpt_tool.model import CheckpointMeta, ChunkRef, TensorMeta, dtype_itemsize
-from ckpt_tool.ops._diff_windows import Spec, compare_all, memcmp
+from ckpt_tool.ops.diff._windows import Spec, compare_all, memcmp
 
 __all__ = ["fast_equal", "memcmp", "Box"]
 

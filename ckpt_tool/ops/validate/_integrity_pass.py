@@ -34,11 +34,11 @@ from typing import Any, Iterator, NamedTuple
 import numpy as np
 
 from ckpt_tool.model import CheckpointMeta
-from ckpt_tool.ops._checks import Finding, error
-from ckpt_tool.ops._mapping import map_ranges, prefault
-from ckpt_tool.ops._scan_item import check_slowly, scan_unit
-from ckpt_tool.ops._scan_units import Out, Unit, plan_files, plan_items
-from ckpt_tool.ops._scan_vector import scan_items
+from ckpt_tool.ops.validate._checks import Finding, error
+from ckpt_tool.ops._mapped_ranges import map_ranges, prefault
+from ckpt_tool.ops.validate._scan_item import check_slowly, scan_unit
+from ckpt_tool.ops.validate._scan_units import Out, Unit, plan_files, plan_items
+from ckpt_tool.ops.validate._scan_vector import scan_items
 from ckpt_tool.storage import read_range
 
 __all__ = ["scan_archives", "check_loose_archives"]

@@ -13,7 +13,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ckpt_tool._crc import crc32
-from ckpt_tool.ops._checks import _BITS, count_nonfinite
+from ckpt_tool.ops.validate._checks import _BITS, count_nonfinite
 
 __all__ = ["finite", "counts", "crc_records", "crc_and_pool", "big_tensor", "describe_all",
            "byte_rows"]

@@ -1,4 +1,4 @@
-"""The per-item path of ``validate``'s integrity pass (``_integrity``) over the work units
+"""The per-item path of ``validate``'s integrity pass (``_integrity_pass``) over the work units
 of ``_scan_units``.
 
 Each ``torch.save`` archive is parsed on its own by ``formats.torch_zip`` over a read-only mmap
@@ -22,8 +22,9 @@ from ckpt_tool._crc import crc32
 from ckpt_tool.formats.archive_check import check_zip_item
 from ckpt_tool.formats.torch_zip import as_tensor, raw_item
 from ckpt_tool.formats.zip_directory import NotSimple, TorchRejects, ZipRecord, zip_records
-from ckpt_tool.ops._checks import NonfiniteBatch, count_slabs, crc32_counting, error, nonfinite
-from ckpt_tool.ops._scan_units import Archive, Out, Unit
+from ckpt_tool.ops.validate._checks import (NonfiniteBatch, count_slabs, crc32_counting, error,
+                                            nonfinite)
+from ckpt_tool.ops.validate._scan_units import Archive, Out, Unit
 from ckpt_tool.storage import is_remote, open_read
 
 __all__ = ["scan_unit", "check_slowly"]
@@ -154,7 +155,7 @@ def scan_unit(base: Path, u: Unit, size: int, small: int, slab: int) -> Out:
     out = Out()
     if u.items is not None:
         u = Unit(u.file, [u.items.archive(i) for i in range(u.lo, u.hi)])
-    if is_remote(base):  # its ranges could not be fetched (``_mapping``): the object is gone
+    if is_remote(base):  # its ranges could not be fetched (``_mapped_ranges``): the object is gone
         out.findings.append(error("cannot read data file (the object is missing or shorter "
                                   "than when it was listed)", file=u.file))
         return out

@@ -27,15 +27,15 @@ from ckpt_tool.formats.torch_save_object import torch_free_pickle
 from ckpt_tool.ops._container import (check_container_target, output_container,
                                       place_container, to_validate)
 from ckpt_tool.ops._optim_unflatten import BucketLayoutHints, unflatten_bucketed_optimizer
-from ckpt_tool.ops._reshard_io import reshard_source
+from ckpt_tool.ops.reshard._io import reshard_source
 from ckpt_tool.ops._framework_files import carry_framework_files
 from ckpt_tool.ops._resume import ResumeRecipe, written_facts
 from ckpt_tool.ops._resume_frameworks import recipe_for
-from ckpt_tool.ops._source_checks import UNVERIFIED_NOTE, check_source
+from ckpt_tool.ops.validate import UNVERIFIED_NOTE, check_source
 from ckpt_tool.ops._stacked_view import stacked_view
-from ckpt_tool.ops.manifest import check_source_manifest
-from ckpt_tool.ops._staging import (check_output_target, output_estimate, staged_output_ranks,
-                                    verify_output)
+from ckpt_tool.ops.manifest_checks import check_source_manifest
+from ckpt_tool.ops._output_staging import (check_output_target, output_estimate,
+                                           staged_output_ranks, verify_output)
 from ckpt_tool.parallel import JobProgress
 from ckpt_tool.parallel import ranks as current_ranks
 from ckpt_tool.storage import as_path

@@ -5,7 +5,7 @@ tensor to be read is covered by its chunks exactly once (in bounds, no gap, no o
 dtype ``ckpt`` knows. A source failing them is damaged: reading it would fill the gaps with
 whatever the output buffer held, or write an empty checkpoint that itself validates. The
 bytes themselves are checked as they are read (``formats.archive_check``; the item is the
-ground truth for its dtype and size, ``dcp_items.assemble``, ``_raw_source``).
+ground truth for its dtype and size, ``dcp_items.assemble``, ``_torch_free_source``).
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from typing import Iterable
 
 from ckpt_tool.errors import IntegrityError
 from ckpt_tool.model import CheckpointMeta
-from ckpt_tool.ops._checks import check_coverage
-from ckpt_tool.ops._validate_items import check_overlaps
-from ckpt_tool.ops._validate_meta import check_common_state, check_meta_against_files
+from ckpt_tool.ops.validate._checks import check_coverage
+from ckpt_tool.ops.validate._items import check_overlaps
+from ckpt_tool.ops.validate._meta import check_common_state, check_meta_against_files
 from ckpt_tool.storage import as_path
 
 __all__ = ["check_source", "UNVERIFIED_NOTE"]
@@ -31,7 +31,7 @@ def check_source(meta: CheckpointMeta, keys: Iterable[str] | None = None, *,
                  needs_common: bool = False) -> None:
     """IntegrityError (exit 1) naming the first problem of the source's metadata: what the
     files contradict (no tensors at all, another backend's files, a relabelled zarr dtype:
-    ``_validate_meta``), items that share bytes, a missing common state when the output
+    ``_meta``), items that share bytes, a missing common state when the output
     carries it on (``needs_common``: it would be written empty, and look complete), or a
     tensor of ``keys`` (default: all) that its chunks do not cover exactly once or whose
     dtype is unknown."""

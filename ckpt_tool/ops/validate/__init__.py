@@ -1,7 +1,7 @@
 """``validate``: is a checkpoint complete and intact? Collects every finding, never stops early.
 
-Checks, in order (the pure ones live in ``ops/_checks.py``, CRC32/sha256 ones in
-``ops/_integrity.py``):
+Checks, in order (the pure ones live in ``ops/validate/_checks.py``, CRC32/sha256 ones in
+``ops/validate/_integrity_pass.py``):
 
 1. completeness markers: the tracker file of a training save directory names an existing
    iteration; dist checkpoints have a parseable ``metadata.json`` and ``.metadata`` (an
@@ -9,16 +9,16 @@ Checks, in order (the pure ones live in ``ops/_checks.py``, CRC32/sha256 ones in
 2. every file the chunks/objects reference exists and holds every item's byte range;
 3. every tensor is covered by its chunks exactly once (in bounds, no gap, no overlap); the
    metadata agrees with the files (tensors at all, the backend, zarr dtypes:
-   ``_validate_meta``); each DCP item holds the dtype and elements the metadata says (4.);
+   ``_meta``); each DCP item holds the dtype and elements the metadata says (4.);
 4. integrity: the CRC32 of every zip entry of every DCP item and of every legacy/torch.save
    file (``torch.load`` does not check them), in one pass over a read-only mmap of each file;
-   the manifest (``ckpt_tool.manifest``): files present at their sizes, digests with ``deep``;
+   the manifest (``ckpt_tool.integrity_manifest``): files present at their sizes, digests with ``deep``;
 5. stale ``*.distcp`` files nobody references, leftover ``*.tmp``/staging files (warnings);
 6. the caller's expectations: ``expect_tp``/``expect_pp``/``expect_keys``/``expect_iteration``;
    legacy: every ``mp_rank_*`` file present, replicated tensors consistent across TP ranks;
-   objects' pickles through the allowlist (``_validate_items``);
+   objects' pickles through the allowlist (``_items``);
 7. ``deep``: PyTorch's own archive reader opens every torch.save archive (what it refuses
-   is an error, ``_validate_torch_reader``); read every tensor, count NaN/Inf (warnings),
+   is an error, ``_torch_reader``); read every tensor, count NaN/Inf (warnings),
    report read failures (errors); plain tensor archives / raw elements are counted in place
    during 4. (no copies).
 
@@ -37,17 +37,19 @@ from typing import Any, Iterable
 from ckpt_tool.errors import CorruptCheckpointError, InputError, UnsafePickleError
 from ckpt_tool.model import CheckpointMeta
 from ckpt_tool.storage import as_path, is_remote
-from ckpt_tool.ops._checks import (Finding, check_coverage, check_expectations, check_storage,
-                                   error, warning)
-from ckpt_tool.ops._common_states import common_state_differences
-from ckpt_tool.ops._integrity import check_loose_archives, scan_archives
-from ckpt_tool.ops.manifest import manifest_findings
-from ckpt_tool.ops._validate_deep import deep_read
-from ckpt_tool.ops._validate_meta import check_common_state, check_meta_against_files
-from ckpt_tool.ops._validate_torch_reader import torch_reader_findings
-from ckpt_tool.ops._validate_items import check_object_pickles, check_overlaps
+from ckpt_tool.ops.validate._checks import (Finding, check_coverage, check_expectations,
+                                            check_storage, error, warning)
+from ckpt_tool.ops.validate._common_states import common_state_differences
+from ckpt_tool.ops.validate._integrity_pass import check_loose_archives, scan_archives
+from ckpt_tool.ops.manifest_checks import manifest_findings
+from ckpt_tool.ops.validate._deep import deep_read
+from ckpt_tool.ops.validate._meta import check_common_state, check_meta_against_files
+from ckpt_tool.ops.validate._torch_reader import torch_reader_findings
+from ckpt_tool.ops.validate._items import check_object_pickles, check_overlaps
+from ckpt_tool.ops.validate._source_checks import UNVERIFIED_NOTE, check_source
 
-__all__ = ["Finding", "ValidateResult", "validate", "read_expected_keys"]
+__all__ = ["Finding", "ValidateResult", "validate", "read_expected_keys", "check_source",
+           "UNVERIFIED_NOTE"]
 
 _DCP_FORMATS = ("torch_dist", "dcp")
 _ARCHIVE_FORMATS = (*_DCP_FORMATS, "legacy", "torch")  # torch.save zips: CRC-checked
@@ -351,7 +353,7 @@ def _legacy_rank_findings(reader: Any) -> list[Finding]:
 def _check_common_state(root: Path, meta: CheckpointMeta, trust: bool) -> list[Finding]:
     """Megatron-Core dist checkpoints keep their common state in ``common.pt`` (0.12-0.18) or
     in the ``common_state`` object (0.19): without either, Megatron-Core cannot load them
-    (``_validate_meta.check_common_state``); with both (no version writes both), 0.19 loads
+    (``_meta.check_common_state``); with both (no version writes both), 0.19 loads
     ``common.pt`` and ignores the object: an error when the two disagree, a warning when they
     are the same."""
     missing = check_common_state(root, meta)

@@ -1,5 +1,5 @@
 """Which integrity manifest covers a checkpoint ``validate`` reads, and ``validate
---write-manifest`` (the format: ``ckpt_tool.manifest``, docs/formats.md §11).
+--write-manifest`` (the format: ``ckpt_tool.integrity_manifest``, docs/formats.md §11).
 
 A checkpoint's manifest lies in its directory (``integrity.json`` or ``ckpt-manifest.json``),
 beside a single file (``X.ckpt-manifest.json``), in a directory holding only ``model.pt``, or in
@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_tool.errors import FindingsError, InputError, plural
-from ckpt_tool.manifest import (check_manifest, manifest_for, write_file_manifest,
-                                write_manifest)
+from ckpt_tool.integrity_manifest import (check_manifest, manifest_for, write_file_manifest,
+                                          write_manifest)
 from ckpt_tool.model import Finding
 from ckpt_tool.storage import read_range
 

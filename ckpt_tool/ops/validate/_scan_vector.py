@@ -3,7 +3,7 @@
 A DCP checkpoint stores every tensor piece as its own ``torch.save`` zip inside a ``.distcp``
 file: thousands of items, most a few KB. Parsing each with Python objects costs more than its
 bytes, so :func:`scan_items` handles a batch of files, mapped back to back in one buffer
-(``_mapping``), with a fixed number of numpy operations per phase, whatever the number of
+(``_mapped_ranges``), with a fixed number of numpy operations per phase, whatever the number of
 items:
 
 1. every item's end-of-central-directory record (its last 22 bytes) in one gather;
@@ -35,8 +35,8 @@ from ckpt_tool._crc import crc32
 from ckpt_tool.formats.torch_zip import RawItem, _describe
 from ckpt_tool.formats.zip_directory import NotSimple, entry_flags_problem, version_problem
 from ckpt_tool.model import DTYPE_ITEMSIZE
-from ckpt_tool.ops._scan_count import (_BITS, big_tensor, crc_and_pool, crc_records,
-                                       byte_rows, describe_all)
+from ckpt_tool.ops.validate._scan_count import (_BITS, big_tensor, crc_and_pool, crc_records,
+                                                byte_rows, describe_all)
 
 __all__ = ["scan_items"]
 

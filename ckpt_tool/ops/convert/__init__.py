@@ -26,22 +26,24 @@ from ckpt_tool.formats.writer import WriteRequest, WriterOptions, writer_for
 from ckpt_tool.model import is_optimizer_key
 from ckpt_tool.ops._container import (check_container_target, output_container,
                                       place_container, to_validate)
-from ckpt_tool.ops._convert_plan import ConvertOptions, ConvertPlan, plan_convert
-from ckpt_tool.ops._raw_source import RawSource, raw_source_applies
+from ckpt_tool.ops.convert._plan import (TARGETS, ConvertOptions, ConvertPlan, parse_rename,
+                                         plan_convert)
+from ckpt_tool.ops._torch_free_source import RawSource, raw_source_applies
 from ckpt_tool.ops._framework_files import carry_framework_files
 from ckpt_tool.ops._resume import MEGATRON_CKPT_FORMAT, ResumeRecipe, resume_for, written_facts
 from ckpt_tool.ops._resume_frameworks import recipe_for
 from ckpt_tool.ops._source import ReaderSource
-from ckpt_tool.ops._source_checks import UNVERIFIED_NOTE, check_source
+from ckpt_tool.ops.validate import UNVERIFIED_NOTE, check_source
 from ckpt_tool.ops._stacked_view import stacked_view
-from ckpt_tool.ops.manifest import check_source_manifest
+from ckpt_tool.ops.manifest_checks import check_source_manifest
 from ckpt_tool.storage import as_path, is_remote
-from ckpt_tool.ops._staging import (check_output_target, output_estimate, staged_output_ranks,
-                                    verify_output)
+from ckpt_tool.ops._output_staging import (check_output_target, output_estimate,
+                                           staged_output_ranks, verify_output)
 from ckpt_tool.parallel import JobProgress
 from ckpt_tool.parallel import ranks as current_ranks
 
-__all__ = ["ConvertResult", "convert", "SINGLE_FILE_TARGETS", "Progress"]
+__all__ = ["ConvertResult", "convert", "ConvertOptions", "ConvertPlan", "plan_convert",
+           "parse_rename", "TARGETS", "SINGLE_FILE_TARGETS", "Progress"]
 
 # Targets written as one file when DST looks like a file name.
 # Targets that keep no common state (a source without one converts to them as well).
@@ -107,7 +109,7 @@ def convert(src: str | Path | SourcePlace, dst: str | Path, options: ConvertOpti
     place = src if isinstance(src, SourcePlace) else locate_source(src)
     if options.to == "hf" or options.to in ("torch_dist", "legacy"):
         from ckpt_tool.formats.base import detect
-        from ckpt_tool.ops.hf_convert import convert_hf, is_hf_conversion
+        from ckpt_tool.ops.convert._hf import convert_hf, is_hf_conversion
 
         if is_hf_conversion(detect(place.checkpoint).name, options.to):
             check_output_target(dst, sources=(place.given,), overwrite=overwrite)

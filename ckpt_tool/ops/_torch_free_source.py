@@ -23,7 +23,7 @@ from ckpt_tool.formats.torch_zip import raw_item
 from ckpt_tool.formats.zip_directory import NotSimple
 from ckpt_tool.formats.base import Reader
 from ckpt_tool.model import ChunkRef, TensorMeta, dtype_itemsize
-from ckpt_tool.ops._mapping import Fetched
+from ckpt_tool.ops._mapped_ranges import Fetched
 from ckpt_tool.planning.overlap import chunk_index
 from ckpt_tool.storage import as_path, is_remote, read_into
 

@@ -1,5 +1,5 @@
 """Atomic output directories: write into a staging directory beside the target, add its
-integrity manifest (``ckpt_tool.manifest``), fsync, rename.
+integrity manifest (``ckpt_tool.integrity_manifest``), fsync, rename.
 
 A killed run leaves only ``.<name>.ckpt-staging-*`` beside the target (which ``ckpt validate``
 reports as a leftover), never a directory at the target path that looks complete. Replacing
@@ -31,7 +31,7 @@ from ckpt_tool._program import cleanup_on_stop, committing
 from ckpt_tool.errors import OutputError, UsageError, plural
 from ckpt_tool.digests import take as take_digests
 from ckpt_tool.leftovers import OLD_MARK, PARKED_NAME, STAGING_MARK, reclaim, target_lock
-from ckpt_tool.manifest import current_umask, fsync_dir
+from ckpt_tool.integrity_manifest import current_umask, fsync_dir
 from ckpt_tool.storage import as_path, is_remote
 
 __all__ = ["check_output_target", "staged_output", "staged_output_ranks", "fsync_tree",
@@ -322,12 +322,12 @@ def _renameat2() -> Any:
 
 def _add_manifest(staging: Path, file_name: str | None, out: Path,
                   inner: str | None = None) -> Path | None:
-    """Write the output's integrity manifest (``ckpt_tool.manifest``) into the staging
+    """Write the output's integrity manifest (``ckpt_tool.integrity_manifest``) into the staging
     directory (a dist checkpoint's ``integrity.json`` into the checkpoint's directory,
     ``inner`` in a container); for a single-file output return the manifest to put beside
     it."""
-    from ckpt_tool.manifest import (INTEGRITY_JSON, manifest_name, write_file_manifest,
-                                    write_manifest)
+    from ckpt_tool.integrity_manifest import (INTEGRITY_JSON, manifest_name, write_file_manifest,
+                                              write_manifest)
 
     if file_name:
         return write_file_manifest(staging / file_name, as_name=out.name, into=staging)

@@ -29,9 +29,9 @@ from ckpt_tool.formats.base import Reader
 from ckpt_tool.model import TensorMeta
 
 __all__ = ["resharded_views", "vocab_rows", "trimmed", "aligned_optimizer_entries",
-           "split_expected_common", "split_expected_objects", "looks_resharded", "HINT"]
+           "split_expected_common", "split_expected_objects", "looks_resharded", "RESHARDED_HINT"]
 
-HINT = "after a reshard, --resharded compares the weights and optimizer state across layouts"
+RESHARDED_HINT = "after a reshard, --resharded compares the weights and optimizer state across layouts"
 
 _VOCAB = re.compile(r"(^|\.)(word_embeddings|output_layer)\.weight$")
 # per-rank objects of Megatron-LM legacy files (and of their reshards): keyed by the old rank

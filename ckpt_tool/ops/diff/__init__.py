@@ -4,9 +4,9 @@ Call order: :func:`diff` opens both checkpoints, matches tensor keys (``rename``
 applied to A's keys, ``filter`` to the matched names), reports keys on one side only, dtype and
 shape changes, then compares the values of every tensor both sides hold with the same shape:
 
-1. ``_diff_bytes.fast_equal`` (no torch): pieces both sides store alike, or whose raw elements
+1. ``_bytes.fast_equal`` (no torch): pieces both sides store alike, or whose raw elements
    can be located, are compared byte for byte; equal bytes mean equal values;
-2. ``_diff_values.compare_values``: every other piece (other grids, differing bytes, a dtype
+2. ``_values.compare_values``: every other piece (other grids, differing bytes, a dtype
    change) is read with ``reader.read(key, slices)`` and compared element-wise, within
    ``atol + rtol * |b|``; NaN equals NaN at the same position. Every differing tensor is
    listed with its count, max abs/rel diff and first differing index.
@@ -38,7 +38,7 @@ decide, so a bf16 export is identical to its fp32 source within ``rtol=2**-8``.
 
 ``resharded``: B is a reshard of A (or the reverse): both are seen as ``reshard`` reads a
 source, the re-padded vocabulary is compared on the rows both hold, and what a reshard changes
-by design is a note (``_diff_resharded``).
+by design is a note (``_resharded``).
 """
 
 from __future__ import annotations
@@ -50,14 +50,15 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Protocol
 
 from ckpt_tool.errors import UsageError, plural
-from ckpt_tool.ops.manifest import check_source_manifest
+from ckpt_tool.ops.manifest_checks import check_source_manifest
 from ckpt_tool.parallel import ranks as current_ranks
 from ckpt_tool.parallel import split_by_bytes
-from ckpt_tool.ops._diff_values import CommonDiff, TensorDiff, js
+from ckpt_tool.ops.diff._resharded import RESHARDED_HINT
+from ckpt_tool.ops.diff._values import CommonDiff, TensorDiff, js
 from ckpt_tool.storage import as_path
 
 __all__ = ["diff", "DiffResult", "TensorDiff", "MetaChange", "CommonDiff", "parse_rename",
-           "Progress"]
+           "Progress", "RESHARDED_HINT"]
 
 
 class Progress(Protocol):
@@ -268,12 +269,12 @@ def diff(a: str | Path, b: str | Path, *, rename: Iterable[tuple[str, str]] = ()
     """Compare checkpoint ``a`` with ``b`` (see the module docstring); ``progress`` is told the
     bytes read (both sides) and the tensors finished."""
     from ckpt_tool.formats.base import open_checkpoint
-    from ckpt_tool.ops._hf_view import hf_view
+    from ckpt_tool.ops.diff._hf_view import hf_view
     from ckpt_tool.ops._stacked_view import stacked_view
-    from ckpt_tool.ops._diff_bytes import fast_equal
-    from ckpt_tool.ops._diff_values import (compare_common, compare_objects, compare_values,
+    from ckpt_tool.ops.diff._bytes import fast_equal
+    from ckpt_tool.ops.diff._values import (compare_common, compare_objects, compare_values,
                                             same_common_file)
-    from ckpt_tool.ops import _diff_resharded as R
+    from ckpt_tool.ops.diff import _resharded as R
 
     if atol < 0 or rtol < 0:
         raise UsageError("--atol and --rtol must be >= 0")
@@ -403,7 +404,7 @@ def diff(a: str | Path, b: str | Path, *, rename: Iterable[tuple[str, str]] = ()
                      f"{plural(len(pairs), 'tensor')} compared in model space (weights and "
                      "optimizer state, whatever each side's layout)")
     elif any(n for n in (only_a, only_b, shapes)) and R.looks_resharded(cdiffs):
-        notes.append(R.HINT)
+        notes.append(R.RESHARDED_HINT)
     shown = {*only_a, *only_b, *(c.key for c in (*dtypes, *shapes)), *(v.key for v in values)}
     return DiffResult(
         str(a), str(b), ma.format, mb.format, tuple(only_a), tuple(only_b), dtypes, shapes,

@@ -30,9 +30,9 @@ from ckpt_tool.formats.writer import WriteRequest, WriterOptions, writer_for
 from ckpt_tool.model import CheckpointMeta, ChunkRef, TensorMeta
 from ckpt_tool.ops._extra_state import ExtraStates
 from ckpt_tool.ops._hf_source import HfSource
-from ckpt_tool.ops._source_checks import UNVERIFIED_NOTE, check_source
-from ckpt_tool.ops.manifest import check_source_manifest
-from ckpt_tool.ops._staging import check_output_target, staged_output_ranks, verify_output
+from ckpt_tool.ops.validate import UNVERIFIED_NOTE, check_source
+from ckpt_tool.ops.manifest_checks import check_source_manifest
+from ckpt_tool.ops._output_staging import check_output_target, staged_output_ranks, verify_output
 from ckpt_tool.parallel import JobProgress
 from ckpt_tool.parallel import ranks as current_ranks
 from ckpt_tool.planning.extra_state import LOCAL, TE
