@@ -127,7 +127,7 @@ def _crc_cost(ckpt: Path, work: Path, repeat: int) -> None:
     code = (
         "import json, shutil, time\nfrom ckpt_tool.ops.convert import convert\n"
         "from ckpt_tool.ops.convert import ConvertOptions\n"
-        "import ckpt_tool.formats.archive_check as ac\n"
+        "import ckpt_tool.formats.containers.torch_zip.archive_check as ac\n"
         "best = {}\n"
         f"for to in ('safetensors', 'torch_dist'):\n"
         f"    for i in range({repeat} * 2 + 1):\n"

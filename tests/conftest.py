@@ -24,10 +24,10 @@ def pytest_collection_modifyitems(config, items) -> None:
 
 @pytest.fixture
 def raw_saves(monkeypatch) -> list[str]:
-    """The directories written through the raw DCP path (``dcp_raw_save.raw_dcp_save``, the one
+    """The directories written through the raw DCP path (``dcp_torch_free_save.raw_dcp_save``, the one
     call both DCP-format writers reach) during the test, in order: a test asserts that a run
     did not fall back to DCP's save silently."""
-    from ckpt_tool.formats import dcp_raw_save
+    from ckpt_tool.formats.containers.dcp import dcp_torch_free_save as dcp_raw_save
 
     seen: list[str] = []
     real = dcp_raw_save.raw_dcp_save

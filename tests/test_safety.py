@@ -19,8 +19,8 @@ from ckpt_tool.cli.app import app  # noqa: E402
 from ckpt_tool.errors import UnsafePickleError  # noqa: E402
 from ckpt_tool.formats import open_checkpoint  # noqa: E402
 from ckpt_tool.formats.common_state import load_torch_save_light  # noqa: E402
-from ckpt_tool.formats.dcp_metadata import read_dcp_metadata, read_dcp_metadata_light  # noqa: E402
-from ckpt_tool.formats.safe_pickle import load_torch_file, safe_loads  # noqa: E402
+from ckpt_tool.formats.containers.dcp.dcp_metadata import read_dcp_metadata, read_dcp_metadata_light  # noqa: E402
+from ckpt_tool.formats.containers.pickle.safe_pickle import load_torch_file, safe_loads  # noqa: E402
 
 runner = CliRunner()
 

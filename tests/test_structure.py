@@ -4,7 +4,10 @@ Every ``import`` in ``ckpt_tool`` (module level and inside functions) is read wi
 Layers, lowest first: the base modules (``errors``, ``model``, ...), ``planning``, ``formats``,
 ``dist_checkpointing``, ``ops``, ``cli``; a module may import its own layer and lower ones. A
 format package (``formats/<name>/``) imports no other format package: what two formats share
-lives in the modules directly under ``formats/``.
+lives in ``formats/containers/`` (the codecs, by what they decode), which imports no format
+package, or in the few modules directly under ``formats/`` (the contracts, the registry, the
+write guard). A command package (``ops/<command>/``) is used through its ``__init__`` only:
+no module outside it imports one of its helpers.
 """
 
 from __future__ import annotations
@@ -15,7 +18,9 @@ from pathlib import Path
 PKG = Path(__file__).resolve().parents[1] / "ckpt_tool"
 LAYERS = {"planning": 1, "formats": 2, "dist_checkpointing": 3, "ops": 4, "cli": 5}
 FORMAT_PACKAGES = sorted(p.name for p in (PKG / "formats").iterdir()
-                         if (p / "__init__.py").is_file())
+                         if (p / "__init__.py").is_file() and p.name != "containers")
+COMMAND_PACKAGES = sorted(p.name for p in (PKG / "ops").iterdir() if (p / "__init__.py").is_file())
+FORMATS_ROOT_MAX = 8  # the contracts, the registry, the write guard and what detection reads
 
 
 def _modules() -> dict[str, Path]:
@@ -68,6 +73,7 @@ def test_the_analysis_sees_the_packages():
     assert "ckpt_tool.formats.mcore_dist.reader" in graph
     assert "ckpt_tool.formats.base" in graph["ckpt_tool.formats.mcore_dist.reader"]
     assert set(FORMAT_PACKAGES) >= {"mcore_dist", "dcp", "legacy", "torch_save", "safetensors"}
+    assert set(COMMAND_PACKAGES) == {"inspect", "validate", "diff", "convert", "reshard"}
 
 
 def test_no_import_cycles():
@@ -117,6 +123,34 @@ def test_a_format_package_imports_no_other_format_package():
             if pa in FORMAT_PACKAGES and pb in FORMAT_PACKAGES and pa != pb:
                 crossing.append((a, b))
     assert crossing == []
+
+
+def test_the_formats_root_holds_few_modules():
+    """What formats share sits in ``formats/containers/``; the root keeps the contracts."""
+    root = sorted(p.name for p in (PKG / "formats").glob("*.py"))
+    assert len(root) <= FORMATS_ROOT_MAX, root
+
+
+def test_containers_import_no_format_package():
+    found = [(a, b) for a, deps in _graph().items()
+             if a.startswith("ckpt_tool.formats.containers.") or a == "ckpt_tool.formats.containers"
+             for b in deps
+             if b.startswith("ckpt_tool.formats.") and b.split(".")[2] in FORMAT_PACKAGES]
+    assert found == []
+
+
+def test_a_command_package_is_used_through_its_init():
+    """``from ckpt_tool.ops.convert import convert, ConvertOptions``: a command's helpers
+    (``ops/<command>/_*.py``) are imported by that command's own modules only."""
+    reaching = []
+    for a, deps in _graph().items():
+        for b in deps:
+            parts = b.split(".")
+            if len(parts) > 3 and parts[:2] == ["ckpt_tool", "ops"] and parts[2] in COMMAND_PACKAGES \
+                    and not a.startswith(f"ckpt_tool.ops.{parts[2]}.") \
+                    and a != f"ckpt_tool.ops.{parts[2]}":
+                reaching.append((a, b))
+    assert reaching == []
 
 
 def test_test_modules_have_unique_basenames():

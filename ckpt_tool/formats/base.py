@@ -89,7 +89,7 @@ class Reader(abc.ABC):
         them (the CRC-32s of the zip records of :meth:`stored_archives`), once each, for a
         caller that reads those bytes on its own (``diff`` compares them in place);
         IntegrityError on a mismatch. Nothing to do when :attr:`verify` is off."""
-        from ckpt_tool.formats.archive_check import check_many
+        from ckpt_tool.formats.containers.torch_zip.archive_check import check_many
 
         if self.verify:
             check_many(self.stored_archives(chunks))

@@ -18,7 +18,7 @@ from pathlib import Path, PurePath
 from typing import Any
 
 from ckpt_tool.errors import CorruptCheckpointError, InputError
-from ckpt_tool.formats.safe_pickle import StandIn, safe_load
+from ckpt_tool.formats.containers.pickle.safe_pickle import StandIn, safe_load
 from ckpt_tool.storage import as_path, is_remote
 
 __all__ = ["load_torch_save_light", "summarize_common", "jsonable", "PARALLEL_ARGS",
@@ -48,7 +48,9 @@ def load_torch_save_light(source: str | os.PathLike | bytes, *, trust: bool = Fa
     torch-based safe loader for the legacy (non-zip) format or a torch global without a
     stand-in; with ``torch_fallback=False`` those raise ``torch_stand_ins.NeedsTorch`` instead.
     """
-    from ckpt_tool.formats.torch_stand_ins import NeedsTorch, StoragePlaceholder, torch_free_fallback
+    from ckpt_tool.formats.containers.pickle.torch_stand_ins import (NeedsTorch,
+                                                                     StoragePlaceholder,
+                                                                     torch_free_fallback)
 
     if isinstance(source, (bytes, bytearray)):
         blob: Any = io.BytesIO(source)
@@ -100,7 +102,7 @@ class _NeedsTorchSignal(BaseException):
 
 
 def _load_with_torch(source: Any, trust: bool, where: Any) -> Any:
-    from ckpt_tool.formats.safe_pickle import load_torch_file
+    from ckpt_tool.formats.containers.pickle.safe_pickle import load_torch_file
 
     if isinstance(source, (bytes, bytearray)):
         try:  # (light loads are for metadata: validate checks the CRCs on its own)
@@ -150,7 +152,7 @@ def summarize_common(state: Any) -> dict[str, Any]:
 
 def jsonable(obj: Any, _depth: int = 0) -> Any:
     """Turn an unpickled value into JSON-safe data (tensors described, stand-ins as dicts)."""
-    from ckpt_tool.formats.torch_stand_ins import TensorPlaceholder
+    from ckpt_tool.formats.containers.pickle.torch_stand_ins import TensorPlaceholder
 
     if _depth > 12:
         return repr(obj)

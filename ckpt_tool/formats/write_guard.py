@@ -107,7 +107,7 @@ def torch_save_file(obj: Any, path: str | os.PathLike) -> None:
     they stand for (``safe_pickle.pickle_module_for``)."""
     import torch
 
-    from ckpt_tool.formats.safe_pickle import pickle_module_for
+    from ckpt_tool.formats.containers.pickle.safe_pickle import pickle_module_for
 
     with zip_writer_name(path) as name:
         try:

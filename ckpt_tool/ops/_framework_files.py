@@ -109,7 +109,7 @@ def _carry_nemo(top: Path, staging: Path, layout: dict[str, Any] | None) -> list
 def _checked_torch_file(path: Path) -> bytes:
     """The bytes of a ``torch.save`` file, every zip record's CRC-32 checked (IntegrityError,
     exit 1, when one does not match; CorruptCheckpointError, exit 2, when it is no archive)."""
-    from ckpt_tool.formats.archive_check import check_archive
+    from ckpt_tool.formats.containers.torch_zip.archive_check import check_archive
 
     data = path.read_bytes()
     check_archive(data, "torch.save file", path=path)

@@ -108,7 +108,7 @@ class HfSource:
         """The rectangle ``offsets``/``sizes`` of target tensor ``key``."""
         import torch
 
-        from ckpt_tool.formats.torch_zip import torch_dtype
+        from ckpt_tool.formats.containers.torch_zip.torch_zip_read import torch_dtype
 
         r = self.recipes[key]
         dtype = torch_dtype(r.dtype)

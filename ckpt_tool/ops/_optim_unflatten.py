@@ -347,7 +347,7 @@ class UnflattenedOptimizerView(Reader):
             return self.inner.read(key, slices)
         import torch
 
-        from ckpt_tool.formats.torch_zip import torch_dtype
+        from ckpt_tool.formats.containers.torch_zip.torch_zip_read import torch_dtype
 
         t = self._meta.tensors[key]
         state = key.split(".")[2]

@@ -39,7 +39,7 @@ class ReaderSource:
 
     def read(self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Any:
         """The rectangle ``offsets``/``sizes`` of target tensor ``key`` (contiguous, CPU)."""
-        from ckpt_tool.formats.torch_zip import torch_dtype
+        from ckpt_tool.formats.containers.torch_zip.torch_zip_read import torch_dtype
 
         slices = tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
         t = self.reader.read(self.key_map[key], slices if slices else None)

@@ -1,7 +1,7 @@
 """A torch-free ``TensorSource`` for byte-moving conversions (DCP-based source -> safetensors).
 
 When no dtype changes and every chunk of a tensor is a plain ``torch.save`` item, the bytes can
-be moved without torch: each item is located in place over mmap (``formats.torch_zip``); a
+be moved without torch: each item is located in place over mmap (``formats.containers.torch_zip.torch_zip_read``); a
 request for one stored chunk gets its elements in place, any other rectangle is assembled from
 them with numpy. Pieces are numpy arrays of unsigned
 integers of the element's size (the bytes are what matter); anything unusual falls back to the
@@ -18,9 +18,9 @@ import weakref
 from typing import Any
 
 from ckpt_tool.errors import CorruptCheckpointError, IntegrityError
-from ckpt_tool.formats.archive_check import check_fetched, check_item
-from ckpt_tool.formats.torch_zip import raw_item
-from ckpt_tool.formats.zip_directory import NotSimple
+from ckpt_tool.formats.containers.torch_zip.archive_check import check_fetched, check_item
+from ckpt_tool.formats.containers.torch_zip.torch_zip_read import raw_item
+from ckpt_tool.formats.containers.torch_zip.zip_directory import NotSimple
 from ckpt_tool.formats.base import Reader
 from ckpt_tool.model import ChunkRef, TensorMeta, dtype_itemsize
 from ckpt_tool.ops._mapped_ranges import Fetched

@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 from ckpt_tool.cli.app import app
 from ckpt_tool.formats.base import open_checkpoint
 from ckpt_tool.formats.save_dir import LATEST_FILE
-from ckpt_tool.formats.torch_zip import zip_records
+from ckpt_tool.formats.containers.torch_zip.torch_zip_read import zip_records
 
 runner = CliRunner()
 FIX = Path(__file__).resolve().parents[2] / "fixtures"

@@ -39,7 +39,7 @@ from ckpt_tool.dist_checkpointing.strategies.torch import (  # noqa: E402
     TorchDistLoadShardedStrategy,
 )
 from ckpt_tool.dist_checkpointing.utils import _sharded_tensor_shard_id  # noqa: E402
-from ckpt_tool.formats.dcp_metadata import read_dcp_metadata  # noqa: E402
+from ckpt_tool.formats.containers.dcp.dcp_metadata import read_dcp_metadata  # noqa: E402
 
 _FILE_RANK = re.compile(r"__(\d+)_\d+\.distcp$")
 

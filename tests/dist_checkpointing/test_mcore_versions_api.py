@@ -95,7 +95,7 @@ def test_strict_load_does_not_count_the_common_state_object_as_missing():
 
 
 def test_common_pt_wins_over_the_common_state_object(tmp_path):
-    from ckpt_tool.formats.torch_save_object import save_object
+    from ckpt_tool.formats.containers.torch_zip.torch_save_object import save_object
 
     both = tmp_path / "both"
     shutil.copytree(_iter(MCORE019), both)

@@ -13,7 +13,7 @@ import pickle
 import sys
 from pathlib import Path
 
-from ckpt_tool.formats import dcp_raw_save
+from ckpt_tool.formats.containers.dcp import dcp_torch_free_save as dcp_raw_save
 from ckpt_tool.formats.dcp import writer as dcp_writer
 from ckpt_tool.formats.mcore_dist import torch_dist_writer
 from ckpt_tool.ops.convert import ConvertOptions

@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 from _builders import write_mcore_dist
 from ckpt_tool.errors import CorruptCheckpointError, InputError, NotACheckpointError
 from ckpt_tool.formats import detect, formats, open_checkpoint
-from ckpt_tool.formats.dcp_metadata import read_dcp_metadata
+from ckpt_tool.formats.containers.dcp.dcp_metadata import read_dcp_metadata
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURE = REPO / "fixtures" / "dcp_plain"

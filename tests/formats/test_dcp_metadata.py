@@ -15,8 +15,8 @@ from torch.distributed.checkpoint.planner import SavePlan
 
 from _builders import MCORE_TORCH, fake_module, split_grid, write_dcp
 from ckpt_tool.errors import CorruptCheckpointError, InputError, UnsafePickleError
-from ckpt_tool.formats.dcp_metadata import (dcp_tensor_metas, read_dcp_metadata,
-                                             read_dcp_metadata_light)
+from ckpt_tool.formats.containers.dcp.dcp_metadata import (dcp_tensor_metas, read_dcp_metadata,
+                                                           read_dcp_metadata_light)
 
 
 @pytest.fixture
@@ -51,7 +51,7 @@ def test_light_path_maps_to_the_same_model(dcp_dir):
 
 
 def test_light_path_imports_no_torch(dcp_dir):
-    code = ("import sys; from ckpt_tool.formats.dcp_metadata import read_dcp_metadata_light, "
+    code = ("import sys; from ckpt_tool.formats.containers.dcp.dcp_metadata import read_dcp_metadata_light, "
             f"dcp_tensor_metas; t, o = dcp_tensor_metas(read_dcp_metadata_light({str(dcp_dir)!r}));"
             " assert t['w'].shape == (4, 6); assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

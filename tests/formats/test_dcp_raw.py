@@ -1,4 +1,4 @@
-"""``torch_zip``: zip records and zero-copy tensor views of torch.save archives, checked bitwise
+"""``torch_zip_read``: zip records and zero-copy tensor views of torch.save archives, checked bitwise
 against ``torch.load`` on every DCP-based fixture and on odd tensors built with torch.save."""
 
 import hashlib
@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckpt_tool.formats import dcp_items as _dcp_io
-from ckpt_tool.formats.dcp_items import load_chunk, read_item_bytes
-from ckpt_tool.formats.torch_zip import as_tensor, raw_item
-from ckpt_tool.formats.zip_directory import NotSimple, zip_records
-from ckpt_tool.formats.safe_pickle import load_torch_file
+from ckpt_tool.formats.containers.dcp import dcp_items as _dcp_io
+from ckpt_tool.formats.containers.dcp.dcp_items import load_chunk, read_item_bytes
+from ckpt_tool.formats.containers.torch_zip.torch_zip_read import as_tensor, raw_item
+from ckpt_tool.formats.containers.torch_zip.zip_directory import NotSimple, zip_records
+from ckpt_tool.formats.containers.pickle.safe_pickle import load_torch_file
 from ckpt_tool.ops.validate._checks import NonfiniteBatch, count_nonfinite, nonfinite
 from ckpt_tool.ops.inspect import inspect
 
@@ -152,7 +152,7 @@ def test_load_chunk_returns_a_private_copy(tmp_path):
 
 
 def test_load_chunk_falls_back_for_unusual_items(tmp_path, monkeypatch):
-    from ckpt_tool.formats import safe_pickle as _pickle
+    from ckpt_tool.formats.containers.pickle import safe_pickle as _pickle
     from ckpt_tool.model import ChunkRef
 
     t = torch.randn(5, 3)
@@ -235,7 +235,7 @@ def test_misaligned_item_slices_copy_only_the_slice(tmp_path, shift, dtype):
     """A mapped item at an odd file offset is handed out as its bytes in place (ByteView), not
     aligned by copying the whole item; ``assemble`` copies just the region asked for, and the
     values are bitwise those of torch.load."""
-    from ckpt_tool.formats.dcp_items import ByteView, assemble, load_chunk_view
+    from ckpt_tool.formats.containers.dcp.dcp_items import ByteView, assemble, load_chunk_view
     from ckpt_tool.model import ChunkRef, TensorMeta
 
     t = torch.randn(4, 512, 300).to(dtype)  # > 1 MiB: the mapped path

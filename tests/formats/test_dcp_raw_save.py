@@ -1,4 +1,4 @@
-"""The torch-free torch_dist save (``dcp_raw_save``, ``dcp_raw_metadata``, ``pickle_refs``).
+"""The torch-free torch_dist save (``dcp_torch_free_save``, ``dcp_torch_free_metadata``, ``pickle_refs``).
 
 The same write request is written twice: through ``torch.distributed.checkpoint.save`` (the
 DCP path) and through our own plan and ``.metadata`` pickle (the raw path, taken when the
@@ -21,8 +21,9 @@ from pathlib import Path
 import pytest
 
 from ckpt_tool.errors import UsageError
-from ckpt_tool.formats.dcp_raw_metadata import PlannedItem, assign_files, check_grid
-from ckpt_tool.formats.pickle_refs import Call, dumps, instance, ref
+from ckpt_tool.formats.containers.dcp.dcp_torch_free_metadata import (PlannedItem, assign_files,
+                                                                      check_grid)
+from ckpt_tool.formats.containers.pickle.pickle_refs import Call, dumps, instance, ref
 from ckpt_tool.model import ChunkRef, TensorMeta
 
 from _fixtures import fixture as _fixture
@@ -95,7 +96,8 @@ def _write(reader, out: Path, *, raw: bool, threads: int = 1) -> None:
 def test_raw_path_writes_what_dcp_writes(name, threads, tmp_path, monkeypatch):
     import torch
 
-    from ckpt_tool.formats import dcp_raw_save, open_checkpoint
+    from ckpt_tool.formats import open_checkpoint
+    from ckpt_tool.formats.containers.dcp import dcp_torch_free_save as dcp_raw_save
 
     reader = open_checkpoint(_fixture(name))
     if reader.common_file() is None:

@@ -1,4 +1,4 @@
-"""``convert --to dcp`` on the raw path (``dcp_raw_save``), against DCP's own save.
+"""``convert --to dcp`` on the raw path (``dcp_torch_free_save``), against DCP's own save.
 
 The same conversion is run twice: through ``torch.distributed.checkpoint.save`` (the DCP path,
 ``raw_path_applies`` refused) and through our plan, archives and ``.metadata`` (the raw path,
@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from ckpt_tool.formats.dcp_bytes_items import flatten_state, unwrapped_archive
-from ckpt_tool.formats.torch_save_object import load_exact, object_archive_of
+from ckpt_tool.formats.containers.dcp.dcp_bytes_items import flatten_state, unwrapped_archive
+from ckpt_tool.formats.containers.torch_zip.torch_save_object import load_exact, object_archive_of
 
 from _fixtures import fixture as _fixture
 
@@ -177,7 +177,7 @@ def test_convert_torch_dist_to_dcp_never_imports_torch(tmp_path):
     src = _fixture("mcore016_gpt_tp2pp2_bf16_optim") / "iter_0000010"
     code = ("import sys, json; from ckpt_tool.ops.convert import convert; "
             "from ckpt_tool.ops.convert import ConvertOptions; "
-            "from ckpt_tool.formats import dcp_raw_save; saves = []; real = dcp_raw_save.raw_dcp_save; "
+            "from ckpt_tool.formats.containers.dcp import dcp_torch_free_save as dcp_raw_save; saves = []; real = dcp_raw_save.raw_dcp_save; "
             "dcp_raw_save.raw_dcp_save = lambda d, *a, **k: saves.append(d) or real(d, *a, **k); "
             f"r = convert({str(src)!r}, {str(tmp_path / 'out')!r}, ConvertOptions(to='dcp'));"
             "print(json.dumps(['torch' in sys.modules, r.verified, len(saves)]))")

@@ -19,7 +19,7 @@ import torch
 from _builders import fake_module
 from ckpt_tool.errors import CorruptCheckpointError, InputError, UnsafePickleError
 from ckpt_tool.formats.common_state import jsonable, load_torch_save_light, summarize_common
-from ckpt_tool.formats.safe_pickle import StandIn, load_torch_file, safe_loads
+from ckpt_tool.formats.containers.pickle.safe_pickle import StandIn, load_torch_file, safe_loads
 
 
 @pytest.fixture(autouse=True)

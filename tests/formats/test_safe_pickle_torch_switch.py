@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ckpt_tool.errors import CkptError
-from ckpt_tool.formats.safe_pickle import safe_loads
+from ckpt_tool.formats.containers.pickle.safe_pickle import safe_loads
 
 
 class _Probe:

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from ckpt_tool.cli.app import app
 from ckpt_tool.errors import CorruptCheckpointError, NotACheckpointError, UnsupportedError
 from ckpt_tool.formats import detect, open_checkpoint
-from ckpt_tool.formats.torch_save_files import flatten_state
+from ckpt_tool.formats.containers.torch_zip.torch_save_files import flatten_state
 
 BASE = torch.randn(6, 4)
 STATE = {

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from ckpt_tool.formats.legacy.writer import updated_args
-from ckpt_tool.formats.safe_pickle import load_torch_file
-from ckpt_tool.formats.torch_save_object import (
+from ckpt_tool.formats.containers.pickle.safe_pickle import load_torch_file
+from ckpt_tool.formats.containers.torch_zip.torch_save_object import (
     TorchRef,
     archive_prefix,
     load_exact,
@@ -23,7 +23,7 @@ from ckpt_tool.formats.torch_save_object import (
     save_object,
     torch_free_pickle,
 )
-from ckpt_tool.formats.torch_zip_write import object_archive
+from ckpt_tool.formats.containers.torch_zip.torch_zip_write import object_archive
 
 FIX = Path(__file__).resolve().parents[2] / "fixtures"
 COMMONS = ["mcore016_gpt_tp2pp2_modelonly", "mcore016_gpt_tp2pp2_bf16_optim",
@@ -79,7 +79,7 @@ def test_object_items_are_torch_saves_into_a_stream():
 def test_refuses_what_it_cannot_prove(tmp_path):
     from collections import OrderedDict
 
-    from ckpt_tool.formats.safe_pickle import stand_in_class
+    from ckpt_tool.formats.containers.pickle.safe_pickle import stand_in_class
 
     for value in (torch.zeros(2), OrderedDict(a=1), {1, 2}, torch.Size([2]),
                   stand_in_class("megatron.core.enums", "ModelType")(), np.zeros(3),

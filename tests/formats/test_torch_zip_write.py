@@ -8,9 +8,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from ckpt_tool.formats.torch_zip import raw_item  # noqa: E402
-from ckpt_tool.formats.zip_directory import zip_records  # noqa: E402
-from ckpt_tool.formats.torch_zip_write import (STORAGE_TYPES, TensorArchive,  # noqa: E402
+from ckpt_tool.formats.containers.torch_zip.torch_zip_read import raw_item  # noqa: E402
+from ckpt_tool.formats.containers.torch_zip.zip_directory import zip_records  # noqa: E402
+from ckpt_tool.formats.containers.torch_zip.torch_zip_write import (STORAGE_TYPES, TensorArchive,  # noqa: E402
                                                contiguous_stride, supported, tensor_pickle)
 from ckpt_tool.formats.write_pieces import tensor_bytes  # noqa: E402
 

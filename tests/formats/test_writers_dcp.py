@@ -325,7 +325,7 @@ def test_stock_dcp_file_writer_would_hold_a_whole_file(tmp_path):
     """Why the writer has its own write loop: DCP's stock one keeps every tensor of a file
     alive until the file is closed (the check above catches it)."""
     from ckpt_tool.dist_checkpointing.strategies._dcp_planner import McoreFileSystemWriter
-    from ckpt_tool.formats import dcp_streaming as _write_dcp_io
+    from ckpt_tool.formats.containers.dcp import dcp_streaming as _write_dcp_io
 
     src = open_checkpoint(_fixture("mcore016_gpt_tp2pp2_fp32"))
     source = Source(src)

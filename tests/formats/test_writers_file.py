@@ -459,7 +459,7 @@ def test_zarr_objects_and_common(tmp_path):
 
 
 def test_zarr_refuses_unsafe_keys_and_writes_stand_ins_back(tmp_path):
-    from ckpt_tool.formats.safe_pickle import stand_in_class
+    from ckpt_tool.formats.containers.pickle.safe_pickle import stand_in_class
 
     for key in ("../escape", "/abs", "a//b"):
         t = {key: torch.zeros(2)}
@@ -471,7 +471,7 @@ def test_zarr_refuses_unsafe_keys_and_writes_stand_ins_back(tmp_path):
     t = {"w": torch.zeros(2)}
     _write("zarr", tmp_path / "s", WriteRequest(meta=_meta(t), source=MemSource(t),
                                                 common={"args": {"attention_backend": backend}}))
-    from ckpt_tool.formats.safe_pickle import load_torch_file
+    from ckpt_tool.formats.containers.pickle.safe_pickle import load_torch_file
 
     again = load_torch_file(tmp_path / "s" / "common.pt")["args"]["attention_backend"]
     assert again.__stand_in_for__ == "megatron.core.transformer.enums.AttnBackend"

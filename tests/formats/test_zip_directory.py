@@ -1,10 +1,10 @@
 """The zip structure checks against PyTorch's own reader, systematically: every byte of every
 zip structure of a ``torch.save`` archive (each local header, the central directory, the
 ZIP64 end record and locator, the end record), flipped with several masks, and every
-condition ``torch.load`` applies is found by ``formats.zip_directory``:
+condition ``torch.load`` applies is found by ``formats.containers.torch_zip.zip_directory``:
 
 * whatever ``torch.load`` refuses, the raw path never reads in place: the structure checks
-  and CRC-32s (``archive_check.check_archive``) or the tensor's lookup (``torch_zip.raw_item``)
+  and CRC-32s (``archive_check.check_archive``) or the tensor's lookup (``torch_zip_read.raw_item``)
   refuse it, or send it to ``torch.load`` (``NotSimple``), whose error is then the verdict;
 * whatever the fast checks call a PyTorch refusal (``TorchRejects``), ``torch.load`` does
   refuse (the messages' "torch.load refuses it" is true), but for X2 (a record marked as a
@@ -21,9 +21,10 @@ import pytest
 import torch
 
 from ckpt_tool.errors import CorruptCheckpointError
-from ckpt_tool.formats.archive_check import check_archive
-from ckpt_tool.formats.torch_zip import raw_item
-from ckpt_tool.formats.zip_directory import NotSimple, TorchRejects, zip_records
+from ckpt_tool.formats.containers.torch_zip.archive_check import check_archive
+from ckpt_tool.formats.containers.torch_zip.torch_zip_read import raw_item
+from ckpt_tool.formats.containers.torch_zip.zip_directory import (NotSimple, TorchRejects,
+                                                                  zip_records)
 
 MASKS = (0x01, 0x02, 0x10, 0x80, 0xFF)
 

@@ -97,7 +97,7 @@ def test_ours_reads_mcore_like_mcore(mcore_ckpt, tmp_path):
 
 def test_dcp_metadata_structure_matches(ours_ckpt_tp2, mcore_ckpt):
     """Same DCP metadata conventions: keys, chunks, files per rank, all_local_plans."""
-    from ckpt_tool.formats.dcp_metadata import read_dcp_metadata
+    from ckpt_tool.formats.containers.dcp.dcp_metadata import read_dcp_metadata
 
     ours_ckpt = ours_ckpt_tp2
     a, b = read_dcp_metadata(ours_ckpt), read_dcp_metadata(mcore_ckpt)
@@ -120,7 +120,7 @@ def test_mcore_loads_our_torch_free_conversion(mcore_ckpt, tmp_path, monkeypatch
     """``convert --to torch_dist`` of Megatron-Core's checkpoint takes the torch-free path
     (data files by our archive writer, ``.metadata`` pickled by reference, ``common.pt`` and
     the objects copied as stored); Megatron-Core reads and loads it like the source."""
-    from ckpt_tool.formats import dcp_raw_save
+    from ckpt_tool.formats.containers.dcp import dcp_torch_free_save as dcp_raw_save
     from ckpt_tool.ops.convert import ConvertOptions
     from ckpt_tool.ops.convert import convert
 
@@ -140,7 +140,7 @@ def test_mcore_loads_our_torch_free_conversion(mcore_ckpt, tmp_path, monkeypatch
 
 TWO_RANK_CONVERT = r"""
 import sys
-from ckpt_tool.formats import dcp_raw_save
+from ckpt_tool.formats.containers.dcp import dcp_torch_free_save as dcp_raw_save
 from ckpt_tool.ops.convert import ConvertOptions
 from ckpt_tool.ops.convert import convert
 from ckpt_tool.parallel import ranks

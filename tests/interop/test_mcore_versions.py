@@ -115,7 +115,7 @@ def test_library_api_reads_what_megatron_core_019_reads(tmp_path, monkeypatch):
 
     from ckpt_tool import dist_checkpointing as dc
     from ckpt_tool.dist_checkpointing.core import CheckpointingException
-    from ckpt_tool.formats.torch_save_object import save_object
+    from ckpt_tool.formats.containers.torch_zip.torch_save_object import save_object
 
     source_or_skip(monkeypatch)
     src = next(MCORE019.glob("iter_*"))

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from ckpt_tool.formats.base import open_checkpoint
-from ckpt_tool.formats.dcp_raw_metadata import check_grid
+from ckpt_tool.formats.containers.dcp.dcp_torch_free_metadata import check_grid
 from ckpt_tool.model import ChunkRef, TensorMeta
 from ckpt_tool.ops.validate._checks import check_coverage
 from ckpt_tool.ops._torch_free_source import RawSource

@@ -27,7 +27,7 @@ FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 MCORE = FIXTURES / "mcore016_gpt_tp2pp2_fp32" / "iter_0000010"
 LEGACY = FIXTURES / "megatron_legacy_tp2pp2"
 # DCP items are compared with raw ranges through the in-place zip reader when it is there.
-RAW_DCP = importlib.util.find_spec("ckpt_tool.formats.torch_zip") is not None
+RAW_DCP = importlib.util.find_spec("ckpt_tool.formats.containers.torch_zip.torch_zip_read") is not None
 ALL = ["mcore016_gpt_tp2pp2_fp32", "mcore016_gpt_tp2pp2_bf16_optim", "dcp_plain",
        "mcore015_zarr_gpt_tp2pp2", "mcore015_gpt_flattened_optim", "megatron_legacy_tp2pp2",
        "megatron_legacy_tp2_release"]

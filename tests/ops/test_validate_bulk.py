@@ -10,7 +10,7 @@ import torch
 
 import ckpt_tool.ops.validate._integrity_pass as integrity
 import ckpt_tool.ops.validate._scan_item as scan_item
-from ckpt_tool.formats.zip_directory import zip_records
+from ckpt_tool.formats.containers.torch_zip.zip_directory import zip_records
 from ckpt_tool.ops.inspect import inspect
 from ckpt_tool.ops.validate import validate
 

@@ -12,7 +12,7 @@ import torch
 
 import ckpt_tool.ops.validate._integrity_pass as integrity
 from ckpt_tool.formats import detect
-from ckpt_tool.formats.zip_directory import zip_records
+from ckpt_tool.formats.containers.torch_zip.zip_directory import zip_records
 from ckpt_tool.ops.validate._checks import nonfinite
 from ckpt_tool.ops.inspect import inspect
 from ckpt_tool.ops.validate import validate

@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 from ckpt_tool.cli.app import app
 from ckpt_tool.formats.base import open_checkpoint
 from ckpt_tool.formats.save_dir import locate_source
-from ckpt_tool.formats.torch_save_object import save_object
+from ckpt_tool.formats.containers.torch_zip.torch_save_object import save_object
 from ckpt_tool.ops.convert import ConvertOptions, convert
 from ckpt_tool.ops.inspect import inspect
 from ckpt_tool.ops.reshard import ReshardRequest, reshard

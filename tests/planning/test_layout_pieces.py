@@ -159,7 +159,7 @@ def test_pieces_rebuild_legacy_rank_tensors_from_dist(legacy, pp):
     """Per-rank tensors assembled from the dist fixture with our pieces equal the tensors the
     real Megatron-Core model saved in each legacy rank file (reads data)."""
     torch = pytest.importorskip("torch")
-    from ckpt_tool.formats.safe_pickle import load_torch_file
+    from ckpt_tool.formats.containers.pickle.safe_pickle import load_torch_file
 
     dist = open_checkpoint("fixtures/mcore016_gpt_tp2pp2_fp32")
     dmeta = dist.metadata()

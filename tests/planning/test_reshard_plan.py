@@ -185,7 +185,7 @@ def test_executed_legacy_target_plan_equals_the_legacy_files(src):
     """dist TP2/PP2 -> legacy TP2/PP2 plan, executed: every rank's tensors equal the real
     legacy rank files (dist names mapped to the module names legacy files use)."""
     torch = pytest.importorskip("torch")
-    from ckpt_tool.formats.safe_pickle import load_torch_file
+    from ckpt_tool.formats.containers.pickle.safe_pickle import load_torch_file
 
     reader, _, _ = src[FP32]
     plan = _plan(src, FP32, Layout(tp=2, pp=2), target_format="legacy")

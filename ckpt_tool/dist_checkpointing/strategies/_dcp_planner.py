@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 
-from ckpt_tool.formats.dcp_streaming import McoreFileSystemWriter
+from ckpt_tool.formats.containers.dcp.dcp_streaming import McoreFileSystemWriter
 
 from ..core import CheckpointingException
 from ..dict_utils import nested_values

@@ -138,7 +138,7 @@ class MCoreLoadPlanner(DefaultLoadPlanner):
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         """Deserialize a ShardedObject payload through the allowlisting unpickler."""
-        from ckpt_tool.formats.safe_pickle import load_torch_file
+        from ckpt_tool.formats.containers.pickle.safe_pickle import load_torch_file
 
         loaded = load_torch_file(value, trust=self.trust)
         fqn = read_item.dest_index.fqn

@@ -65,7 +65,7 @@ class CachedMetadataFileSystemReader(FileSystemReader):
         if kwargs.get("rank") is not None:
             raise FileNotFoundError("per-rank metadata is not used by torch_dist checkpoints")
         if self._cached_metadata is None:
-            from ckpt_tool.formats.dcp_metadata import read_dcp_metadata
+            from ckpt_tool.formats.containers.dcp.dcp_metadata import read_dcp_metadata
 
             self._cached_metadata = read_dcp_metadata(self.path, trust=self.trust)
         self._cached_metadata.storage_meta.load_id = self.load_id

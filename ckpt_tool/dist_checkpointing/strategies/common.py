@@ -3,7 +3,7 @@
 ``common.pt`` is a plain ``torch.save`` of every non-sharded value, written by the coordinator
 (rank 0). Backends that cannot store objects themselves (zarr) keep each ShardedObject main
 replica as ``<checkpoint>/<key>/shard_<offsets>_<shape>.pt``. Everything is read back through
-the allowlisting unpickler of :mod:`ckpt_tool.formats.safe_pickle`, never plain pickle.
+the allowlisting unpickler of :mod:`ckpt_tool.formats.containers.pickle.safe_pickle`, never plain pickle.
 
 Megatron-Core 0.19 checkpoints have no ``common.pt``: their common state is the
 ``common_state`` ShardedObject of the torch_dist data (``formats.mcore_dist.forms``), which
@@ -50,7 +50,7 @@ def _rank() -> int:
 
 
 def _load_file(path: Union[str, Path], trust: bool = False):
-    from ckpt_tool.formats.safe_pickle import load_torch_file
+    from ckpt_tool.formats.containers.pickle.safe_pickle import load_torch_file
 
     return load_torch_file(path, trust=trust, map_location="cpu")
 

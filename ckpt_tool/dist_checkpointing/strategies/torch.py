@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 from torch.distributed.checkpoint.utils import _wrap_exception
 
 from ckpt_tool._torchrun import group_initialized
-from ckpt_tool.formats.dcp_metadata import mcore_classes
+from ckpt_tool.formats.containers.dcp.dcp_metadata import mcore_classes
 
 from .._mcore_names import (  # noqa: F401 (re-exported as in MCore)
     HAVE_DTENSOR,
@@ -94,7 +94,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 # What Megatron-Core <= 0.15 pickled into .metadata (a DCP Metadata / SavePlan with
-# ``mcore_data``); reading such a file gives instances of these (see formats.dcp_metadata).
+# ``mcore_data``); reading such a file gives instances of these (see formats.containers.dcp.dcp_metadata).
 _STAND_INS = {cls.__name__: cls for cls in mcore_classes().values()}
 MCoreMetadata = _STAND_INS["MCoreMetadata"]
 MCoreSavePlan = _STAND_INS["MCoreSavePlan"]

@@ -178,7 +178,8 @@ class DcpReader(Reader):
         """Tensors, bytes items, a summary of small bytes values and DCP facts; no tensor bytes."""
         if self._meta is not None:
             return self._meta
-        from ckpt_tool.formats.dcp_metadata import dcp_tensor_metas, read_dcp_metadata_light
+        from ckpt_tool.formats.containers.dcp.dcp_metadata import (dcp_tensor_metas,
+                                                                   read_dcp_metadata_light)
 
         files = metadata_files(self.root)
         if not files:
@@ -246,7 +247,7 @@ class DcpReader(Reader):
         """``{"values": {fqn: value}}`` for the bytes items that hold small plain values
         (numbers, short strings, short lists of them), loaded torch-free; others are left out."""
         from ckpt_tool.formats.common_state import jsonable, load_torch_save_light
-        from ckpt_tool.formats.torch_stand_ins import NeedsTorch
+        from ckpt_tool.formats.containers.pickle.torch_stand_ins import NeedsTorch
 
         small = [o for o in objects if o.file and o.byte_length is not None
                  and o.byte_offset is not None and o.byte_length <= _SUMMARY_MAX_BYTES
@@ -295,13 +296,13 @@ class DcpReader(Reader):
     # -- data -------------------------------------------------------------------------------
     def stored_archives(self, chunks: Any) -> list[tuple[Path, int | None, int | None]]:
         """The items storing ``chunks`` (see :meth:`Reader.stored_archives`)."""
-        from ckpt_tool.formats.dcp_items import item_ranges
+        from ckpt_tool.formats.containers.dcp.dcp_items import item_ranges
 
         return item_ranges(self.root, chunks)
 
     def read(self, key: str, slices: tuple[slice, ...] | None = None) -> Any:
         """The global tensor ``key`` (DCP fqn), or ``slices`` of it, assembled from its chunks."""
-        from ckpt_tool.formats.dcp_items import assemble, load_chunk_view
+        from ckpt_tool.formats.containers.dcp.dcp_items import assemble, load_chunk_view
 
         return assemble(self._tensor_meta(key), slices,
                         lambda c: load_chunk_view(self.root, c, trust=self.trust,
@@ -309,8 +310,8 @@ class DcpReader(Reader):
 
     def read_object(self, unique_key: str) -> Any:
         """The value of a bytes item (fqn): DCP stores ``torch.save(value)``, loaded safely."""
-        from ckpt_tool.formats.dcp_items import read_item_bytes
-        from ckpt_tool.formats.safe_pickle import load_torch_file
+        from ckpt_tool.formats.containers.dcp.dcp_items import read_item_bytes
+        from ckpt_tool.formats.containers.pickle.safe_pickle import load_torch_file
 
         o = self._object_meta(unique_key)
         if unique_key in self._object_transforms:
@@ -328,7 +329,7 @@ class DcpReader(Reader):
         """:meth:`read_object` with tensors as placeholders, through the same allowlisting
         unpickler, without importing torch unless the pickle needs it (for validation)."""
         from ckpt_tool.formats.common_state import load_torch_save_light
-        from ckpt_tool.formats.dcp_items import read_item_bytes
+        from ckpt_tool.formats.containers.dcp.dcp_items import read_item_bytes
 
         o = self._object_meta(unique_key)  # (validate checks the CRCs in its own pass)
         data = read_item_bytes(self.root, o.file, o.byte_offset, o.byte_length, verify=False)
@@ -336,7 +337,7 @@ class DcpReader(Reader):
 
     def check_common(self) -> None:
         """The CRC-32s of the bytes items the common state is made of."""
-        from ckpt_tool.formats.archive_check import check_many
+        from ckpt_tool.formats.containers.torch_zip.archive_check import check_many
 
         common = self.objects_in_common()
         if self.verify:
@@ -355,7 +356,7 @@ class DcpReader(Reader):
         checkpoint's ``planner_data`` (``optimizer.param_groups.0.lr`` ->
         ``{"optimizer": {"param_groups": [{"lr": …}]}}``, as ``dcp_to_torch_save`` does); a
         key without a path stays flat. Loaded through the safe unpickler."""
-        from ckpt_tool.formats.dcp_metadata import read_dcp_metadata_light
+        from ckpt_tool.formats.containers.dcp.dcp_metadata import read_dcp_metadata_light
 
         keys = sorted(self.objects_in_common())
         paths: dict[str, Any] = {}

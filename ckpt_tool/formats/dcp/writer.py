@@ -2,23 +2,23 @@
 
 Objects and the common state become bytes items (``torch.save(value)``, as ``dcp.save`` stores
 non-tensors); the common state is flattened the way ``dcp.save`` flattens a state dict
-(``optimizer.param_groups.0.lr``: :func:`ckpt_tool.formats.dcp_bytes_items.flatten_state`),
+(``optimizer.param_groups.0.lr``: :func:`ckpt_tool.formats.containers.dcp.dcp_bytes_items.flatten_state`),
 each value a bytes item (its tensors too, so that a reader tells the model's tensors from the
 common state's), and ``planner_data`` maps each key to its nested path, so ``dcp.load`` and
 ``dcp_to_torch_save`` give the values back.
 
 As for ``torch_dist`` (:mod:`ckpt_tool.formats.mcore_dist.torch_dist_writer`): when every
-chunk suits our ``torch.save`` archive writer, :mod:`ckpt_tool.formats.dcp_raw_save` writes the
+chunk suits our ``torch.save`` archive writer, :mod:`ckpt_tool.formats.containers.dcp.dcp_torch_free_save` writes the
 files and ``.metadata`` (the same bytes and an equal ``Metadata`` as DCP's save), in one
 process and on every rank of a torchrun job. The bytes items are then written without torch
 where the source was read without it: a torch_dist source passes its ``common.pt`` and its
 objects' stored bytes (``WriteRequest.common_file``/``raw_object``): the common state is
 loaded with torch dtypes as stand-ins and each value pickled as ``torch.save`` would
-(:mod:`ckpt_tool.formats.torch_save_object`, values of an allowlist of types), each object
-loses its list at the byte level (:mod:`ckpt_tool.formats.dcp_bytes_items`); any other value
+(:mod:`ckpt_tool.formats.containers.torch_zip.torch_save_object`, values of an allowlist of types), each object
+loses its list at the byte level (:mod:`ckpt_tool.formats.containers.dcp.dcp_bytes_items`); any other value
 is ``torch.save``d. Otherwise (another dtype, or ``extra["raw_save"]`` False)
 ``torch.distributed.checkpoint.save`` runs with the planner and file writer of
-:mod:`ckpt_tool.formats.dcp_streaming`.
+:mod:`ckpt_tool.formats.containers.dcp.dcp_streaming`.
 
 Options (``WriterOptions.extra``): ``raw_save`` (False: always DCP's save), ``files``,
 ``threads`` as for ``torch_dist``; ``planner_data``: ``{fqn: path tuple}`` for tensor/object
@@ -31,8 +31,9 @@ import io
 import threading
 from typing import Any, Callable
 
-from ckpt_tool.formats.dcp_raw_save import raw_path_applies, raw_write, stored_shape_note
-from ckpt_tool.formats.dcp_bytes_items import flatten_state
+from ckpt_tool.formats.containers.dcp.dcp_torch_free_save import (raw_path_applies, raw_write,
+                                                                  stored_shape_note)
+from ckpt_tool.formats.containers.dcp.dcp_bytes_items import flatten_state
 from ckpt_tool.formats.writer import WriteRequest, Writer
 
 __all__ = ["DcpWriter"]
@@ -57,7 +58,7 @@ class DcpWriter(Writer):
                       planner_data=planner_data, keep_local_plans=False, digest="crc32")
             return notes
 
-        from ckpt_tool.formats.dcp_streaming import (
+        from ckpt_tool.formats.containers.dcp.dcp_streaming import (
             bytes_write_item,
             run_dcp_save,
             serialized,
@@ -107,7 +108,7 @@ def _light_common(request: WriteRequest) -> dict | None:
     ``common.pt`` when the request passes one and that needs no torch, else None."""
     if request.common_file is None:
         return None
-    from ckpt_tool.formats.torch_save_object import load_exact
+    from ckpt_tool.formats.containers.torch_zip.torch_save_object import load_exact
 
     # None also for a global the allowlist refuses: the reader decides, with its --trust,
     # through ``full_common``
@@ -129,8 +130,8 @@ class _Payloads:
         self._torch_flat: dict[str, Any] | None = None
 
     def archive(self, fqn: str) -> bytes:
-        from ckpt_tool.formats.dcp_bytes_items import unwrapped_archive
-        from ckpt_tool.formats.torch_save_object import object_archive_of
+        from ckpt_tool.formats.containers.dcp.dcp_bytes_items import unwrapped_archive
+        from ckpt_tool.formats.containers.torch_zip.torch_save_object import object_archive_of
 
         data = None
         if fqn in self._objects:
@@ -154,6 +155,6 @@ class _Payloads:
 
     @staticmethod
     def _torch_save(value: Callable[[], Any]) -> bytes:
-        from ckpt_tool.formats.dcp_streaming import serialized
+        from ckpt_tool.formats.containers.dcp.dcp_streaming import serialized
 
         return serialized(value()).getvalue()

@@ -182,7 +182,9 @@ class RankFileScan:
                               version=None if version is None else str(version))
 
     def _zip(self, rel: str) -> Any:
-        from ckpt_tool.formats.torch_save_files import zip_storages as _zip_info
+        from ckpt_tool.formats.containers.torch_zip.torch_save_files import (
+            zip_storages as _zip_info,
+        )
 
         return _zip_info(self.root / rel)
 

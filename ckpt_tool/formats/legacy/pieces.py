@@ -49,7 +49,7 @@ def walk(obj: Any, path: tuple[Any, ...]) -> Any:
 
 def describe(v: Any) -> tuple[str, tuple[int, ...]] | None:
     """``(dtype, shape)`` of a tensor placeholder or real tensor; None for anything else."""
-    from ckpt_tool.formats.torch_stand_ins import TensorPlaceholder
+    from ckpt_tool.formats.containers.pickle.torch_stand_ins import TensorPlaceholder
 
     if isinstance(v, TensorPlaceholder):
         return str(v.dtype), tuple(int(s) for s in v.shape)
@@ -64,8 +64,8 @@ def make_piece(root: Path, tp: int, rel: str, t: Any, path: tuple[Any, ...], sto
     """A piece for tensor ``t`` (a placeholder, or a real tensor after a torch fallback) of
     rank file ``rel`` (``storages`` = its ``torch_save_files.zip_storages``); with ``flat``/``shape``:
     a ``shape`` view starting at element ``flat`` of the 1-D ``t``."""
-    from ckpt_tool.formats.torch_stand_ins import TensorPlaceholder
-    from ckpt_tool.formats.torch_save_files import placeholder_chunk
+    from ckpt_tool.formats.containers.pickle.torch_stand_ins import TensorPlaceholder
+    from ckpt_tool.formats.containers.torch_zip.torch_save_files import placeholder_chunk
 
     dtype, tshape = describe(t)  # type: ignore[misc]
     chunk = None

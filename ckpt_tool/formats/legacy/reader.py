@@ -130,13 +130,13 @@ class LegacyReader(Reader):
         if not path.is_file():
             raise CorruptCheckpointError(f"rank file {rel} is missing", path=self.root)
         if self.verify:  # torch.load does not check the CRCs: every record's first
-            from ckpt_tool.formats.archive_check import check_file
+            from ckpt_tool.formats.containers.torch_zip.archive_check import check_file
 
             check_file(path, f"rank file {rel}")
         try:
             state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
         except pickle.UnpicklingError:
-            from ckpt_tool.formats.safe_pickle import load_torch_file
+            from ckpt_tool.formats.containers.pickle.safe_pickle import load_torch_file
 
             state = load_torch_file(path, trust=self.trust, verify=False)
         except (RuntimeError, EOFError, zipfile.BadZipFile) as exc:
@@ -154,7 +154,7 @@ class LegacyReader(Reader):
     def read(self, key: str, slices: tuple[slice, ...] | None = None) -> Any:
         """The merged global tensor ``key`` (or ``slices`` of it); loads (mmap) only the rank
         files holding the requested region."""
-        from ckpt_tool.formats.dcp_items import assemble
+        from ckpt_tool.formats.containers.dcp.dcp_items import assemble
 
         meta = self._tensor_meta(key)
         sources = self._sources[key]

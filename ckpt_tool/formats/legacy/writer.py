@@ -130,7 +130,7 @@ def write_legacy_ranks(directory: Path, plan: Any, source: Any,
 
     import torch
 
-    from ckpt_tool.formats.torch_zip import torch_dtype
+    from ckpt_tool.formats.containers.torch_zip.torch_zip_read import torch_dtype
     from ckpt_tool.planning.sizes import LayerMap
 
     meta = plan.target_meta

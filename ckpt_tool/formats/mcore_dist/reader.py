@@ -168,7 +168,7 @@ class McoreDistReader(Reader):
 
     def check_common(self) -> None:
         """The CRC-32s of ``common.pt`` (or of the ``common_state`` object's item)."""
-        from ckpt_tool.formats.archive_check import check_file, check_many
+        from ckpt_tool.formats.containers.torch_zip.archive_check import check_file, check_many
 
         if not self.verify:
             return
@@ -183,7 +183,7 @@ class McoreDistReader(Reader):
         """The full common state, loaded with torch through the safe unpickler."""
         f = self.root / COMMON_FILE
         if f.is_file():
-            from ckpt_tool.formats.safe_pickle import load_torch_file
+            from ckpt_tool.formats.containers.pickle.safe_pickle import load_torch_file
 
             state = load_torch_file(f, trust=self.trust, verify=self.verify)
             return state if isinstance(state, dict) else {"value": state}
@@ -208,7 +208,8 @@ class TorchDistReader(McoreDistReader):
     format_name = "torch_dist"
 
     def _sharded(self) -> tuple[dict[str, TensorMeta], list[ObjectMeta], dict[str, Any]]:
-        from ckpt_tool.formats.dcp_metadata import dcp_tensor_metas, read_dcp_metadata_light
+        from ckpt_tool.formats.containers.dcp.dcp_metadata import (dcp_tensor_metas,
+                                                                   read_dcp_metadata_light)
 
         md = read_dcp_metadata_light(self.root, trust=self.trust)
         tensors, objects = dcp_tensor_metas(md)
@@ -229,7 +230,7 @@ class TorchDistReader(McoreDistReader):
 
     def _object_payload_light(self, obj: ObjectMeta) -> Any:
         from ckpt_tool.formats.common_state import load_torch_save_light
-        from ckpt_tool.formats.dcp_items import read_item_bytes
+        from ckpt_tool.formats.containers.dcp.dcp_items import read_item_bytes
 
         data = read_item_bytes(self.root, obj.file, obj.byte_offset, obj.byte_length,
                                verify=False)  # (metadata and validate: checked apart)
@@ -245,7 +246,7 @@ class TorchDistReader(McoreDistReader):
         """The stored bytes item of a ShardedObject when it is ``torch.save([payload])`` that
         the safe unpickler accepts without torch (what a torch_dist writer would store for
         :meth:`read_object`'s value), else None."""
-        from ckpt_tool.formats.dcp_items import read_item_bytes
+        from ckpt_tool.formats.containers.dcp.dcp_items import read_item_bytes
 
         o = self._object_meta(unique_key)
         data = read_item_bytes(self.root, o.file, o.byte_offset, o.byte_length,
@@ -260,7 +261,7 @@ class TorchDistReader(McoreDistReader):
         if not f.is_file():
             return None
         if self.verify:  # it is copied as it is: its CRCs first
-            from ckpt_tool.formats.archive_check import check_file
+            from ckpt_tool.formats.containers.torch_zip.archive_check import check_file
 
             check_file(f, COMMON_FILE)
         return f if isinstance(_light_or_none(f, self.trust, f), dict) else None
@@ -269,12 +270,12 @@ class TorchDistReader(McoreDistReader):
         """:meth:`common` without torch when ``common.pt`` holds no more of torch than dtypes
         (they come as ``torch_save_object.TorchRef``; ``torch.save`` of the result gives the
         same bytes as of :meth:`common`'s), else None."""
-        from ckpt_tool.formats.torch_save_object import load_exact
+        from ckpt_tool.formats.containers.torch_zip.torch_save_object import load_exact
 
         f = self.root / COMMON_FILE
         if f.is_file():
             if self.verify:
-                from ckpt_tool.formats.archive_check import check_file
+                from ckpt_tool.formats.containers.torch_zip.archive_check import check_file
 
                 check_file(f, COMMON_FILE)
             state = load_exact(f, trust=self.trust)
@@ -286,7 +287,7 @@ class TorchDistReader(McoreDistReader):
         return state if isinstance(state, dict) else None
 
     def _item_bytes(self, o: ObjectMeta) -> bytes:
-        from ckpt_tool.formats.dcp_items import read_item_bytes
+        from ckpt_tool.formats.containers.dcp.dcp_items import read_item_bytes
 
         return read_item_bytes(self.root, o.file, o.byte_offset, o.byte_length,
                                verify=self.verify)
@@ -295,8 +296,9 @@ class TorchDistReader(McoreDistReader):
         """``torch.save([read_object(unique_key)])``'s bytes (what a torch_dist writer
         stores for it) made without torch when its payload holds no more of torch than dtypes
         (``torch_save_object``), else None."""
-        from ckpt_tool.formats.dcp_items import read_item_bytes
-        from ckpt_tool.formats.torch_save_object import load_exact, object_item
+        from ckpt_tool.formats.containers.dcp.dcp_items import read_item_bytes
+        from ckpt_tool.formats.containers.torch_zip.torch_save_object import (load_exact,
+                                                                              object_item)
 
         o = self._object_meta(unique_key)
         data = read_item_bytes(self.root, o.file, o.byte_offset, o.byte_length,
@@ -309,13 +311,13 @@ class TorchDistReader(McoreDistReader):
 
     def stored_archives(self, chunks: Any) -> list[tuple[Path, int | None, int | None]]:
         """The items storing ``chunks`` (see :meth:`Reader.stored_archives`)."""
-        from ckpt_tool.formats.dcp_items import item_ranges
+        from ckpt_tool.formats.containers.dcp.dcp_items import item_ranges
 
         return item_ranges(self.root, chunks)
 
     def read(self, key: str, slices: tuple[slice, ...] | None = None) -> Any:
         """The global tensor ``key`` (or ``slices`` of it), assembled from its stored chunks."""
-        from ckpt_tool.formats.dcp_items import assemble, load_chunk_view
+        from ckpt_tool.formats.containers.dcp.dcp_items import assemble, load_chunk_view
 
         return assemble(self._tensor_meta(key), slices,
                         lambda c: load_chunk_view(self.root, c, trust=self.trust,
@@ -325,8 +327,8 @@ class TorchDistReader(McoreDistReader):
         """The payload of a ShardedObject (``rng_state/shard_0.0_1.2``)."""
         import io
 
-        from ckpt_tool.formats.dcp_items import read_item_bytes
-        from ckpt_tool.formats.safe_pickle import load_torch_file
+        from ckpt_tool.formats.containers.dcp.dcp_items import read_item_bytes
+        from ckpt_tool.formats.containers.pickle.safe_pickle import load_torch_file
 
         o = self._object_meta(unique_key)
         data = read_item_bytes(self.root, o.file, o.byte_offset, o.byte_length,
@@ -356,7 +358,7 @@ class ZarrReader(McoreDistReader):
 
     def read(self, key: str, slices: tuple[slice, ...] | None = None) -> Any:
         """The global tensor ``key`` (or ``slices`` of it) from its chunk files."""
-        from ckpt_tool.formats.dcp_items import assemble
+        from ckpt_tool.formats.containers.dcp.dcp_items import assemble
         from ckpt_tool.formats.mcore_dist.zarr_reader import load_zarr_chunk
 
         meta = self._tensor_meta(key)
@@ -371,7 +373,7 @@ class ZarrReader(McoreDistReader):
 
     def read_object(self, unique_key: str) -> Any:
         """The payload of a ShardedObject file (``<key>/shard_*.pt``)."""
-        from ckpt_tool.formats.safe_pickle import load_torch_file
+        from ckpt_tool.formats.containers.pickle.safe_pickle import load_torch_file
 
         o = self._object_meta(unique_key)
         return load_torch_file(self.root / str(o.file), trust=self.trust, verify=self.verify)
@@ -381,7 +383,7 @@ def _light_or_none(source: Any, trust: bool, where: Path) -> Any:
     """``load_torch_save_light`` of ``source``, or None when that needs torch or fails."""
     from ckpt_tool.errors import CkptError
     from ckpt_tool.formats.common_state import load_torch_save_light
-    from ckpt_tool.formats.torch_stand_ins import NeedsTorch
+    from ckpt_tool.formats.containers.pickle.torch_stand_ins import NeedsTorch
 
     try:
         return load_torch_save_light(source, trust=trust, where=where, torch_fallback=False)

@@ -1,7 +1,7 @@
 """Streaming writer of Megatron-Core ``torch_dist`` checkpoints.
 
 When every chunk suits our ``torch.save`` archive writer (a dtype with a plain storage class,
-under 4 GiB), the files and ``.metadata`` come from :mod:`ckpt_tool.formats.dcp_raw_save`
+under 4 GiB), the files and ``.metadata`` come from :mod:`ckpt_tool.formats.containers.dcp.dcp_torch_free_save`
 (the same bytes and an equal ``Metadata`` as DCP's save, without its protocol): in one
 process and on every rank of a torchrun job (each rank its ``__{rank}_{i}.distcp``, rank 0
 the ``.metadata``), for ``convert`` and ``reshard`` alike. ``common.pt`` is the source's file
@@ -9,11 +9,11 @@ copied when the request passes one (``WriteRequest.common_file``: a torch_dist s
 converted as is; nothing then imports torch when the objects' stored bytes items can be
 copied too), else ``torch.save``'s bytes of the common state (``reshard``: its args change),
 written without torch when it holds only plain values and dtypes
-(:mod:`ckpt_tool.formats.torch_save_object`).
+(:mod:`ckpt_tool.formats.containers.torch_zip.torch_save_object`).
 Otherwise (another dtype, or ``extra["raw_save"]`` False):
 
 ``torch.distributed.checkpoint.save`` runs in this one process (no process group) with the
-planner and file writer of :mod:`ckpt_tool.formats.dcp_streaming`: every target chunk becomes
+planner and file writer of :mod:`ckpt_tool.formats.containers.dcp.dcp_streaming`: every target chunk becomes
 exactly one DCP item, pulled from ``request.source`` when the file writer reaches it and dropped
 once written, so peak memory is about the largest chunk (times ``threads``).
 
@@ -46,7 +46,7 @@ import shutil
 from types import SimpleNamespace
 from typing import Any
 
-from ckpt_tool.formats.dcp_raw_save import (
+from ckpt_tool.formats.containers.dcp.dcp_torch_free_save import (
     is_main_rank,
     raw_path_applies,
     raw_write,
@@ -55,7 +55,7 @@ from ckpt_tool.formats.dcp_raw_save import (
 from ckpt_tool.formats.mcore_dist.config import CheckpointingConfig, save_config
 from ckpt_tool.formats.mcore_dist.forms import (COMMON_FILE, COMMON_STATE_ITEM, COMMON_STATE_KEY,
                                                 DistForm, form_of)
-from ckpt_tool.formats.torch_save_object import object_item, save_object
+from ckpt_tool.formats.containers.torch_zip.torch_save_object import object_item, save_object
 from ckpt_tool.formats.writer import WriteRequest, Writer, WriterOptions
 from ckpt_tool.model import CheckpointMeta
 
@@ -78,7 +78,7 @@ class TorchDistWriter(Writer):
         if self._write_raw(request, notes):
             return notes
 
-        from ckpt_tool.formats.dcp_streaming import (
+        from ckpt_tool.formats.containers.dcp.dcp_streaming import (
             bytes_write_item,
             run_dcp_save,
             serialized,
@@ -114,7 +114,7 @@ class TorchDistWriter(Writer):
                         common_backend=self.form.config_has_common_backend)
 
     def _write_raw(self, request: WriteRequest, notes: list[str]) -> bool:
-        """The checkpoint through ``dcp_raw_save`` (our plan, archives and ``.metadata``; on
+        """The checkpoint through ``dcp_torch_free_save`` (our plan, archives and ``.metadata``; on
         every rank of a torchrun job) when every chunk suits the raw archive writer and
         ``extra["raw_save"]`` is not False; False (nothing written) otherwise.
 
@@ -161,7 +161,7 @@ class TorchDistWriter(Writer):
 def writes_raw(meta: CheckpointMeta, options: WriterOptions, *,
                common_alone: bool = False) -> bool:
     """True when :meth:`TorchDistWriter.write` takes the raw path for the target ``meta``
-    (:func:`~ckpt_tool.formats.dcp_raw_save.raw_path_applies`); with ``common_alone``, also
+    (:func:`~ckpt_tool.formats.containers.dcp.dcp_torch_free_save.raw_path_applies`); with ``common_alone``, also
     that no object moves into ``common.pt`` (it is then the common state given, as given)."""
     if not raw_path_applies(meta, options):
         return False
@@ -200,7 +200,7 @@ def _common_with_objects(request: WriteRequest, others: list[str], notes: list[s
 
 
 def _serialized(value: Any) -> bytes:
-    from ckpt_tool.formats.dcp_streaming import serialized
+    from ckpt_tool.formats.containers.dcp.dcp_streaming import serialized
 
     return serialized(value).getvalue()
 

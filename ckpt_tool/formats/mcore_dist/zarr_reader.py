@@ -137,7 +137,7 @@ def load_zarr_chunk(root: Path, meta: TensorMeta, chunk: ChunkRef, chunk_shape: 
     """One chunk as a torch.Tensor of ``chunk.sizes`` (edge chunks are stored padded)."""
     import torch
 
-    from ckpt_tool.formats.torch_zip import torch_dtype
+    from ckpt_tool.formats.containers.torch_zip.torch_zip_read import torch_dtype
 
     dtype = torch_dtype(meta.dtype)
     if chunk.transforms:
@@ -158,7 +158,7 @@ def _load_with_tensorstore(root: Path, meta: TensorMeta, chunk: ChunkRef) -> Any
     import tensorstore as ts
     import torch
 
-    from ckpt_tool.formats.torch_zip import torch_dtype
+    from ckpt_tool.formats.containers.torch_zip.torch_zip_read import torch_dtype
 
     array_dir = root / meta.key
     arr = ts.open({"driver": "zarr", "metadata_key": ".zarray",

@@ -271,8 +271,8 @@ class SafetensorsReader(Reader):
         import numpy as np
         import torch
 
-        from ckpt_tool.formats.dcp_items import normalize_slices
-        from ckpt_tool.formats.torch_zip import torch_dtype
+        from ckpt_tool.formats.containers.dcp.dcp_items import normalize_slices
+        from ckpt_tool.formats.containers.torch_zip.torch_zip_read import torch_dtype
 
         try:
             meta = self.metadata().tensors[key]

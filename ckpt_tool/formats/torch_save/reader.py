@@ -23,7 +23,7 @@ from typing import Any
 
 from ckpt_tool.errors import CorruptCheckpointError, InputError, UnsupportedError
 from ckpt_tool.formats.base import Format, Reader, register
-from ckpt_tool.formats.torch_save_files import (
+from ckpt_tool.formats.containers.torch_zip.torch_save_files import (
     LEGACY_MAGIC,
     ZIP_MAGIC,
     flatten_state,
@@ -99,7 +99,8 @@ class TorchSaveReader(Reader):
         if self._meta is not None:
             return self._meta
         from ckpt_tool.formats.common_state import jsonable, load_torch_save_light, summarize_common
-        from ckpt_tool.formats.torch_stand_ins import TensorPlaceholder, dtype_name
+        from ckpt_tool.formats.containers.pickle.torch_stand_ins import (TensorPlaceholder,
+                                                                         dtype_name)
 
         prefix, storages, byteorder = zip_storages(self.path)  # first: clear damaged-zip errors
         state = load_torch_save_light(self.path, trust=self.trust)
@@ -134,7 +135,7 @@ class TorchSaveReader(Reader):
     def _check(self) -> None:
         """The CRC-32 of every record, before ``torch.load`` (which does not check them)."""
         if self.verify:
-            from ckpt_tool.formats.archive_check import check_file
+            from ckpt_tool.formats.containers.torch_zip.archive_check import check_file
 
             check_file(self.path)
 
@@ -148,7 +149,7 @@ class TorchSaveReader(Reader):
             try:
                 state = torch.load(self.path, map_location="cpu", mmap=True, weights_only=True)
             except pickle.UnpicklingError:
-                from ckpt_tool.formats.safe_pickle import load_torch_file
+                from ckpt_tool.formats.containers.pickle.safe_pickle import load_torch_file
 
                 state = load_torch_file(self.path, trust=self.trust, verify=False)
             except (RuntimeError, EOFError, zipfile.BadZipFile) as exc:
@@ -165,7 +166,7 @@ class TorchSaveReader(Reader):
         """The tensor ``key`` (or ``slices`` of it) as a new contiguous tensor."""
         import torch
 
-        from ckpt_tool.formats.dcp_items import normalize_slices
+        from ckpt_tool.formats.containers.dcp.dcp_items import normalize_slices
 
         tensors = self._load()
         if key not in tensors:
@@ -185,7 +186,7 @@ class TorchSaveReader(Reader):
         try:
             state = torch.load(self.path, map_location="cpu", mmap=True, weights_only=True)
         except pickle.UnpicklingError:
-            from ckpt_tool.formats.safe_pickle import load_torch_file
+            from ckpt_tool.formats.containers.pickle.safe_pickle import load_torch_file
 
             state = load_torch_file(self.path, trust=self.trust, verify=False)
         return flatten_state(state)[1]

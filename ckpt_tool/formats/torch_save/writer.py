@@ -40,7 +40,7 @@ from typing import Any
 from ckpt_tool.errors import UnsupportedError, plural
 from ckpt_tool.formats.write_pieces import (DEFAULT_MAX_MEMORY, pull_piece, slab_pieces,
                                          tensor_bytes)
-from ckpt_tool.formats.torch_save_files import zip_data_offsets
+from ckpt_tool.formats.containers.torch_zip.torch_save_files import zip_data_offsets
 from ckpt_tool.formats.write_guard import (finish_failed_writer, raise_write_failure, uninterrupted,
                                           zip_writer_name)
 from ckpt_tool.formats.writer import WriteRequest, Writer, dropped_objects_note

@@ -104,7 +104,7 @@ def _import(reader: Reader, meta: CheckpointMeta, options: Any, tp: int, pp: int
             ) -> tuple[list[Recipe], dict[str, Any], dict[str, Any]]:
     import argparse
 
-    from ckpt_tool.formats.torch_zip import torch_dtype
+    from ckpt_tool.formats.containers.torch_zip.torch_zip_read import torch_dtype
 
     config = dict(reader.common()["config"])
     config.update(load_hf_config(options.hf_config))

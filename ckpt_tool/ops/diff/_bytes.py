@@ -8,7 +8,7 @@ covers in B's unchunked tensor (and the reverse), and compares bytes:
   tensors;
 * otherwise the raw C-order elements of both: a raw chunk (safetensors, torch.save, legacy
   storages, zarr ``order: C`` without compressor), or the storage record inside a plain DCP
-  item, located in place by ``formats.torch_zip`` (optional: without it, such pieces are left
+  item, located in place by ``formats.containers.torch_zip.torch_zip_read`` (optional: without it, such pieces are left
   to the element-wise path).
 
 The byte ranges, ordered by A's file and offset, go to ``_windows.compare_all`` (bounded
@@ -70,8 +70,8 @@ def _raw_range(base: Path, t: TensorMeta, c: ChunkRef) -> tuple[Path, int, int] 
     try:
         import mmap
 
-        from ckpt_tool.formats.torch_zip import raw_item
-        from ckpt_tool.formats.zip_directory import NotSimple
+        from ckpt_tool.formats.containers.torch_zip.torch_zip_read import raw_item
+        from ckpt_tool.formats.containers.torch_zip.zip_directory import NotSimple
     except ImportError:  # the in-place reader is optional here: compare elements instead
         return None
     pad = c.byte_offset % mmap.ALLOCATIONGRANULARITY

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from ckpt_tool.formats.archive_check import check_archive, check_file
+from ckpt_tool.formats.containers.torch_zip.archive_check import check_archive, check_file
 from ckpt_tool.model import CheckpointMeta, TensorMeta, dtype_itemsize
 from ckpt_tool.ops.diff._bytes import Box, memcmp
 

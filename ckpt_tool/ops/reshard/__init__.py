@@ -23,7 +23,7 @@ from ckpt_tool.formats.save_dir import Container, SourcePlace, locate_source
 from ckpt_tool.formats.writer import WriteRequest, WriterOptions, writer_for
 from ckpt_tool.formats.legacy.writer import updated_args, write_legacy_ranks
 from ckpt_tool.formats.mcore_dist.torch_dist_writer import writes_raw
-from ckpt_tool.formats.torch_save_object import torch_free_pickle
+from ckpt_tool.formats.containers.torch_zip.torch_save_object import torch_free_pickle
 from ckpt_tool.ops._container import (check_container_target, output_container,
                                       place_container, to_validate)
 from ckpt_tool.ops._optim_unflatten import BucketLayoutHints, unflatten_bucketed_optimizer

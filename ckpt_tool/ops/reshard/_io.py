@@ -86,7 +86,7 @@ def reshard_source(reader: Reader, target: CheckpointMeta, fill: str, to: str) -
     (:class:`ckpt_tool.ops._torch_free_source.RawSource`) for a torch_dist target when every target
     tensor is a source tensor of the same dtype whose chunks are plain items and whose dtype
     our archive writer takes, and a re-padded vocabulary copies rows; else torch tensors."""
-    from ckpt_tool.formats.torch_zip_write import STORAGE_TYPES
+    from ckpt_tool.formats.containers.torch_zip.torch_zip_write import STORAGE_TYPES
     from ckpt_tool.ops._torch_free_source import RawSource, raw_source_applies
 
     src = reader.metadata().tensors

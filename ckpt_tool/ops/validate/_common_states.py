@@ -20,7 +20,7 @@ def common_state_differences(root: Path, meta: CheckpointMeta, unique_key: str,
     read (what is wrong with it is reported on its own)."""
     from ckpt_tool.errors import CkptError
     from ckpt_tool.formats.common_state import jsonable, load_torch_save_light
-    from ckpt_tool.formats.dcp_items import read_item_bytes
+    from ckpt_tool.formats.containers.dcp.dcp_items import read_item_bytes
 
     obj = next((o for o in meta.objects if o.unique_key == unique_key), None)
     if obj is None or obj.file is None:

@@ -329,9 +329,9 @@ def scan_archives(base: Path, meta: CheckpointMeta, sizes: dict[str, int | None]
 def check_loose_archives(base: Path, meta: CheckpointMeta) -> list[Finding]:
     """CRC32 findings of the ``torch.save`` files of a Megatron-Core dist checkpoint that
     :func:`scan_archives` does not see: ``common.pt`` and zarr's object files (small: each
-    checked whole, ``formats.archive_check``)."""
+    checked whole, ``formats.containers.torch_zip.archive_check``)."""
     from ckpt_tool.errors import CorruptCheckpointError
-    from ckpt_tool.formats.archive_check import check_file
+    from ckpt_tool.formats.containers.torch_zip.archive_check import check_file
 
     if meta.format not in ("torch_dist", "zarr"):
         return []

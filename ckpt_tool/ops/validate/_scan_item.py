@@ -1,7 +1,7 @@
 """The per-item path of ``validate``'s integrity pass (``_integrity_pass``) over the work units
 of ``_scan_units``.
 
-Each ``torch.save`` archive is parsed on its own by ``formats.torch_zip`` over a read-only mmap
+Each ``torch.save`` archive is parsed on its own by ``formats.containers.torch_zip.torch_zip_read`` over a read-only mmap
 (no copies): the CRC32 of every zip record checked and, with ``deep``, the NaN/Inf of its
 tensor counted on the zero-copy view, slab by slab right after the slab's CRC, small tensors in
 batches (``NonfiniteBatch``). Archives the raw parser cannot follow go through ``zipfile``
@@ -19,9 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_tool._crc import crc32
-from ckpt_tool.formats.archive_check import check_zip_item
-from ckpt_tool.formats.torch_zip import as_tensor, raw_item
-from ckpt_tool.formats.zip_directory import NotSimple, TorchRejects, ZipRecord, zip_records
+from ckpt_tool.formats.containers.torch_zip.archive_check import check_zip_item
+from ckpt_tool.formats.containers.torch_zip.torch_zip_read import as_tensor, raw_item
+from ckpt_tool.formats.containers.torch_zip.zip_directory import (NotSimple, TorchRejects,
+                                                                  ZipRecord, zip_records)
 from ckpt_tool.ops.validate._checks import (NonfiniteBatch, count_slabs, crc32_counting, error,
                                             nonfinite)
 from ckpt_tool.ops.validate._scan_units import Archive, Out, Unit

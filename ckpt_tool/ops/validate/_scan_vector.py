@@ -11,7 +11,7 @@ items:
    template (a member parsed with ``struct``) except the per-record fields (CRC, sizes, local
    header offset), which are then read column-wise;
 3. the local headers (signature, name and extra lengths): where each record's data starts;
-4. the tensor's ``data.pkl`` described once per distinct content (``torch_zip._describe``);
+4. the tensor's ``data.pkl`` described once per distinct content (``torch_zip_read._describe``);
 5. records of a few bytes that are the same in every item (format version, byte order, ...)
    compared byte for byte, one CRC32 for all; one CRC32 call for each other record;
 6. each small tensor copied, right after its record's CRC (while in cache), into a per-dtype
@@ -32,8 +32,9 @@ from typing import Any
 import numpy as np
 
 from ckpt_tool._crc import crc32
-from ckpt_tool.formats.torch_zip import RawItem, _describe
-from ckpt_tool.formats.zip_directory import NotSimple, entry_flags_problem, version_problem
+from ckpt_tool.formats.containers.torch_zip.torch_zip_read import RawItem, _describe
+from ckpt_tool.formats.containers.torch_zip.zip_directory import (NotSimple, entry_flags_problem,
+                                                                  version_problem)
 from ckpt_tool.model import DTYPE_ITEMSIZE
 from ckpt_tool.ops.validate._scan_count import (_BITS, big_tensor, crc_and_pool, crc_records,
                                                 byte_rows, describe_all)
@@ -98,7 +99,7 @@ class _Template:
 def _tensor_info(pkl: bytes, tpl: _Template) -> tuple | None:
     """``(entry, nbytes, dtype, numel, lo, hi)`` of the tensor a ``data.pkl`` rebuilds: its
     storage record (``nbytes`` long), and the bytes ``[lo, hi)`` of it that the tensor covers
-    exactly once -- when the per-item path (``torch_zip.raw_item``, ``dense_span``) would count
+    exactly once -- when the per-item path (``torch_zip_read.raw_item``, ``dense_span``) would count
     it in place; else None."""
     try:
         dtype, shape, stride, offset, key, nbytes, _ = _describe(pkl)

@@ -4,7 +4,7 @@ The checks of ``validate`` that need no tensor bytes: the checkpoint holds tenso
 tensor to be read is covered by its chunks exactly once (in bounds, no gap, no overlap) with a
 dtype ``ckpt`` knows. A source failing them is damaged: reading it would fill the gaps with
 whatever the output buffer held, or write an empty checkpoint that itself validates. The
-bytes themselves are checked as they are read (``formats.archive_check``; the item is the
+bytes themselves are checked as they are read (``formats.containers.torch_zip.archive_check``; the item is the
 ground truth for its dtype and size, ``dcp_items.assemble``, ``_torch_free_source``).
 """
 

@@ -1,6 +1,6 @@
 """``validate --deep``: PyTorch's own archive reader as the oracle.
 
-The fast checks (``formats.zip_directory``) apply every condition PyTorch's zip reader applies;
+The fast checks (``formats.containers.torch_zip.zip_directory``) apply every condition PyTorch's zip reader applies;
 ``--deep`` also asks that reader itself (``torch._C.PyTorchFileReader``, what ``torch.load``
 and so Megatron-Core and DCP open archives with; nothing is unpickled) to open every
 ``torch.save`` archive the checkpoint stores -- DCP items of tensors and objects, legacy rank
@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ckpt_tool.formats.archive_check import torch_reader_problem
+from ckpt_tool.formats.containers.torch_zip.archive_check import torch_reader_problem
 from ckpt_tool.model import CheckpointMeta
 from ckpt_tool.ops.validate._checks import Finding, error
 from ckpt_tool.storage import open_read

@@ -32,7 +32,8 @@ from functools import lru_cache
 from typing import Any
 
 from ckpt_tool.errors import UnsupportedError
-from ckpt_tool.formats.zip_directory import NotSimple, TorchRejects, ZipRecord, zip_records
+from ckpt_tool.formats.containers.torch_zip.zip_directory import (NotSimple, TorchRejects,
+                                                                  ZipRecord, zip_records)
 from ckpt_tool.model import DTYPE_ITEMSIZE
 
 __all__ = ["RawItem", "raw_item", "as_tensor", "as_byte_view", "frombuffer_u8", "torch_dtype"]
@@ -86,9 +87,10 @@ class RawItem:
 def _describe(pkl: bytes) -> tuple[str, tuple[int, ...], tuple[int, ...], int, str, int, str]:
     """``(dtype, shape, stride, storage offset, storage key, storage nbytes, storage dtype)``
     of the tensor a DCP item's ``data.pkl`` rebuilds (cached: the bytes say it all)."""
-    from ckpt_tool.formats.safe_pickle import SafeUnpickler
-    from ckpt_tool.formats.torch_stand_ins import (StoragePlaceholder, TensorPlaceholder,
-                                                torch_free_fallback)
+    from ckpt_tool.formats.containers.pickle.safe_pickle import SafeUnpickler
+    from ckpt_tool.formats.containers.pickle.torch_stand_ins import (StoragePlaceholder,
+                                                                     TensorPlaceholder,
+                                                                     torch_free_fallback)
 
     def persistent_load(pid: Any) -> Any:
         if isinstance(pid, tuple) and len(pid) >= 5 and pid[0] == "storage":

@@ -16,7 +16,7 @@ that with ``torch.save`` needs torch imported (seconds of CPU) for a file of a f
   to a name of this module, and that ``GLOBAL`` opcode is rewritten to name ``torch``
   (protocol 2 has no frames nor lengths around it, memo indices stay as they are);
 * :func:`save_object` writes the file: the archive from
-  :func:`ckpt_tool.formats.torch_zip_write.object_archive`, else ``torch.save``.
+  :func:`ckpt_tool.formats.containers.torch_zip.torch_zip_write.object_archive`, else ``torch.save``.
 
 ``tests/formats/test_torch_save_object.py`` compares the bytes with ``torch.save``'s.
 """
@@ -111,7 +111,7 @@ def load_exact(source: str | os.PathLike | bytes, *, trust: bool = False) -> Any
     torch dtypes as :class:`TorchRef`; ``None`` when it holds more of torch than dtypes, is
     no zip archive or has no ``data.pkl`` (the caller then loads it with torch, which
     reports what is wrong)."""
-    from ckpt_tool.formats.safe_pickle import SafeUnpickler
+    from ckpt_tool.formats.containers.pickle.safe_pickle import SafeUnpickler
 
     from ckpt_tool.storage import is_remote
 
@@ -204,7 +204,7 @@ def archive_prefix(path: str | os.PathLike) -> str:
 def object_archive_of(value: Any) -> bytes | None:
     """``torch.save(value)`` into a stream without torch, or ``None`` (see
     :func:`torch_free_pickle`)."""
-    from ckpt_tool.formats.torch_zip_write import object_archive
+    from ckpt_tool.formats.containers.torch_zip.torch_zip_write import object_archive
 
     pkl = torch_free_pickle(value)
     return None if pkl is None else object_archive(pkl, "archive")
@@ -218,7 +218,7 @@ def object_item(payload: Any) -> bytes | None:
 
 def save_object(obj: Any, path: str | os.PathLike) -> bool:
     """Write ``torch.save(obj, path)``'s bytes; True when it was done without torch."""
-    from ckpt_tool.formats.torch_zip_write import object_archive
+    from ckpt_tool.formats.containers.torch_zip.torch_zip_write import object_archive
 
     pkl = torch_free_pickle(obj)
     if pkl is None:

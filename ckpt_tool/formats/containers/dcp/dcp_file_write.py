@@ -1,7 +1,7 @@
 """One ``.distcp`` data file written item after item, at the speed of writing its bytes.
 
 Each tensor item is the ``torch.save`` archive of the chunk
-(:class:`ckpt_tool.formats.torch_zip_write.TensorArchive`: the same bytes, written from the
+(:class:`ckpt_tool.formats.containers.torch_zip.torch_zip_write.TensorArchive`: the same bytes, written from the
 chunk's raw buffer with two small header writes around one write of the data); a bytes item
 is its payload, as DCP stores it. Tensors the raw writer does not cover (ZIP64-sized, float8,
 ...) go through DCP's own ``_write_item`` (``torch.save``) into the same file. Only one item's
@@ -14,7 +14,7 @@ from typing import Any, Callable, Sequence
 
 from ckpt_tool._program import interrupts_deferred
 from ckpt_tool.digests import DigestedFile, digested_file
-from ckpt_tool.formats.torch_zip_write import TensorArchive, supported
+from ckpt_tool.formats.containers.torch_zip.torch_zip_write import TensorArchive, supported
 from ckpt_tool.formats.write_guard import GuardedStream
 
 __all__ = ["write_dcp_file", "raw_buffer"]

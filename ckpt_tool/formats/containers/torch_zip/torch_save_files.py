@@ -25,7 +25,7 @@ LEGACY_MAGIC = b"\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19"
 
 
 def _is_tensor(v: Any) -> bool:
-    from ckpt_tool.formats.torch_stand_ins import TensorPlaceholder
+    from ckpt_tool.formats.containers.pickle.torch_stand_ins import TensorPlaceholder
 
     if isinstance(v, TensorPlaceholder):
         return True

@@ -21,7 +21,7 @@ from typing import Any
 
 from ckpt_tool.errors import CorruptCheckpointError, InputError
 from ckpt_tool.formats.base import inside_name
-from ckpt_tool.formats.safe_pickle import safe_load
+from ckpt_tool.formats.containers.pickle.safe_pickle import safe_load
 from ckpt_tool.model import ChunkRef, ObjectMeta, TensorMeta
 from ckpt_tool.storage import as_path, open_read
 
@@ -127,7 +127,7 @@ def read_dcp_metadata_light(checkpoint_dir: str | os.PathLike, *, trust: bool = 
     dtypes come back as ``DtypeName`` strings and sizes as tuples. If the pickle needs a torch
     global that has no stand-in, this falls back to :func:`read_dcp_metadata` (imports torch).
     """
-    from ckpt_tool.formats.torch_stand_ins import NeedsTorch, torch_free_fallback
+    from ckpt_tool.formats.containers.pickle.torch_stand_ins import NeedsTorch, torch_free_fallback
 
     path = metadata_path(checkpoint_dir, rank)
     try:

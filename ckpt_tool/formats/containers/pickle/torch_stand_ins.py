@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ckpt_tool.formats.safe_pickle import StandIn, stand_in_class
+from ckpt_tool.formats.containers.pickle.safe_pickle import StandIn, stand_in_class
 
 __all__ = ["NeedsTorch", "DtypeName", "TorchSize", "TensorPlaceholder", "StoragePlaceholder",
            "TensorPropertiesStub", "MetadataIndexStub", "torch_free_fallback", "dtype_name"]
@@ -202,7 +202,7 @@ def torch_free_fallback(module: str, name: str) -> Any:
         return f"torch.{name}"
     if module == "torch" and name in _STORAGE_DTYPES:
         return DtypeName(_STORAGE_DTYPES[name])
-    from ckpt_tool.formats.safe_pickle import is_allowed
+    from ckpt_tool.formats.containers.pickle.safe_pickle import is_allowed
 
     if module in _DCP_MODULES and is_allowed(module, name):
         return stand_in_class(module, name)

@@ -408,7 +408,7 @@ _ZIP_MAGIC = b"PK\x03\x04"  # what torch.load takes for a zip archive (else a le
 
 def _check_zip(source: Any, where: Any) -> None:
     """The CRC-32 check of ``load_torch_file(verify=True)``."""
-    from ckpt_tool.formats.archive_check import check_archive, check_file
+    from ckpt_tool.formats.containers.torch_zip.archive_check import check_archive, check_file
     from ckpt_tool.storage import as_path, read_range
 
     if where is not None:

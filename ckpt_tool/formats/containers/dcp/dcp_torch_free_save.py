@@ -1,13 +1,13 @@
 """A DCP save without DCP: the ``.distcp`` files and ``.metadata`` written by us.
 
 What ``torch.distributed.checkpoint.save`` does with the streaming writers of
-:mod:`ckpt_tool.formats.dcp_streaming`, in one process or on every rank of a torchrun job
+:mod:`ckpt_tool.formats.containers.dcp.dcp_streaming`, in one process or on every rank of a torchrun job
 (each rank's local plan as the DCP path splits the items, its own ``__{rank}_{i}.distcp``
 files; rank 0 gathers what every rank wrote and writes ``.metadata``), step by step, but
 without DCP's per-item protocol nor, in one process, importing torch (seconds of CPU, most
 of a small conversion): the plan and the ``Metadata`` come from
-:mod:`ckpt_tool.formats.dcp_raw_metadata`, each tensor item is the ``torch.save`` archive of
-its chunk (:class:`ckpt_tool.formats.torch_zip_write.TensorArchive`), each bytes item its
+:mod:`ckpt_tool.formats.containers.dcp.dcp_torch_free_metadata`, each tensor item is the ``torch.save`` archive of
+its chunk (:class:`ckpt_tool.formats.containers.torch_zip.torch_zip_write.TensorArchive`), each bytes item its
 payload as given, every file fsynced, its digest computed while it is written
 (``ckpt_tool.digests``), then ``.metadata`` through ``.metadata.tmp`` + rename, as DCP does.
 The files are byte for byte what the DCP path writes; ``.metadata`` unpickles (with torch)
@@ -28,14 +28,15 @@ from typing import Any, Callable, Sequence
 
 from ckpt_tool.errors import CheckpointingException, CorruptCheckpointError
 from ckpt_tool.digests import digested_file
-from ckpt_tool.formats.dcp_raw_metadata import (
+from ckpt_tool.formats.containers.dcp.dcp_torch_free_metadata import (
     PlannedItem,
     assign_files,
     metadata_pickle,
     planned_items,
     rank_plans,
 )
-from ckpt_tool.formats.torch_zip_write import STORAGE_TYPES, TensorArchive, supported
+from ckpt_tool.formats.containers.torch_zip.torch_zip_write import (STORAGE_TYPES, TensorArchive,
+                                                                    supported)
 from ckpt_tool.formats.writer import WriteRequest, Writer, WriterOptions
 from ckpt_tool.model import CheckpointMeta, dtype_itemsize
 

@@ -40,7 +40,8 @@ from typing import Any, Callable, Iterable
 
 from ckpt_tool._crc import crc32
 from ckpt_tool.errors import CorruptCheckpointError, IntegrityError
-from ckpt_tool.formats.zip_directory import NotSimple, TorchRejects, ZipRecord, zip_records
+from ckpt_tool.formats.containers.torch_zip.zip_directory import (NotSimple, TorchRejects,
+                                                                  ZipRecord, zip_records)
 from ckpt_tool.storage import as_path, file_size, is_remote
 
 __all__ = ["check_archive", "check_item", "check_fetched", "check_range", "check_file",

@@ -5,7 +5,7 @@ holds one item at a time.
 ``torch.distributed.checkpoint.save`` runs the protocol (local plan, global plan with DCP's
 validation, ``.metadata`` written last through ``.metadata.tmp`` + rename); these classes only
 say what the items are and where their bytes come from. Each item is written by
-:mod:`ckpt_tool.formats.dcp_file_write` (the ``torch.save`` archive per item of the standard
+:mod:`ckpt_tool.formats.containers.dcp.dcp_file_write` (the ``torch.save`` archive per item of the standard
 ``.distcp`` layout, byte for byte, written from the chunk's raw buffer).
 
 Why not DCP's stock ``_write_files_from_queue``: it keeps every tensor it wrote to a file in a
@@ -43,8 +43,9 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint import FileSystemWriter
 
 from ckpt_tool.errors import CheckpointingException, CorruptCheckpointError
-from ckpt_tool.formats.dcp_raw_metadata import check_grid as _check_grid
-from ckpt_tool.formats.dcp_raw_save import file_count, is_main_rank, stored_shape_note
+from ckpt_tool.formats.containers.dcp.dcp_torch_free_metadata import check_grid as _check_grid
+from ckpt_tool.formats.containers.dcp.dcp_torch_free_save import (file_count, is_main_rank,
+                                                                  stored_shape_note)
 from ckpt_tool.formats.writer import WriteRequest, Writer
 from ckpt_tool.model import TensorMeta
 
@@ -94,7 +95,7 @@ class McoreFileSystemWriter(FileSystemWriter):
 
 def chunk_write_items(t: TensorMeta) -> List[WriteItem]:
     """One DCP SHARD item per target chunk of ``t`` (the whole tensor when it has none)."""
-    from ckpt_tool.formats.torch_zip import torch_dtype
+    from ckpt_tool.formats.containers.torch_zip.torch_zip_read import torch_dtype
 
     chunks = [(c.offsets, c.sizes) for c in t.chunks] or [((0,) * len(t.shape), t.shape)]
     if t.chunks:
@@ -231,7 +232,7 @@ class StreamingFileSystemWriter(McoreFileSystemWriter):
 
     def _write_one_file(self, planner, path: str, storage_key: str,
                         items: Sequence[WriteItem]) -> list:
-        from ckpt_tool.formats.dcp_file_write import write_dcp_file
+        from ckpt_tool.formats.containers.dcp.dcp_file_write import write_dcp_file
 
         def on_written(item: WriteItem, nbytes: int) -> None:
             with self._lock:

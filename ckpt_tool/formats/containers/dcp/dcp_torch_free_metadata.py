@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from ckpt_tool.errors import UsageError
-from ckpt_tool.formats.pickle_refs import Call, dumps, instance, ref
+from ckpt_tool.formats.containers.pickle.pickle_refs import Call, dumps, instance, ref
 from ckpt_tool.model import TensorMeta, dtype_itemsize
 from ckpt_tool.planning.overlap import grid_tiling
 

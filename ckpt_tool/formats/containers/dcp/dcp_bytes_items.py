@@ -8,7 +8,7 @@ object) as ``torch.save(value)`` in a bytes item, under the key DCP's flattening
 * :func:`unwrapped_archive` turns a Megatron-Core ShardedObject's stored
   ``torch.save([payload])`` into ``torch.save(payload)``, tensors included, at the byte level.
 
-Plain values (the common state's) are pickled by :mod:`ckpt_tool.formats.torch_save_object`.
+Plain values (the common state's) are pickled by :mod:`ckpt_tool.formats.containers.torch_zip.torch_save_object`.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def unwrapped_archive(stored: bytes) -> bytes | None:
     import pickletools
     import struct
 
-    from ckpt_tool.formats.torch_zip_write import records_archive
+    from ckpt_tool.formats.containers.torch_zip.torch_zip_write import records_archive
 
     try:
         with zipfile.ZipFile(io.BytesIO(stored)) as zf:

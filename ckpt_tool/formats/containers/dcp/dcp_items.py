@@ -2,7 +2,7 @@
 
 Each stored DCP item is an independent ``torch.save`` archive at ``[offset, offset+length)`` of
 its file; :func:`read_item_bytes` fetches that range. :func:`load_chunk` reads a tensor item in
-place (``torch_zip``: zip records parsed with ``struct``, the tiny ``data.pkl`` through the
+place (``torch_zip_read``: zip records parsed with ``struct``, the tiny ``data.pkl`` through the
 allowlist, the storage copied once into a fresh tensor) and falls back to ``torch.load`` of the
 item's bytes through the allowlist when the item is unusual. :func:`assemble` builds a (sliced)
 global tensor from a ``TensorMeta``'s chunks, for any chunk source, and undoes MCore's N-D
@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ckpt_tool.errors import CorruptCheckpointError, IntegrityError, UnsupportedError, UsageError
-from ckpt_tool.formats.torch_zip import torch_dtype
+from ckpt_tool.formats.containers.torch_zip.torch_zip_read import torch_dtype
 from ckpt_tool.model import ChunkRef, TensorMeta
 from ckpt_tool.planning.overlap import chunk_index
 from ckpt_tool.storage import is_remote, read_into
@@ -41,7 +41,7 @@ def read_item_bytes(root: Path, file: str | None, offset: int | None, length: in
             data = bytearray(length)
             del data[read_into(path, offset, data):]
             if verify and len(data) == length:
-                from ckpt_tool.formats.archive_check import check_fetched
+                from ckpt_tool.formats.containers.torch_zip.archive_check import check_fetched
 
                 check_fetched(path, offset, length, data, _where(offset, length))
             data = bytes(data)
@@ -50,7 +50,7 @@ def read_item_bytes(root: Path, file: str | None, offset: int | None, length: in
                 f.seek(offset)
                 data = f.read(length)
                 if verify and len(data) == length:
-                    from ckpt_tool.formats.archive_check import check_item
+                    from ckpt_tool.formats.containers.torch_zip.archive_check import check_item
 
                     check_item(f.fileno(), offset, length, data, _where(offset, length),
                                path=path)
@@ -77,9 +77,10 @@ def _load_chunk_raw(path: Path, offset: int, length: int, copy: bool = True,
     the raw path does not apply (missing/short file, unusual archive: the caller's fallback
     reports or handles it). ``verify``: the item's CRC-32s are checked before its bytes are
     used, over the same bytes (IntegrityError)."""
-    from ckpt_tool.formats.archive_check import check_item
-    from ckpt_tool.formats.torch_zip import as_byte_view, as_tensor, frombuffer_u8, raw_item
-    from ckpt_tool.formats.zip_directory import NotSimple
+    from ckpt_tool.formats.containers.torch_zip.archive_check import check_item
+    from ckpt_tool.formats.containers.torch_zip.torch_zip_read import (as_byte_view, as_tensor,
+                                                                       frombuffer_u8, raw_item)
+    from ckpt_tool.formats.containers.torch_zip.zip_directory import NotSimple
 
     if is_remote(path):
         return _load_chunk_fetched(path, offset, length, verify=verify)
@@ -142,9 +143,9 @@ def _load_chunk_fetched(path: Any, offset: int, length: int, *, verify: bool) ->
     GETs) into a private buffer and checked as a local item's are, the tensor a view of it
     (never shared with anything else); None when the item is short or unusual (the caller's
     fallback reports or handles it)."""
-    from ckpt_tool.formats.archive_check import check_fetched
-    from ckpt_tool.formats.torch_zip import as_tensor, raw_item
-    from ckpt_tool.formats.zip_directory import NotSimple
+    from ckpt_tool.formats.containers.torch_zip.archive_check import check_fetched
+    from ckpt_tool.formats.containers.torch_zip.torch_zip_read import as_tensor, raw_item
+    from ckpt_tool.formats.containers.torch_zip.zip_directory import NotSimple
 
     if length <= 0 or offset < 0:
         return None
@@ -197,7 +198,7 @@ def load_chunk(root: Path, chunk: ChunkRef, *, trust: bool = False, verify: bool
     copy of the data), else through ``torch.load`` of the item's bytes via the allowlist.
     ``verify``: the item's CRC-32s are checked before its bytes are used (IntegrityError).
     """
-    from ckpt_tool.formats.safe_pickle import load_torch_file
+    from ckpt_tool.formats.containers.pickle.safe_pickle import load_torch_file
 
     if chunk.transforms:
         raise UnsupportedError(f"stream transforms {list(chunk.transforms)} are not supported yet")
