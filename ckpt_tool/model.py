@@ -21,6 +21,7 @@ __all__ = [
     "TensorMeta",
     "ObjectMeta",
     "CheckpointMeta",
+    "FormatKind",
     "is_optimizer_key",
     "split_chained",
 ]
@@ -184,6 +185,63 @@ class ObjectMeta:
 
 
 @dataclass(frozen=True)
+class FormatKind:
+    """What a format's registry name says about how its checkpoints are stored, for code that
+    treats several formats alike: each of these facts is named here once, never by testing
+    format names elsewhere. ``FormatKind("zarr").megatron_dist``; a checkpoint's is
+    :attr:`CheckpointMeta.kind`."""
+
+    name: str
+
+    @property
+    def megatron_dist(self) -> bool:
+        """A Megatron-Core dist checkpoint (``torch_dist``, ``zarr``): ``metadata.json`` names
+        the backend; the common state is ``common.pt`` or the ``common_state`` object."""
+        return self.name in ("torch_dist", "zarr")
+
+    @property
+    def dcp_files(self) -> bool:
+        """Tensors and objects are items of DCP ``.distcp`` files, each a ``torch.save``
+        archive, listed by ``.metadata`` (``torch_dist``, ``dcp``)."""
+        return self.name in ("torch_dist", "dcp")
+
+    @property
+    def whole_file_archives(self) -> bool:
+        """Each data file is one ``torch.save`` archive (``legacy`` rank files, ``torch``)."""
+        return self.name in ("legacy", "torch")
+
+    @property
+    def torch_save_archives(self) -> bool:
+        """Its data are ``torch.save`` zip archives (items or whole files): CRC-checked."""
+        return self.dcp_files or self.whole_file_archives
+
+    @property
+    def zarr_arrays(self) -> bool:
+        """One zarr array directory per tensor (Megatron-Core's ``zarr`` backend)."""
+        return self.name == "zarr"
+
+    @property
+    def legacy_rank_files(self) -> bool:
+        """Megatron-LM's legacy checkpoint: one ``torch.save`` file per model-parallel rank."""
+        return self.name == "legacy"
+
+    @property
+    def plain_dcp(self) -> bool:
+        """A PyTorch DCP checkpoint that is not a (complete) Megatron-Core one."""
+        return self.name == "dcp"
+
+    @property
+    def hf_directory(self) -> bool:
+        """A Hugging Face model directory (``config.json`` + safetensors)."""
+        return self.name == "hf"
+
+    @property
+    def megatron(self) -> bool:
+        """What Megatron-LM resumes from: a Megatron-Core dist or a legacy checkpoint."""
+        return self.megatron_dist or self.legacy_rank_files
+
+
+@dataclass(frozen=True)
 class CheckpointMeta:
     """A whole checkpoint as the rest of ckpt_tool sees it.
 
@@ -200,6 +258,11 @@ class CheckpointMeta:
     common: dict[str, Any] = field(default_factory=dict)
     extras: dict[str, Any] = field(default_factory=dict)
     version: str | None = None
+
+    @property
+    def kind(self) -> FormatKind:
+        """What :attr:`format` says about how the checkpoint is stored."""
+        return FormatKind(self.format)
 
     @property
     def total_bytes(self) -> int:

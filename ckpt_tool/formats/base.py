@@ -10,6 +10,11 @@ Call order for a reader::
     common = reader.common()           # the full common state (may need torch)
     reader.close()
 
+Besides these, :class:`Reader` declares every optional capability the commands use, each with
+a default that means "this format cannot" (see its docstring): ``ops`` calls them, and never
+asks a reader what it has or which format it is (what a format's name says about its storage:
+``CheckpointMeta.kind``).
+
 Readers never modify the checkpoint. Planning (what to read) happens on ``CheckpointMeta``;
 readers only move bytes.
 """
@@ -23,7 +28,7 @@ import os
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 from ckpt_tool.errors import CorruptCheckpointError, InputError, NotACheckpointError
 from ckpt_tool.model import CheckpointMeta, ChunkRef, ObjectMeta, TensorMeta
@@ -34,12 +39,38 @@ __all__ = ["Reader", "Format", "register", "formats", "detect", "open_checkpoint
 
 
 class Reader(abc.ABC):
-    """Read access to one checkpoint. See the module docstring for the call order."""
+    """Read access to one checkpoint.
+
+    Call order (the module docstring has the core of it)::
+
+        reader = fmt.open(path, trust=...)
+        meta = reader.metadata()                 # first: every call below may rely on it
+        reader.problems                          # what metadata() read past (validate)
+        reader.objects_with_transforms()         # objects that are no plain archives (validate)
+        reader.read(key, slices) / reader.read_object(unique_key)
+        reader.read_object_torch_free(unique_key)  # pickles checked without torch (validate)
+        reader.check_stored(chunks) / reader.check_common()  # callers reading bytes themselves
+        reader.common_torch_free()               # inspect --common, without torch
+        reader.common_torch_free_exact()         # reshard: the common state re-pickled exactly
+        reader.common_file(), reader.stored_object_bytes(key)  # convert: copied as stored
+        reader.object_item_torch_free(key)       # reshard: an object's item made without torch
+        reader.common_for_target(common, layout) # reshard: the common state at the target
+        reader.objects_in_common(), reader.common()
+        reader.close()
+
+    ``sharded_metadata()`` stands in for ``metadata()`` when that fails on the common state
+    (``validate`` still checks the sharded data). Every optional capability has a default here
+    that means "not in this format" (None, ``()``, ``frozenset()``, the argument unchanged, or
+    the plain call it refines), so callers never probe a reader for it.
+    """
 
     format_name: str = ""
     #: Check every byte read against what the checkpoint records about it (zip CRC-32s)
     #: before handing it out; False only on the user's explicit request (``--no-verify``).
     verify: bool = True
+    #: What :meth:`metadata` read past without failing (a missing rank file, rank copies that
+    #: disagree), ``{"message", "key", "file"}`` each: ``validate`` reports every one.
+    problems: Sequence[dict[str, Any]] = ()
 
     def __init__(self, path: Path, *, trust: bool = False):
         self.path = as_path(path)
@@ -98,6 +129,60 @@ class Reader(abc.ABC):
         """Check the stored bytes the common state comes from (as :meth:`check_stored`), for a
         caller that takes it from the metadata's summary instead of :meth:`common` (which
         checks them itself)."""
+
+    def read_object_torch_free(self, unique_key: str) -> Any:
+        """:meth:`read_object` without importing torch where the format can (tensors as
+        placeholders, through the same allowlisting unpickler: what ``validate`` checks
+        pickles with); by default :meth:`read_object` itself."""
+        return self.read_object(unique_key)
+
+    def common_torch_free(self) -> dict[str, Any] | None:
+        """The full common state without importing torch, tensors as placeholders (for
+        showing it: ``inspect --common``); None where the format has no such loader (the
+        metadata's summary is then what there is)."""
+        return None
+
+    def common_torch_free_exact(self) -> dict[str, Any] | None:
+        """:meth:`common` without importing torch, when it holds no more of torch than dtypes
+        (these as ``torch_save_object.TorchRef``): ``torch.save`` of it gives the bytes
+        ``torch.save`` of :meth:`common` gives. None otherwise, or where the format cannot
+        tell."""
+        return None
+
+    def common_file(self) -> Path | None:
+        """The checkpoint's own ``torch.save`` file of exactly :meth:`common`, when a writer
+        of the same form may copy it as it is (its CRC-32s checked first); None otherwise."""
+        return None
+
+    def stored_object_bytes(self, unique_key: str) -> bytes | None:
+        """The stored bytes of object ``unique_key`` when a writer of the same form may copy
+        them as they are (a ``torch.save([payload])`` item that loads without torch); None
+        otherwise."""
+        return None
+
+    def object_item_torch_free(self, unique_key: str) -> bytes | None:
+        """``torch.save([read_object(unique_key)])``'s bytes (what a torch_dist writer stores
+        for the object), made without torch; None where that needs torch."""
+        return None
+
+    def objects_with_transforms(self) -> frozenset[str]:
+        """The stored objects whose bytes pass stream transforms (DCP
+        ``transform_descriptors``): no plain ``torch.save`` archives, so left out of the
+        archive checks. Known once :meth:`metadata` has run."""
+        return frozenset()
+
+    def sharded_metadata(self) -> tuple[dict[str, TensorMeta], list[ObjectMeta],
+                                        dict[str, Any]] | None:
+        """The tensors, objects and facts of the sharded data alone, without reading the
+        common state (``validate`` checks the sharded data of a checkpoint whose common state
+        is unreadable); None where the format keeps no common state apart."""
+        return None
+
+    def common_for_target(self, common: dict[str, Any], target: Any) -> dict[str, Any]:
+        """The common state to write at the ``target`` layout (``planning`` sizes), for a
+        reader whose common state holds per-layout entries (a ChainedOptimizer's, seen in
+        model space); by default ``common`` unchanged."""
+        return common
 
     def objects_in_common(self) -> frozenset[str]:
         """The stored objects (unique keys) that are pieces of :meth:`common` rather than

@@ -21,12 +21,11 @@ from typing import Any
 from ckpt_tool.errors import UsageError
 from ckpt_tool.formats.save_dir import (LATEST_FILE, NEMO_WEIGHTS, Container,
                                         iteration_dir_name, is_iteration_dir_name)
+from ckpt_tool.model import FormatKind
 
-__all__ = ["SAVE_DIR_FORMATS", "output_container", "check_container_target", "place_container",
+__all__ = ["output_container", "check_container_target", "place_container",
            "to_validate"]
 
-#: Output formats written in the source's container (legacy: always a save directory).
-SAVE_DIR_FORMATS = ("torch_dist", "zarr", "legacy")
 
 
 def output_container(source: Container, to: str, iteration: Any = None) -> Container:
@@ -37,7 +36,7 @@ def output_container(source: Container, to: str, iteration: Any = None) -> Conta
         name = source.iteration_dir or iteration_dir_name(
             "release" if iteration is None else int(iteration))
         return Container("save_dir", name)
-    if to in SAVE_DIR_FORMATS:
+    if FormatKind(to).megatron:  # what Megatron-LM resumes from: in the source's container
         return source
     return Container()
 

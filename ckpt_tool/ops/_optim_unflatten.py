@@ -58,7 +58,7 @@ def unflatten_bucketed_optimizer(reader: Reader, rules: RuleSet | None = None,
     if found.get("type") == "fully_sharded_model_space":
         return ModelSpaceDistOptimizerView(
             reader, "converted from fully_sharded_model_space (flattened, read in model space)")
-    if meta.format == "legacy" and any(o.key == "distrib_optim" for o in meta.objects) and any(
+    if meta.kind.legacy_rank_files and any(o.key == "distrib_optim" for o in meta.objects) and any(
             k.startswith(_MAIN_0_15) for k in meta.tensors):
         return ModelSpaceDistOptimizerView(
             reader, "converted from legacy distrib_optim.pt (model space per parameter)",

@@ -26,13 +26,13 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_tool.formats.save_dir import LATEST_FILE, Container, iteration_dir_name
+from ckpt_tool.model import FormatKind
 
 __all__ = ["ResumeFacts", "ResumeRecipe", "resume_recipe", "resume_for", "written_facts",
-           "MEGATRON_CKPT_FORMAT", "DIST_FORMATS", "FRAMEWORK_NAMES", "ranks_note"]
+           "MEGATRON_CKPT_FORMAT", "FRAMEWORK_NAMES", "ranks_note"]
 
 #: ``--ckpt-format`` of Megatron-LM for each format it resumes from.
 MEGATRON_CKPT_FORMAT = {"torch_dist": "torch_dist", "zarr": "torch_dist", "legacy": "torch"}
-DIST_FORMATS = _DIST = ("torch_dist", "zarr")
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ def written_facts(written: Path, target: Path, container: Container, source_form
 
     with open_checkpoint(written) as reader:
         meta = reader.metadata()
-    legacy = meta.format == "legacy"
+    legacy = meta.kind.legacy_rank_files
     # (legacy rank files keep each rank's own RNG state; a dist checkpoint's are the
     # ``rng_state/shard_*`` objects Megatron-LM asks for, not a legacy source's per-rank ones)
     rng = [o for o in meta.objects
@@ -143,7 +143,7 @@ def resume_recipe(facts: ResumeFacts) -> ResumeRecipe | None:
         notes.append("no optimizer state: Adam starts afresh and the learning-rate scheduler "
                      "from the flags (Megatron-LM loads its state with the optimizer's)")
     _sharding(facts, notes)
-    if facts.target_format == "zarr":
+    if FormatKind(facts.target_format).zarr_arrays:
         notes.append("Megatron-Core 0.16 and later cannot load zarr (0.15 and earlier, with "
                      "zarr installed, can): 'ckpt convert --to torch_dist' for them")
     return ResumeRecipe(flags, notes, _dist_line(facts))
@@ -226,7 +226,7 @@ def _sharding(facts: ResumeFacts, notes: list[str]) -> None:
 
 def _dist_line(facts: ResumeFacts) -> str | None:
     """For scripts calling ``dist_checkpointing.load`` themselves."""
-    if facts.target_format not in _DIST:
+    if not FormatKind(facts.target_format).megatron_dist:
         return None
     where = repr(str(facts.container.checkpoint_in(facts.target)))
     line = (f"d = {where}; md = dist_checkpointing.load_content_metadata(d); "

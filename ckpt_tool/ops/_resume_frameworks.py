@@ -20,7 +20,8 @@ import shlex
 from typing import Any
 
 from ckpt_tool.formats.save_dir import LATEST_FILE, NEMO_WEIGHTS
-from ckpt_tool.ops._resume import (DIST_FORMATS, ResumeFacts, ResumeRecipe, ranks_note,
+from ckpt_tool.model import FormatKind
+from ckpt_tool.ops._resume import (ResumeFacts, ResumeRecipe, ranks_note,
                                    resume_recipe)
 
 __all__ = ["recipe_for", "framework_recipe"]
@@ -35,7 +36,7 @@ def recipe_for(facts: ResumeFacts) -> ResumeRecipe | None:
     """The recipe in the words of whoever trained into the output's container: Megatron-Bridge
     or NeMo 2 for a dist checkpoint in theirs, else Megatron-LM's (None: a format it does not
     resume from)."""
-    if facts.container.framework != "megatron_lm" and facts.target_format in DIST_FORMATS:
+    if facts.container.framework != "megatron_lm" and FormatKind(facts.target_format).megatron_dist:
         return framework_recipe(facts)
     return resume_recipe(facts)
 

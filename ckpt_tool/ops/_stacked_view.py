@@ -31,14 +31,14 @@ from typing import Any
 from ckpt_tool.errors import plural
 from ckpt_tool.formats.base import Reader
 from ckpt_tool.formats.legacy.layout import LOCAL_TO_DIST_NAMES, parse_rank_dir
-from ckpt_tool.model import CheckpointMeta, ObjectMeta, TensorMeta, is_optimizer_key
+from ckpt_tool.model import (CheckpointMeta, FormatKind, ObjectMeta, TensorMeta,
+                             is_optimizer_key)
 from ckpt_tool.ops._extra_state import ExtraStates
 from ckpt_tool.planning.extra_state import LOCAL, legacy_layer_spec
 
-__all__ = ["StackedView", "stacked_view", "DIST_TARGETS"]
+__all__ = ["StackedView", "stacked_view"]
 
 #: Formats Megatron-Core loads as dist checkpoints: a legacy source is stacked for them.
-DIST_TARGETS = ("torch_dist", "zarr")
 
 _PER_LAYER = re.compile(r"^((?:.*\.)?(?:decoder|encoder)\.layers\.)(\d+)\.(.*)$")
 _LOCAL_EXPERT = re.compile(r"^(.*\.experts\.)local_experts\.(\d+)\.(.*)$")
@@ -207,6 +207,6 @@ class StackedView(Reader):
 def stacked_view(reader: Reader, target_format: str) -> StackedView | None:
     """The stacked view of a legacy ``reader`` for a dist ``target_format``; None when the
     source is not legacy or the target is not a dist format."""
-    if reader.metadata().format == "legacy" and target_format in DIST_TARGETS:
+    if reader.metadata().kind.legacy_rank_files and FormatKind(target_format).megatron_dist:
         return StackedView(reader)
     return None

@@ -35,7 +35,7 @@ _UINT = {1: "<u1", 2: "<u2", 4: "<u4", 8: "<u8"}
 def raw_source_applies(reader: Reader, key_map: dict[str, str], dtypes: dict[str, str]) -> bool:
     """True when every selected tensor can be moved as raw bytes (no cast, DCP items)."""
     meta = reader.metadata()
-    if dtypes or meta.format not in ("torch_dist", "dcp"):
+    if dtypes or not meta.kind.dcp_files:
         return False
     return all(_movable(meta.tensors[k]) for k in key_map.values())
 

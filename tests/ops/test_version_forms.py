@@ -107,7 +107,7 @@ def _both(tmp_path: Path, **changes) -> Path:
     shutil.copytree(next(MCORE019.glob("iter_*")), both)
     (both / "integrity.json").unlink()
     with open_checkpoint(both) as r:
-        common = r.common_torch_free()
+        common = r.common_torch_free_exact()
     for k, v in changes.items():
         setattr(common["args"], k, v)
     save_object(common, both / "common.pt")

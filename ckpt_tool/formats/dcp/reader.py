@@ -325,7 +325,7 @@ class DcpReader(Reader):
             exc.path = exc.path or str(self.root / str(o.file))
             raise
 
-    def read_object_light(self, unique_key: str) -> Any:
+    def read_object_torch_free(self, unique_key: str) -> Any:
         """:meth:`read_object` with tensors as placeholders, through the same allowlisting
         unpickler, without importing torch unless the pickle needs it (for validation)."""
         from ckpt_tool.formats.common_state import load_torch_save_light
@@ -334,6 +334,10 @@ class DcpReader(Reader):
         o = self._object_meta(unique_key)  # (validate checks the CRCs in its own pass)
         data = read_item_bytes(self.root, o.file, o.byte_offset, o.byte_length, verify=False)
         return load_torch_save_light(data, trust=self.trust, where=self.root / str(o.file))
+
+    def objects_with_transforms(self) -> frozenset[str]:
+        """The bytes items stored through stream transforms (read by :meth:`metadata`)."""
+        return frozenset(self._object_transforms)
 
     def check_common(self) -> None:
         """The CRC-32s of the bytes items the common state is made of."""

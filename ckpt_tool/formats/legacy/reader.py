@@ -48,7 +48,7 @@ from ckpt_tool.formats.legacy import pieces as P
 from ckpt_tool.formats.legacy.metadata import (DISTRIB_OPTIM_FILE, MODEL_FILE, RankFileScan,
                                                rank_dirs)
 from ckpt_tool.formats.save_dir import resolve_checkpoint_dir
-from ckpt_tool.model import CheckpointMeta, ChunkRef, ObjectMeta
+from ckpt_tool.model import CheckpointMeta, ChunkRef
 
 __all__ = ["LegacyReader", "LEGACY", "rank_dirs"]
 
@@ -200,7 +200,7 @@ class LegacyReader(Reader):
         """The full common state (see ``_common_state``), loaded with torch (mmap)."""
         return self._common_state(self._load_file)
 
-    def _common_light(self, objects: list[ObjectMeta]) -> dict[str, Any]:
+    def common_torch_free(self) -> dict[str, Any] | None:
         """The same as :meth:`common`, torch-free (tensors as placeholders): for
         ``ckpt inspect --common``."""
         self.metadata()

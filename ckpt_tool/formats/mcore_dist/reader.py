@@ -120,10 +120,10 @@ class McoreDistReader(Reader):
         self.config = read_backend_config(self.root)
         self._meta: CheckpointMeta | None = None
 
-    def _sharded(self) -> tuple[dict[str, TensorMeta], list[ObjectMeta], dict[str, Any]]:
+    def sharded_metadata(self) -> tuple[dict[str, TensorMeta], list[ObjectMeta], dict[str, Any]]:
         raise NotImplementedError
 
-    def _common_light(self, objects: list[ObjectMeta]) -> Any:
+    def _common_torch_free(self, objects: list[ObjectMeta]) -> Any:
         f = self.root / COMMON_FILE
         if f.is_file():
             from ckpt_tool.formats.common_state import load_torch_save_light
@@ -143,8 +143,8 @@ class McoreDistReader(Reader):
             return self._meta
         from ckpt_tool.formats.common_state import summarize_common
 
-        tensors, objects, extras = self._sharded()
-        state = self._common_light(objects)
+        tensors, objects, extras = self.sharded_metadata()
+        state = self._common_torch_free(objects)
         common = summarize_common(state) if state is not None else {}
         extras = {"sharded_backend": self.config.get("sharded_backend"),
                   "sharded_backend_version": self.config.get("sharded_backend_version"),
@@ -165,6 +165,11 @@ class McoreDistReader(Reader):
             objects=tuple(objects), common=common, extras=extras,
             version=str(self.config.get("sharded_backend_version")))
         return self._meta
+
+    def common_torch_free(self) -> dict[str, Any] | None:
+        """``common.pt`` (or the ``common_state`` object) loaded without torch, tensors as
+        placeholders."""
+        return self._common_torch_free(list(self.metadata().objects))
 
     def check_common(self) -> None:
         """The CRC-32s of ``common.pt`` (or of the ``common_state`` object's item)."""
@@ -207,7 +212,7 @@ class TorchDistReader(McoreDistReader):
 
     format_name = "torch_dist"
 
-    def _sharded(self) -> tuple[dict[str, TensorMeta], list[ObjectMeta], dict[str, Any]]:
+    def sharded_metadata(self) -> tuple[dict[str, TensorMeta], list[ObjectMeta], dict[str, Any]]:
         from ckpt_tool.formats.containers.dcp.dcp_metadata import (dcp_tensor_metas,
                                                                    read_dcp_metadata_light)
 
@@ -237,7 +242,7 @@ class TorchDistReader(McoreDistReader):
         payload = load_torch_save_light(data, trust=self.trust, where=self.root / str(obj.file))
         return payload[0] if isinstance(payload, list) and len(payload) == 1 else payload
 
-    def read_object_light(self, unique_key: str) -> Any:
+    def read_object_torch_free(self, unique_key: str) -> Any:
         """:meth:`read_object` with tensors as placeholders: through the same allowlisting
         unpickler, without importing torch unless the pickle needs it (for validation)."""
         return self._object_payload_light(self._object_meta(unique_key))
@@ -266,7 +271,7 @@ class TorchDistReader(McoreDistReader):
             check_file(f, COMMON_FILE)
         return f if isinstance(_light_or_none(f, self.trust, f), dict) else None
 
-    def common_torch_free(self) -> dict[str, Any] | None:
+    def common_torch_free_exact(self) -> dict[str, Any] | None:
         """:meth:`common` without torch when ``common.pt`` holds no more of torch than dtypes
         (they come as ``torch_save_object.TorchRef``; ``torch.save`` of the result gives the
         same bytes as of :meth:`common`'s), else None."""
@@ -343,7 +348,7 @@ class ZarrReader(McoreDistReader):
 
     format_name = "zarr"
 
-    def _sharded(self) -> tuple[dict[str, TensorMeta], list[ObjectMeta], dict[str, Any]]:
+    def sharded_metadata(self) -> tuple[dict[str, TensorMeta], list[ObjectMeta], dict[str, Any]]:
         from ckpt_tool.formats.mcore_dist.zarr_reader import scan_zarr_dir
 
         tensors, objects = scan_zarr_dir(self.root)

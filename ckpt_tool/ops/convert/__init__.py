@@ -23,7 +23,7 @@ from ckpt_tool.errors import UsageError
 from ckpt_tool.formats.base import open_checkpoint
 from ckpt_tool.formats.save_dir import Container, SourcePlace, locate_source
 from ckpt_tool.formats.writer import WriteRequest, WriterOptions, writer_for
-from ckpt_tool.model import is_optimizer_key
+from ckpt_tool.model import FormatKind, is_optimizer_key
 from ckpt_tool.ops._container import (check_container_target, output_container,
                                       place_container, to_validate)
 from ckpt_tool.ops.convert._plan import (TARGETS, ConvertOptions, ConvertPlan, parse_rename,
@@ -219,8 +219,9 @@ def convert(src: str | Path | SourcePlace, dst: str | Path, options: ConvertOpti
 def _with_resume_of_import(done: ConvertResult) -> ConvertResult:
     """An HF directory imported as a Megatron checkpoint, with its recipe (read from the
     output by rank 0, which prints it: the other ranks may not see the renamed output yet)."""
-    if done.format not in ("torch_dist", "legacy") or not current_ranks().is_main \
-            or (is_remote(done.target) and done.format == "legacy"):  # (not read from there)
+    kind = FormatKind(done.format)  # (torch_dist, legacy or hf: what an HF conversion writes)
+    if not kind.megatron or not current_ranks().is_main \
+            or (is_remote(done.target) and kind.legacy_rank_files):  # (not read from there)
         return done
     place = locate_source(done.target)
     return dataclasses.replace(done, container=place.container, resume=resume_for(
@@ -241,7 +242,7 @@ def _scalar_summary(summary: dict[str, Any]) -> dict[str, Any]:
 def _passthrough(reader: Any, plan: ConvertPlan) -> dict[str, Any]:
     """``WriteRequest`` pass-through fields for a source that keeps its common state and
     objects in torch_dist's own form (``{}`` when it does not)."""
-    common_file = getattr(reader, "common_file", lambda: None)()
+    common_file = reader.common_file()
     if common_file is None or plan.dropped_common:
         return {}
     stored = reader.stored_object_bytes

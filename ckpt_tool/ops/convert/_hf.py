@@ -27,7 +27,7 @@ from typing import Any
 from ckpt_tool.errors import UsageError
 from ckpt_tool.formats.base import Reader, open_checkpoint
 from ckpt_tool.formats.writer import WriteRequest, WriterOptions, writer_for
-from ckpt_tool.model import CheckpointMeta, ChunkRef, TensorMeta
+from ckpt_tool.model import CheckpointMeta, ChunkRef, FormatKind, TensorMeta
 from ckpt_tool.ops._extra_state import ExtraStates
 from ckpt_tool.ops._hf_source import HfSource
 from ckpt_tool.ops.validate import UNVERIFIED_NOTE, check_source
@@ -45,12 +45,11 @@ from ckpt_tool.storage import as_path
 
 __all__ = ["convert_hf", "is_hf_conversion", "load_hf_config"]
 
-_MEGATRON_SOURCES = ("torch_dist", "zarr", "legacy")
-
 
 def is_hf_conversion(source_format: str, to: str) -> bool:
     """True when ``convert`` goes through the architecture rules."""
-    return to == "hf" or (source_format == "hf" and to in ("torch_dist", "legacy"))
+    return to == "hf" or (FormatKind(source_format).hf_directory
+                          and to in ("torch_dist", "legacy"))
 
 
 def load_hf_config(path: str | Path | None) -> dict[str, Any]:
@@ -64,7 +63,7 @@ def load_hf_config(path: str | Path | None) -> dict[str, Any]:
 
 def _export(reader: Reader, meta: CheckpointMeta, options: Any
             ) -> tuple[list[Recipe], dict[str, Any], dict[str, Any]]:
-    if meta.format not in _MEGATRON_SOURCES:
+    if not meta.kind.megatron:
         raise UsageError(f"--to hf reads Megatron-Core or Megatron-LM checkpoints, not "
                          f"{meta.format}", hint="convert it to torch_dist first")
     base = load_hf_config(options.hf_config)

@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Protocol
 
 from ckpt_tool.errors import UsageError, plural
+from ckpt_tool.model import FormatKind
 from ckpt_tool.ops.manifest_checks import check_source_manifest
 from ckpt_tool.parallel import ranks as current_ranks
 from ckpt_tool.parallel import split_by_bytes
@@ -146,7 +147,7 @@ class DiffResult:
 
     def named(self, key: str) -> str:
         """``key`` with the Megatron tensor it was mapped from (HF vs Megatron diffs)."""
-        side = "A" if self.format_b == "hf" else "B"
+        side = "A" if FormatKind(self.format_b).hf_directory else "B"
         return f"{key} ({side}: {self.origins[key]})" if key in self.origins else key
 
 

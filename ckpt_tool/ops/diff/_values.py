@@ -263,7 +263,7 @@ def same_common_file(ma: CheckpointMeta, mb: CheckpointMeta) -> bool:
     """Both sides are MCore dist checkpoints whose ``common.pt`` files are byte-identical (then
     loading them, which needs torch, is not needed to know the common states are equal) and
     intact (their CRC-32s: IntegrityError when not)."""
-    if {ma.format, mb.format} - {"torch_dist", "zarr"}:
+    if not (ma.kind.megatron_dist and mb.kind.megatron_dist):
         return False
     fa, fb = Path(ma.root) / "common.pt", Path(mb.root) / "common.pt"
     try:

@@ -86,14 +86,11 @@ def _full_common(reader: Any, meta: CheckpointMeta) -> dict[str, Any]:
     """Every field of the common state, JSON-safe. Uses the reader's torch-free light loader
     where it has one (Megatron-Core dist: ``common.pt`` with tensors as placeholders), else the
     summary already in the metadata."""
-    light = getattr(reader, "_common_light", None)
-    if light is None:
+    state = reader.common_torch_free()
+    if state is None:
         return dict(meta.common)
     from ckpt_tool.formats.common_state import jsonable
 
-    state = light(list(meta.objects))
-    if state is None:
-        return dict(meta.common)
     out = jsonable(state)
     return out if isinstance(out, dict) else {"value": out}
 

@@ -123,7 +123,7 @@ def reshard(src: str | Path | SourcePlace, dst: str | Path | None, req: ReshardR
     if verify_source:
         check_source_manifest(as_path(place.given), as_path(base.metadata().root), r)
     src_format = base.metadata().format
-    to = req.to or ("legacy" if src_format == "legacy" else "torch_dist")
+    to = req.to or ("legacy" if base.metadata().kind.legacy_rank_files else "torch_dist")
     if to not in ("torch_dist", "legacy"):
         raise UsageError(f"reshard writes torch_dist or legacy, not {to!r}",
                          hint="reshard, then 'ckpt convert' the result")
@@ -198,7 +198,7 @@ def reshard(src: str | Path | SourcePlace, dst: str | Path | None, req: ReshardR
                 request = WriteRequest(
                     meta=target, source=source, common=new_common,
                     objects=lambda unique_key: reader.read_object(unique_key),
-                    raw_object=getattr(reader, "object_item_torch_free", lambda key: None),
+                    raw_object=reader.object_item_torch_free,
                     progress=on_bytes, ranks=r if r.world > 1 else None,
                     source_description=f"ckpt reshard of {meta.root}")
                 where = place_container(staging, container, r)
@@ -236,8 +236,7 @@ def _source_common(reader: Any) -> tuple[dict[str, Any], bool]:
     can: a torch_dist ``common.pt`` holding plain values and dtypes, these as ``TorchRef``;
     used for planning, and written without torch when the target's writer can, else loaded
     again with torch)."""
-    light = getattr(reader, "common_torch_free", None)
-    common = light() if light is not None else None
+    common = reader.common_torch_free_exact()
     return (reader.common(), False) if common is None else (common, True)
 
 
@@ -249,9 +248,7 @@ def _new_common(reader: Any, common: dict[str, Any], plan: Any, layout: Any) -> 
     if common.get("args") is not None:
         new_common["args"] = updated_args(common.get("args"),
                                           {**plan.args_updates, **_world_size(common, layout)})
-    if hasattr(reader, "common_for_target"):  # a ChainedOptimizer's entries at the target
-        new_common = reader.common_for_target(new_common, layout)
-    return new_common
+    return reader.common_for_target(new_common, layout)  # (a ChainedOptimizer's entries)
 
 
 def _norm_names(req: ReshardRequest, common: dict[str, Any]) -> tuple[bool, str]:

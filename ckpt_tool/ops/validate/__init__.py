@@ -32,7 +32,7 @@ from __future__ import annotations
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 from ckpt_tool.errors import CorruptCheckpointError, InputError, UnsafePickleError
 from ckpt_tool.model import CheckpointMeta
@@ -48,11 +48,11 @@ from ckpt_tool.ops.validate._torch_reader import torch_reader_findings
 from ckpt_tool.ops.validate._items import check_object_pickles, check_overlaps
 from ckpt_tool.ops.validate._source_checks import UNVERIFIED_NOTE, check_source
 
+if TYPE_CHECKING:
+    from ckpt_tool.formats.base import Reader
+
 __all__ = ["Finding", "ValidateResult", "validate", "read_expected_keys", "check_source",
            "UNVERIFIED_NOTE"]
-
-_DCP_FORMATS = ("torch_dist", "dcp")
-_ARCHIVE_FORMATS = (*_DCP_FORMATS, "legacy", "torch")  # torch.save zips: CRC-checked
 
 
 @dataclass(frozen=True)
@@ -187,18 +187,17 @@ def validate(path: str | Path, *, trust: bool = False, deep: bool = False,
             findings.extend(check_coverage(meta.tensors[key]))
         findings.extend(check_meta_against_files(base, meta))
         findings.extend(_check_completion(meta) + _check_common_state(base, meta, trust))
-        if meta.format == "legacy":
-            findings.extend(_legacy_rank_findings(reader))
+        findings.extend(_read_past(reader))
         counted: dict[str, tuple[int, int]] = {}
         # (on an object store the bytes are fetched only with ``deep``: without it, validate
         # reads metadata alone)
-        if meta.format in _ARCHIVE_FORMATS and (deep or not is_remote(base)):
-            skip = set(getattr(reader, "_object_transforms", {}) or {})
+        if meta.kind.torch_save_archives and (deep or not is_remote(base)):
+            skip = set(reader.objects_with_transforms())
             crc_findings, counted = scan_archives(base, meta, sizes, stats, skip, deep=deep,
                                                   ranks=ranks, progress=progress)
             findings.extend(crc_findings)
         findings.extend(check_loose_archives(base, meta))
-        if meta.format in _DCP_FORMATS:
+        if meta.kind.dcp_files:
             findings.extend(_stale_data_files(base, meta))
         findings.extend(manifest_findings(p, root_path, deep=deep, stats=stats))
         if base.is_dir() and root_path.is_dir():
@@ -212,7 +211,7 @@ def validate(path: str | Path, *, trust: bool = False, deep: bool = False,
         if deep or not is_remote(base):  # (object items are data, like the CRCs)
             findings.extend(check_object_pickles(reader, meta, findings, deep=deep,
                                                  trust=trust, stats=stats))
-        if deep and meta.format in _ARCHIVE_FORMATS + ("zarr",):
+        if deep and (meta.kind.torch_save_archives or meta.kind.zarr_arrays):
             findings.extend(torch_reader_findings(base, meta, findings, stats))
         if deep:
             findings.extend(deep_read(reader, meta, findings, stats, counted, nonfinite,
@@ -315,7 +314,7 @@ def _check_completion(meta: CheckpointMeta) -> list[Finding]:
     """DCP data that is a Megatron-Core dist checkpoint (its ``common.pt``, ``MCoreMetadata``
     or 0.19's ``common_state`` object: the DCP reader's ``megatron_core_save``) without the
     ``metadata.json`` that every Megatron-Core version writes last to mark it complete."""
-    signs = meta.extras.get("megatron_core_save") if meta.format == "dcp" else None
+    signs = meta.extras.get("megatron_core_save") if meta.kind.plain_dcp else None
     if not signs:
         return []
     return [error(f"not a complete checkpoint: a Megatron-Core save ({signs}) without "
@@ -330,24 +329,23 @@ def _sharded_only(fmt: Any, root: Path, trust: bool) -> tuple[Any, CheckpointMet
         reader = fmt.open(root, trust=trust)
     except InputError:
         return None, None
-    sharded = getattr(reader, "_sharded", None)
+    try:
+        sharded = reader.sharded_metadata()
+    except Exception:  # noqa: BLE001 - anything else wrong was reported already
+        sharded = None
     if sharded is None:
         reader.close()
         return None, None
-    try:
-        tensors, objects, extras = sharded()
-    except Exception:  # noqa: BLE001 - anything else wrong was reported already
-        reader.close()
-        return None, None
+    tensors, objects, extras = sharded
     return reader, CheckpointMeta(format=fmt.name, root=str(reader.root), tensors=tensors,
                                   objects=tuple(objects), extras=extras)
 
 
-def _legacy_rank_findings(reader: Any) -> list[Finding]:
-    """Megatron-LM legacy: every ``mp_rank_*`` file for TP x PP (x EP) present, replicated
-    tensors agree across TP ranks (``reader.problems``, collected with the metadata)."""
+def _read_past(reader: Reader) -> list[Finding]:
+    """What the reader's metadata read past (``Reader.problems``; Megatron-LM legacy: every
+    ``mp_rank_*`` file for TP x PP (x EP) present, replicated tensors agree across TP ranks)."""
     return [error(p["message"], key=p.get("key"), file=p.get("file"))
-            for p in getattr(reader, "problems", ())]
+            for p in reader.problems]
 
 
 def _check_common_state(root: Path, meta: CheckpointMeta, trust: bool) -> list[Finding]:

@@ -43,7 +43,6 @@ from ckpt_tool.storage import read_range
 
 __all__ = ["scan_archives", "check_loose_archives"]
 
-_WHOLE_FILE_FORMATS = ("legacy", "torch")  # whole files that are torch.save zips
 _SLAB = 4 << 20  # CRC and NaN/Inf counting alternate on slabs this big
 _SMALL = 256 << 10  # smaller tensors are counted in batches
 _UNIT_BYTES = 64 << 20  # a big file's items are split into runs of about this many bytes
@@ -60,7 +59,7 @@ def _plan(base: Path, meta: CheckpointMeta, sizes: dict[str, int | None],
           skip_objects: set[str], deep: bool) -> list[Unit]:
     """The work, file by file in name order: a DCP file's items (runs of about
     ``_UNIT_BYTES`` of a big file), or a whole-file archive (a big one's records in runs)."""
-    if meta.format in _WHOLE_FILE_FORMATS:
+    if meta.kind.whole_file_archives:
         return plan_files(base, meta, sizes, deep, _UNIT_BYTES)
     return plan_items(meta, sizes, skip_objects, deep, _UNIT_BYTES)
 
@@ -333,10 +332,10 @@ def check_loose_archives(base: Path, meta: CheckpointMeta) -> list[Finding]:
     from ckpt_tool.errors import CorruptCheckpointError
     from ckpt_tool.formats.containers.torch_zip.archive_check import check_file
 
-    if meta.format not in ("torch_dist", "zarr"):
+    if not meta.kind.megatron_dist:
         return []
     names = ["common.pt"] if (base / "common.pt").is_file() else []
-    if meta.format == "zarr":
+    if meta.kind.zarr_arrays:
         names += sorted({o.file for o in meta.objects if o.file})
     out = []
     for name in names:

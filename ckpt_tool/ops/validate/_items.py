@@ -25,21 +25,20 @@ from ckpt_tool.ops.validate._checks import Finding, error
 __all__ = ["check_object_pickles", "check_overlaps"]
 
 _SMALL_BYTES = 64 << 20
-_FORMATS = ("torch_dist", "zarr", "dcp")
 
 
 def check_object_pickles(reader: Any, meta: CheckpointMeta, so_far: list[Finding], *,
                          deep: bool, trust: bool, stats: dict[str, int]) -> list[Finding]:
     """Error findings for objects whose pickle the allowlist refuses (skipped with ``trust``:
     the caller opted into running them; objects already reported broken are not reread)."""
-    if trust or meta.format not in _FORMATS or not hasattr(reader, "read_object"):
+    if trust or not (meta.kind.megatron_dist or meta.kind.dcp_files):
         return []
     broken = {(f.key, f.file) for f in so_far if f.severity == "error"}
     broken_files = {f.file for f in so_far if f.severity == "error" and f.key is None}
     out: list[Finding] = []
     checked = 0
     # torch-free where the reader can (tensors as placeholders: the allowlist is the same)
-    load = getattr(reader, "read_object_light", None) or reader.read_object
+    load = reader.read_object_torch_free
     for o in meta.objects:
         if (o.unique_key, o.file) in broken or (o.key, o.file) in broken \
                 or o.file in broken_files:
@@ -57,7 +56,7 @@ def check_object_pickles(reader: Any, meta: CheckpointMeta, so_far: list[Finding
             if elsewhere is not None and os.path.basename(str(elsewhere)) != \
                     os.path.basename(o.file or ""):
                 continue  # another file's damage (a broken common.pt), reported on its own
-            if meta.format != "dcp":  # (DCP bytes items may be raw BytesIO: not pickles)
+            if not meta.kind.plain_dcp:  # (DCP bytes items may be raw BytesIO: not pickles)
                 out.append(error(f"object {o.unique_key}: unreadable: {exc.message}",
                                  key=o.unique_key, file=o.file))
         except Exception:  # noqa: BLE001 - damage is the integrity pass's to report
@@ -68,7 +67,7 @@ def check_object_pickles(reader: Any, meta: CheckpointMeta, so_far: list[Finding
 
 def check_overlaps(meta: CheckpointMeta) -> list[Finding]:
     """Overlapping byte ranges of items in one file (one finding per file; DCP formats)."""
-    if meta.format not in ("torch_dist", "dcp"):
+    if not meta.kind.dcp_files:
         return []
     by_file: dict[str, list[tuple[int, int, str]]] = {}
     for key, t in meta.tensors.items():

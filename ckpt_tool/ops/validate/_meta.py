@@ -29,7 +29,7 @@ __all__ = ["check_meta_against_files", "check_common_state"]
 def check_meta_against_files(root: Path, meta: CheckpointMeta) -> list[Finding]:
     """Error findings of the metadata contradicted by the files (see the module doc)."""
     out: list[Finding] = []
-    if meta.format == "zarr" and root.is_dir() and (
+    if meta.kind.zarr_arrays and root.is_dir() and (
             (root / ".metadata").is_file() or any(root.glob("*.distcp"))):
         out.append(error("metadata.json names the zarr backend, but the directory holds "
                          "torch_dist data (.metadata, *.distcp): metadata.json is damaged",
@@ -37,7 +37,7 @@ def check_meta_against_files(root: Path, meta: CheckpointMeta) -> list[Finding]:
     if not meta.tensors:
         out.append(error(f"no tensors: nothing a loader could restore (read as "
                          f"{meta.format})"))
-    if meta.format == "zarr":
+    if meta.kind.zarr_arrays:
         out += _zarr_dtypes(meta)
     return out
 
@@ -58,7 +58,7 @@ def _zarr_dtypes(meta: CheckpointMeta) -> list[Finding]:
 def check_common_state(root: Path, meta: CheckpointMeta) -> list[Finding]:
     """Megatron-Core dist checkpoints keep their common state in ``common.pt`` (or, newest
     MCore, in the ``common_state`` object): without either, MCore cannot load them."""
-    if meta.format not in ("torch_dist", "zarr"):
+    if not meta.kind.megatron_dist:
         return []
     if (root / "common.pt").is_file() or meta.extras.get("common_object"):
         return []

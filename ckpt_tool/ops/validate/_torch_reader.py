@@ -21,8 +21,6 @@ from ckpt_tool.storage import open_read
 
 __all__ = ["torch_reader_findings"]
 
-_ITEM_FORMATS = ("torch_dist", "dcp")  # archives are items inside data files
-_WHOLE_FILE_FORMATS = ("legacy", "torch")  # data files are archives
 _ITEM_LAYOUTS = ("torch_save", "flat")
 
 
@@ -30,7 +28,7 @@ def _archives(base: Path, meta: CheckpointMeta) -> list[tuple[str, int | None, i
                                                             str | None, str]]:
     """``(file, offset, length, key, what)`` of every archive (offset None: a whole file)."""
     out: list[tuple[str, int | None, int | None, str | None, str]] = []
-    whole = meta.format in _WHOLE_FILE_FORMATS
+    whole = meta.kind.whole_file_archives  # (else archives are items inside data files)
     for key in sorted(meta.tensors):
         for c in meta.tensors[key].chunks:
             if not c.file or c.transforms:
@@ -43,11 +41,11 @@ def _archives(base: Path, meta: CheckpointMeta) -> list[tuple[str, int | None, i
     for o in meta.objects:
         if not o.file:
             continue
-        if meta.format in _ITEM_FORMATS and o.byte_offset is not None and o.byte_length:
+        if meta.kind.dcp_files and o.byte_offset is not None and o.byte_length:
             out.append((o.file, o.byte_offset, o.byte_length, o.unique_key, "object"))
         elif whole or o.file.endswith(".pt"):
             out.append((o.file, None, None, None, "file"))
-    if meta.format in ("torch_dist", "zarr") and (base / "common.pt").is_file():
+    if meta.kind.megatron_dist and (base / "common.pt").is_file():
         out.append(("common.pt", None, None, None, "file"))
     seen: set[tuple[str, int | None]] = set()
     unique = []
