@@ -27,7 +27,7 @@ PHASES = [
     ("ckpt_tool.formats.mcore_dist.reader", "TorchDistReader._sharded", "read .metadata"),
     ("ckpt_tool.ops.convert._plan", "plan_convert", "plan (convert)"),
     ("ckpt_tool.planning.reshard", "plan_reshard", "plan (reshard)"),
-    ("ckpt_tool.formats.containers.dcp.dcp_torch_free_save", "raw_dcp_save", "write data files + .metadata"),
+    ("ckpt_tool.formats.containers.dcp.dcp_torch_free_save", "torch_free_dcp_save", "write data files + .metadata"),
     ("ckpt_tool.formats.containers.dcp.dcp_torch_free_save", "_write_metadata", "  .metadata pickle"),
     ("ckpt_tool.formats.safetensors.writer", "SafetensorsWriter.write", "write safetensors"),
     ("ckpt_tool.ops._output_staging", "verify_output", "verify the output"),

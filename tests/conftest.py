@@ -24,17 +24,17 @@ def pytest_collection_modifyitems(config, items) -> None:
 
 @pytest.fixture
 def raw_saves(monkeypatch) -> list[str]:
-    """The directories written through the raw DCP path (``dcp_torch_free_save.raw_dcp_save``, the one
+    """The directories written through the raw DCP path (``dcp_torch_free_save.torch_free_dcp_save``, the one
     call both DCP-format writers reach) during the test, in order: a test asserts that a run
     did not fall back to DCP's save silently."""
     from ckpt_tool.formats.containers.dcp import dcp_torch_free_save as dcp_raw_save
 
     seen: list[str] = []
-    real = dcp_raw_save.raw_dcp_save
+    real = dcp_raw_save.torch_free_dcp_save
 
     def spy(directory, *args, **kwargs):
         seen.append(str(directory))
         return real(directory, *args, **kwargs)
 
-    monkeypatch.setattr(dcp_raw_save, "raw_dcp_save", spy)
+    monkeypatch.setattr(dcp_raw_save, "torch_free_dcp_save", spy)
     return seen

@@ -18,8 +18,8 @@ from _builders import write_mcore_dist  # noqa: E402
 from ckpt_tool.cli.app import app  # noqa: E402
 from ckpt_tool.errors import UnsafePickleError  # noqa: E402
 from ckpt_tool.formats import open_checkpoint  # noqa: E402
-from ckpt_tool.formats.common_state import load_torch_save_light  # noqa: E402
-from ckpt_tool.formats.containers.dcp.dcp_metadata import read_dcp_metadata, read_dcp_metadata_light  # noqa: E402
+from ckpt_tool.formats.common_state import load_torch_free  # noqa: E402
+from ckpt_tool.formats.containers.dcp.dcp_metadata import read_dcp_metadata, read_dcp_metadata_torch_free  # noqa: E402
 from ckpt_tool.formats.containers.pickle.safe_pickle import load_torch_file, safe_loads  # noqa: E402
 
 runner = CliRunner()
@@ -63,7 +63,7 @@ def _expected_global(name: str) -> str:
 def test_evil_metadata_never_runs(ckpt, tmp_path, name):
     marker = tmp_path / "pwned"
     (ckpt / ".metadata").write_bytes(pickle.dumps({"x": [_payloads(marker)[name]]}))
-    for read in (read_dcp_metadata, read_dcp_metadata_light):
+    for read in (read_dcp_metadata, read_dcp_metadata_torch_free):
         with pytest.raises(UnsafePickleError, match=_expected_global(name)):
             read(ckpt)
     for args in (["inspect", str(ckpt)], ["inspect", str(ckpt), "--json"]):
@@ -77,7 +77,7 @@ def test_evil_metadata_never_runs(ckpt, tmp_path, name):
 def test_evil_common_pt_never_runs(ckpt, tmp_path, name):
     marker = tmp_path / "pwned"
     torch.save({"iteration": 1, "args": _payloads(marker)[name]}, ckpt / "common.pt")
-    for load in (load_torch_file, load_torch_save_light):
+    for load in (load_torch_file, load_torch_free):
         with pytest.raises(UnsafePickleError, match=_expected_global(name)):
             load(ckpt / "common.pt")
     with pytest.raises(UnsafePickleError):

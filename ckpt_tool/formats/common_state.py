@@ -1,6 +1,6 @@
 """The common state (``common.pt``) without torch, and its JSON-safe summary for ``inspect``.
 
-A ``torch.save`` zip holds ``<archive>/data.pkl`` plus raw storages. :func:`load_torch_save_light`
+A ``torch.save`` zip holds ``<archive>/data.pkl`` plus raw storages. :func:`load_torch_free`
 unpickles only ``data.pkl`` through the allowlist, with tensors turned into
 ``TensorPlaceholder`` objects (dtype and shape, no bytes read). :func:`summarize_common` picks
 what people look for (iteration, parallel and model sizes, content metadata) and
@@ -21,7 +21,7 @@ from ckpt_tool.errors import CorruptCheckpointError, InputError
 from ckpt_tool.formats.containers.pickle.safe_pickle import StandIn, safe_load
 from ckpt_tool.storage import as_path, is_remote
 
-__all__ = ["load_torch_save_light", "summarize_common", "jsonable", "PARALLEL_ARGS",
+__all__ = ["load_torch_free", "summarize_common", "jsonable", "PARALLEL_ARGS",
            "MODEL_ARGS"]
 
 PARALLEL_ARGS = {
@@ -39,7 +39,7 @@ MODEL_ARGS = (
 )
 
 
-def load_torch_save_light(source: str | os.PathLike | bytes, *, trust: bool = False,
+def load_torch_free(source: str | os.PathLike | bytes, *, trust: bool = False,
                           where: str | os.PathLike | None = None,
                           torch_fallback: bool = True) -> Any:
     """The object a ``torch.save`` zip holds, tensors as placeholders; never imports torch.
@@ -105,7 +105,7 @@ def _load_with_torch(source: Any, trust: bool, where: Any) -> Any:
     from ckpt_tool.formats.containers.pickle.safe_pickle import load_torch_file
 
     if isinstance(source, (bytes, bytearray)):
-        try:  # (light loads are for metadata: validate checks the CRCs on its own)
+        try:  # (torch-free loads are for metadata: validate checks the CRCs on its own)
             return load_torch_file(io.BytesIO(source), trust=trust, map_location="cpu",
                                    verify=False)
         except CorruptCheckpointError as exc:

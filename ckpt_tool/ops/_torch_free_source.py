@@ -27,12 +27,12 @@ from ckpt_tool.ops._mapped_ranges import Fetched
 from ckpt_tool.planning.overlap import chunk_index
 from ckpt_tool.storage import as_path, is_remote, read_into
 
-__all__ = ["RawSource", "raw_source_applies"]
+__all__ = ["TorchFreeSource", "torch_free_source_applies"]
 
 _UINT = {1: "<u1", 2: "<u2", 4: "<u4", 8: "<u8"}
 
 
-def raw_source_applies(reader: Reader, key_map: dict[str, str], dtypes: dict[str, str]) -> bool:
+def torch_free_source_applies(reader: Reader, key_map: dict[str, str], dtypes: dict[str, str]) -> bool:
     """True when every selected tensor can be moved as raw bytes (no cast, DCP items)."""
     meta = reader.metadata()
     if dtypes or not meta.kind.dcp_files:
@@ -46,7 +46,7 @@ def _movable(t: TensorMeta) -> bool:
                     and c.byte_offset is not None and c.byte_length for c in t.chunks))
 
 
-class RawSource:
+class TorchFreeSource:
     """``TensorSource`` yielding numpy arrays; see the module docstring.
 
     A request for exactly one stored chunk (a conversion keeping the chunk grid) gets the

@@ -56,18 +56,18 @@ def compare(a: Path, b: Path) -> dict:
 def main() -> None:
     src, out = Path(sys.argv[1]), Path(sys.argv[2])
     r = ranks()
-    real = torch_dist_writer.TorchDistWriter._write_raw, dcp_writer.raw_path_applies
-    saves, raw_dcp_save = [], dcp_raw_save.raw_dcp_save
-    dcp_raw_save.raw_dcp_save = lambda d, *a, **k: saves.append(d) or raw_dcp_save(d, *a, **k)
+    real = torch_dist_writer.TorchDistWriter._write_raw, dcp_writer.torch_free_write_applies
+    saves, torch_free_dcp_save = [], dcp_raw_save.torch_free_dcp_save
+    dcp_raw_save.torch_free_dcp_save = lambda d, *a, **k: saves.append(d) or torch_free_dcp_save(d, *a, **k)
     runs = {"convert": lambda d: convert(src, d, ConvertOptions(to="torch_dist")),
             "reshard": lambda d: reshard(src, d, ReshardRequest(tp=1, pp=1)),
             "convert_dcp": lambda d: convert(src, d, ConvertOptions(to="dcp"))}
     verdict = {}
     for name, run in runs.items():
         torch_dist_writer.TorchDistWriter._write_raw = lambda self, req, notes: False
-        dcp_writer.raw_path_applies = lambda *a: False
+        dcp_writer.torch_free_write_applies = lambda *a: False
         run(out / f"{name}_dcp")
-        torch_dist_writer.TorchDistWriter._write_raw, dcp_writer.raw_path_applies = real
+        torch_dist_writer.TorchDistWriter._write_raw, dcp_writer.torch_free_write_applies = real
         before = len(saves)
         run(out / f"{name}_raw")
         raw_taken = r.gather(len(saves) == before + 1)

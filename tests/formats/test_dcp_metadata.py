@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.planner import SavePlan
 from _builders import MCORE_TORCH, fake_module, split_grid, write_dcp
 from ckpt_tool.errors import CorruptCheckpointError, InputError, UnsafePickleError
 from ckpt_tool.formats.containers.dcp.dcp_metadata import (dcp_tensor_metas, read_dcp_metadata,
-                                                           read_dcp_metadata_light)
+                                                           read_dcp_metadata_torch_free)
 
 
 @pytest.fixture
@@ -39,7 +39,7 @@ def test_torch_path_equals_filesystem_reader(dcp_dir):
 
 def test_light_path_maps_to_the_same_model(dcp_dir):
     t_heavy, o_heavy = dcp_tensor_metas(read_dcp_metadata(dcp_dir))
-    t_light, o_light = dcp_tensor_metas(read_dcp_metadata_light(dcp_dir))
+    t_light, o_light = dcp_tensor_metas(read_dcp_metadata_torch_free(dcp_dir))
     assert t_heavy == t_light and o_heavy == o_light
     w = t_light["w"]
     assert w.dtype == "float32" and w.shape == (4, 6) and len(w.chunks) == 6
@@ -51,8 +51,8 @@ def test_light_path_maps_to_the_same_model(dcp_dir):
 
 
 def test_light_path_imports_no_torch(dcp_dir):
-    code = ("import sys; from ckpt_tool.formats.containers.dcp.dcp_metadata import read_dcp_metadata_light, "
-            f"dcp_tensor_metas; t, o = dcp_tensor_metas(read_dcp_metadata_light({str(dcp_dir)!r}));"
+    code = ("import sys; from ckpt_tool.formats.containers.dcp.dcp_metadata import read_dcp_metadata_torch_free, "
+            f"dcp_tensor_metas; t, o = dcp_tensor_metas(read_dcp_metadata_torch_free({str(dcp_dir)!r}));"
             " assert t['w'].shape == (4, 6); assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
@@ -82,7 +82,7 @@ def test_mcore_classes_become_our_subclasses(tmp_path):
     assert heavy.mcore_data == mcore_data
     assert isinstance(heavy.all_local_plans[0], SavePlan)
     assert heavy.all_local_plans[0].mcore_data == mcore_data
-    light = read_dcp_metadata_light(tmp_path)
+    light = read_dcp_metadata_torch_free(tmp_path)
     assert light.mcore_data == mcore_data
     tensors, _ = dcp_tensor_metas(light)
     assert tensors["opt"].shape == (4, 6) and tensors["opt"].stored_shape == (2, 2, 6)
@@ -94,14 +94,14 @@ def test_per_rank_metadata_file(dcp_dir):
     (dcp_dir / ".metadata").rename(dcp_dir / "__0.metadata")
     assert read_dcp_metadata(dcp_dir, rank=0).state_dict_metadata.keys() == {
         "w", "b", "rng_state/shard_0.1_1.2"}
-    assert "w" in read_dcp_metadata_light(dcp_dir).state_dict_metadata
+    assert "w" in read_dcp_metadata_torch_free(dcp_dir).state_dict_metadata
 
 
 @pytest.mark.parametrize("content", [b"", b"garbage\n", b"trunc"])
 def test_bad_metadata_files(dcp_dir, content):
     md = dcp_dir / ".metadata"
     md.write_bytes(md.read_bytes()[:200] if content == b"trunc" else content)
-    for read in (read_dcp_metadata, read_dcp_metadata_light):
+    for read in (read_dcp_metadata, read_dcp_metadata_torch_free):
         with pytest.raises(CorruptCheckpointError) as e:
             read(dcp_dir)
         assert ".metadata" in str(e.value)
@@ -109,7 +109,7 @@ def test_bad_metadata_files(dcp_dir, content):
 
 def test_metadata_of_wrong_type(dcp_dir):
     (dcp_dir / ".metadata").write_bytes(pickle.dumps({"not": "metadata"}))
-    for read in (read_dcp_metadata, read_dcp_metadata_light):
+    for read in (read_dcp_metadata, read_dcp_metadata_torch_free):
         with pytest.raises(CorruptCheckpointError, match="does not hold DCP Metadata"):
             read(dcp_dir)
 
@@ -118,6 +118,6 @@ def test_missing_metadata_and_unsafe_global(dcp_dir, tmp_path):
     with pytest.raises(InputError):
         read_dcp_metadata(tmp_path / "nope")
     (dcp_dir / ".metadata").write_bytes(pickle.dumps(subprocess.Popen))
-    for read in (read_dcp_metadata, read_dcp_metadata_light):
+    for read in (read_dcp_metadata, read_dcp_metadata_torch_free):
         with pytest.raises(UnsafePickleError, match="subprocess.Popen"):
             read(dcp_dir)

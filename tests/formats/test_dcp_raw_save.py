@@ -103,8 +103,8 @@ def test_raw_path_writes_what_dcp_writes(name, threads, tmp_path, monkeypatch):
     if reader.common_file() is None:
         pytest.skip("the fixture's common.pt needs torch to load")
     calls = []
-    real = dcp_raw_save.raw_dcp_save
-    monkeypatch.setattr(dcp_raw_save, "raw_dcp_save",
+    real = dcp_raw_save.torch_free_dcp_save
+    monkeypatch.setattr(dcp_raw_save, "torch_free_dcp_save",
                         lambda *a, **k: calls.append(1) or real(*a, **k))
     _write(reader, tmp_path / "dcp", raw=False, threads=threads)
     assert not calls

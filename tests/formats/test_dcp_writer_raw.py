@@ -1,7 +1,7 @@
 """``convert --to dcp`` on the raw path (``dcp_torch_free_save``), against DCP's own save.
 
 The same conversion is run twice: through ``torch.distributed.checkpoint.save`` (the DCP path,
-``raw_path_applies`` refused) and through our plan, archives and ``.metadata`` (the raw path,
+``torch_free_write_applies`` refused) and through our plan, archives and ``.metadata`` (the raw path,
 ``dcp.save`` refused). The data files must be byte for byte the same, ``.metadata`` an equal
 ``Metadata``, and torch's own loaders must read the output. The bytes items' archives made
 without torch (``torch_save_object``, ``dcp_bytes_items``) are compared with ``torch.save``'s.
@@ -93,7 +93,7 @@ def _convert(src: Path, out: Path, monkeypatch, raw_saves, *, raw: bool, workers
         if raw:
             m.setattr(dcp, "save", lambda *a, **k: pytest.fail("DCP's save was called"))
         else:
-            m.setattr(dcp_writer, "raw_path_applies", lambda *a: False)
+            m.setattr(dcp_writer, "torch_free_write_applies", lambda *a: False)
         result = convert(src, out, ConvertOptions(to="dcp"), workers=workers)
     assert result.verified
     assert len(raw_saves) == before + raw
@@ -177,8 +177,8 @@ def test_convert_torch_dist_to_dcp_never_imports_torch(tmp_path):
     src = _fixture("mcore016_gpt_tp2pp2_bf16_optim") / "iter_0000010"
     code = ("import sys, json; from ckpt_tool.ops.convert import convert; "
             "from ckpt_tool.ops.convert import ConvertOptions; "
-            "from ckpt_tool.formats.containers.dcp import dcp_torch_free_save as dcp_raw_save; saves = []; real = dcp_raw_save.raw_dcp_save; "
-            "dcp_raw_save.raw_dcp_save = lambda d, *a, **k: saves.append(d) or real(d, *a, **k); "
+            "from ckpt_tool.formats.containers.dcp import dcp_torch_free_save as dcp_raw_save; saves = []; real = dcp_raw_save.torch_free_dcp_save; "
+            "dcp_raw_save.torch_free_dcp_save = lambda d, *a, **k: saves.append(d) or real(d, *a, **k); "
             f"r = convert({str(src)!r}, {str(tmp_path / 'out')!r}, ConvertOptions(to='dcp'));"
             "print(json.dumps(['torch' in sys.modules, r.verified, len(saves)]))")
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}

@@ -18,7 +18,7 @@ import torch
 
 from _builders import fake_module
 from ckpt_tool.errors import CorruptCheckpointError, InputError, UnsafePickleError
-from ckpt_tool.formats.common_state import jsonable, load_torch_save_light, summarize_common
+from ckpt_tool.formats.common_state import jsonable, load_torch_free, summarize_common
 from ckpt_tool.formats.containers.pickle.safe_pickle import StandIn, load_torch_file, safe_loads
 
 
@@ -87,7 +87,7 @@ def test_load_torch_file_megatron_common_without_megatron(common_pt):
 
 
 def test_light_load_matches_and_imports_no_torch(common_pt):
-    state = load_torch_save_light(common_pt)
+    state = load_torch_free(common_pt)
     assert state["args"].hidden_size == 64
     assert repr(state["t"]) == "<tensor int64 [4]>"
     s = summarize_common(state)
@@ -107,7 +107,7 @@ def test_forbidden_global_is_named(tmp_path):
 
     p = tmp_path / "evil.pt"
     torch.save({"x": Evil()}, p)
-    for load in (load_torch_file, load_torch_save_light):
+    for load in (load_torch_file, load_torch_free):
         with pytest.raises(UnsafePickleError) as e:
             load(p)
         assert "posix.system" in str(e.value) and "--trust" in str(e.value)
@@ -129,7 +129,7 @@ def test_trust_allows_non_allowlisted_globals():
 def test_truncated_or_garbage(tmp_path, common_pt, cut):
     p = tmp_path / "bad.pt"
     p.write_bytes(common_pt.read_bytes()[:cut] if cut else b"\x00garbage" * 10)
-    for load in (load_torch_file, load_torch_save_light):
+    for load in (load_torch_file, load_torch_free):
         with pytest.raises(CorruptCheckpointError):
             load(p)
     with pytest.raises(CorruptCheckpointError):

@@ -125,8 +125,8 @@ def test_mcore_loads_our_torch_free_conversion(mcore_ckpt, tmp_path, monkeypatch
     from ckpt_tool.ops.convert import convert
 
     calls = []
-    real = dcp_raw_save.raw_dcp_save
-    monkeypatch.setattr(dcp_raw_save, "raw_dcp_save",
+    real = dcp_raw_save.torch_free_dcp_save
+    monkeypatch.setattr(dcp_raw_save, "torch_free_dcp_save",
                         lambda *a, **k: calls.append(1) or real(*a, **k))
     out = tmp_path / "converted"
     convert(mcore_ckpt, out, ConvertOptions(to="torch_dist"))
@@ -145,8 +145,8 @@ from ckpt_tool.ops.convert import ConvertOptions
 from ckpt_tool.ops.convert import convert
 from ckpt_tool.parallel import ranks
 
-saves, real = [], dcp_raw_save.raw_dcp_save
-dcp_raw_save.raw_dcp_save = lambda d, *a, **k: saves.append(d) or real(d, *a, **k)
+saves, real = [], dcp_raw_save.torch_free_dcp_save
+dcp_raw_save.torch_free_dcp_save = lambda d, *a, **k: saves.append(d) or real(d, *a, **k)
 r = ranks()
 assert r.world == 2 and convert(sys.argv[1], sys.argv[2], ConvertOptions(to="torch_dist")).verified
 assert len(saves) == 1, saves  # not DCP's save

@@ -22,7 +22,7 @@ from ckpt_tool.formats.base import open_checkpoint
 from ckpt_tool.formats.containers.dcp.dcp_torch_free_metadata import check_grid
 from ckpt_tool.model import ChunkRef, TensorMeta
 from ckpt_tool.ops.validate._checks import check_coverage
-from ckpt_tool.ops._torch_free_source import RawSource
+from ckpt_tool.ops._torch_free_source import TorchFreeSource
 from ckpt_tool.planning.overlap import grid_tiling
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "formats"))
@@ -57,7 +57,7 @@ def _read_quarters(root: Path, layers: int, experts: int) -> int:
               for layer in range(layers) for e in range(experts) for half in range(2)]
     write_mcore_dist(root, {KEY: (tuple(full.shape), [(o, t.clone()) for o, t in chunks])},
                      files=1, common={"iteration": 1})
-    source = RawSource(open_checkpoint(root), {KEY: KEY}, {})
+    source = TorchFreeSource(open_checkpoint(root), {KEY: KEY}, {})
     got = np.zeros(tuple(full.shape), dtype=np.float32)
 
     def read_all() -> None:

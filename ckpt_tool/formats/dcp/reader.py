@@ -10,7 +10,7 @@ A save without collectives (``dcp.save(..., use_collectives=False)``) writes no 
 ``__{rank}_{n}.distcp``); they are merged into one ``CheckpointMeta`` (a chunk or bytes item
 written by several ranks, i.e. replicated, is kept once: the lowest rank's copy).
 
-The metadata path imports no torch (``dcp_metadata.read_dcp_metadata_light``); reads go through
+The metadata path imports no torch (``dcp_metadata.read_dcp_metadata_torch_free``); reads go through
 ``dcp_items`` and the allowlisting unpickler.
 """
 
@@ -179,7 +179,7 @@ class DcpReader(Reader):
         if self._meta is not None:
             return self._meta
         from ckpt_tool.formats.containers.dcp.dcp_metadata import (dcp_tensor_metas,
-                                                                   read_dcp_metadata_light)
+                                                                   read_dcp_metadata_torch_free)
 
         files = metadata_files(self.root)
         if not files:
@@ -188,7 +188,7 @@ class DcpReader(Reader):
                                   "interrupted")
         parts, mds = [], []
         for rank, name in files:
-            md = read_dcp_metadata_light(self.root, trust=self.trust, rank=rank)
+            md = read_dcp_metadata_torch_free(self.root, trust=self.trust, rank=rank)
             mds.append(md)
             tensors, objects = dcp_tensor_metas(md)
             parts.append((name, tensors, objects))
@@ -246,7 +246,7 @@ class DcpReader(Reader):
     def _summary(self, objects: list[ObjectMeta]) -> dict[str, Any]:
         """``{"values": {fqn: value}}`` for the bytes items that hold small plain values
         (numbers, short strings, short lists of them), loaded torch-free; others are left out."""
-        from ckpt_tool.formats.common_state import jsonable, load_torch_save_light
+        from ckpt_tool.formats.common_state import jsonable, load_torch_free
         from ckpt_tool.formats.containers.pickle.torch_stand_ins import NeedsTorch
 
         small = [o for o in objects if o.file and o.byte_length is not None
@@ -277,7 +277,7 @@ class DcpReader(Reader):
                         unreadable[o.unique_key] = f"{file} is truncated"
                         continue
                     try:
-                        v = load_torch_save_light(data, trust=self.trust, where=self.root / file,
+                        v = load_torch_free(data, trust=self.trust, where=self.root / file,
                                                   torch_fallback=False)
                     except NeedsTorch:
                         continue
@@ -328,12 +328,12 @@ class DcpReader(Reader):
     def read_object_torch_free(self, unique_key: str) -> Any:
         """:meth:`read_object` with tensors as placeholders, through the same allowlisting
         unpickler, without importing torch unless the pickle needs it (for validation)."""
-        from ckpt_tool.formats.common_state import load_torch_save_light
+        from ckpt_tool.formats.common_state import load_torch_free
         from ckpt_tool.formats.containers.dcp.dcp_items import read_item_bytes
 
         o = self._object_meta(unique_key)  # (validate checks the CRCs in its own pass)
         data = read_item_bytes(self.root, o.file, o.byte_offset, o.byte_length, verify=False)
-        return load_torch_save_light(data, trust=self.trust, where=self.root / str(o.file))
+        return load_torch_free(data, trust=self.trust, where=self.root / str(o.file))
 
     def objects_with_transforms(self) -> frozenset[str]:
         """The bytes items stored through stream transforms (read by :meth:`metadata`)."""
@@ -360,12 +360,12 @@ class DcpReader(Reader):
         checkpoint's ``planner_data`` (``optimizer.param_groups.0.lr`` ->
         ``{"optimizer": {"param_groups": [{"lr": …}]}}``, as ``dcp_to_torch_save`` does); a
         key without a path stays flat. Loaded through the safe unpickler."""
-        from ckpt_tool.formats.containers.dcp.dcp_metadata import read_dcp_metadata_light
+        from ckpt_tool.formats.containers.dcp.dcp_metadata import read_dcp_metadata_torch_free
 
         keys = sorted(self.objects_in_common())
         paths: dict[str, Any] = {}
         for rank, _name in metadata_files(self.root):
-            md = read_dcp_metadata_light(self.root, trust=self.trust, rank=rank)
+            md = read_dcp_metadata_torch_free(self.root, trust=self.trust, rank=rank)
             paths.update(getattr(md, "planner_data", None) or {})
         return nest({k: self.read_object(k) for k in keys}, paths)
 

@@ -31,7 +31,8 @@ import io
 import threading
 from typing import Any, Callable
 
-from ckpt_tool.formats.containers.dcp.dcp_torch_free_save import (raw_path_applies, raw_write,
+from ckpt_tool.formats.containers.dcp.dcp_torch_free_save import (torch_free_write_applies,
+                                                                  torch_free_write,
                                                                   stored_shape_note)
 from ckpt_tool.formats.containers.dcp.dcp_bytes_items import flatten_state
 from ckpt_tool.formats.writer import WriteRequest, Writer
@@ -48,13 +49,13 @@ class DcpWriter(Writer):
     def write(self, request: WriteRequest) -> list[str]:
         """The DCP items and ``.metadata``; objects and common values as bytes items."""
         notes = stored_shape_note(request)
-        raw = raw_path_applies(request.meta, self.options)
-        light = _light_common(request) if raw else None
-        common = light if light is not None else dict(request.full_common() or {})
+        raw = torch_free_write_applies(request.meta, self.options)
+        torch_free = _torch_free_common(request) if raw else None
+        common = torch_free if torch_free is not None else dict(request.full_common() or {})
         planner_data, flat, objects = self._plan(request, common, notes)
         if raw:
-            payload = _Payloads(request, flat, objects, light is not None)
-            raw_write(self, request, list(flat) + objects, payload.archive,
+            payload = _Payloads(request, flat, objects, torch_free is not None)
+            torch_free_write(self, request, list(flat) + objects, payload.archive,
                       planner_data=planner_data, keep_local_plans=False, digest="crc32")
             return notes
 
@@ -103,7 +104,7 @@ class DcpWriter(Writer):
         return planner_data, flat, objects
 
 
-def _light_common(request: WriteRequest) -> dict | None:
+def _torch_free_common(request: WriteRequest) -> dict | None:
     """The common state loaded without torch (torch dtypes as stand-ins) from the source's
     ``common.pt`` when the request passes one and that needs no torch, else None."""
     if request.common_file is None:
@@ -118,13 +119,13 @@ def _light_common(request: WriteRequest) -> dict | None:
 
 class _Payloads:
     """Each bytes item's ``torch.save`` archive for the raw path: without torch for common
-    values loaded without it (``light``) and for objects the source stores as
+    values loaded without it (``torch_free``) and for objects the source stores as
     ``torch.save([payload])`` (tensors included: the list taken off the stored archive);
     through ``torch.save`` of the value loaded with torch otherwise (thread-safe)."""
 
     def __init__(self, request: WriteRequest, flat: dict[str, Any], objects: list[str],
-                 light: bool):
-        self._request, self._flat, self._light = request, flat, light
+                 torch_free: bool):
+        self._request, self._flat, self._torch_free = request, flat, torch_free
         self._objects = set(objects)
         self._lock = threading.Lock()
         self._torch_flat: dict[str, Any] | None = None
@@ -139,14 +140,14 @@ class _Payloads:
             data = None if stored is None else unwrapped_archive(stored)
             if data is None:
                 return self._torch_save(lambda: self._request.objects(fqn))
-        elif self._light:
+        elif self._torch_free:
             data = object_archive_of(self._flat[fqn])
         if data is not None:
             return data
         return self._torch_save(lambda: self._torch_common()[fqn])
 
     def _torch_common(self) -> dict[str, Any]:
-        if not self._light:
+        if not self._torch_free:
             return self._flat
         with self._lock:  # the common state loaded with torch, once
             if self._torch_flat is None:

@@ -1,7 +1,7 @@
 """The metadata of a Megatron-LM legacy checkpoint, gathered from its rank files (torch-free).
 
-:class:`RankFileScan` light-loads every ``mp_rank_*/model_optim_rng.pt`` (tensor placeholders,
-``common_state.load_torch_save_light``), places each rank's tensors in the TP=1/PP=1 model by
+:class:`RankFileScan` loads torch-free every ``mp_rank_*/model_optim_rng.pt`` (tensor placeholders,
+``common_state.load_torch_free``), places each rank's tensors in the TP=1/PP=1 model by
 the rules of ``legacy.layout``, maps the optimizer state to the parameters where
 ``legacy.optim`` can, and merges the per-rank pieces (``legacy.pieces``) into global tensors
 whose chunks point at byte ranges inside the zips. What it finds wrong (missing or unreadable
@@ -42,7 +42,7 @@ def _get(args: Any, name: str) -> Any:
 
 class RankFileScan:
     """One pass over the rank files under ``root``: :meth:`metadata`, then ``sources`` (global
-    key -> chunk sources, for reads) and ``light`` (rank dir -> light-loaded
+    key -> chunk sources, for reads) and ``torch_free`` (rank dir -> torch-free loaded
     ``model_optim_rng.pt``); problems found are appended to ``problems``."""
 
     def __init__(self, root: Path, *, trust: bool, problems: list[dict[str, Any]]):
@@ -50,19 +50,19 @@ class RankFileScan:
         self.trust = trust
         self.problems = problems
         self.sources: dict[str, P.Sources] = {}
-        self.light: dict[str, Any] = {}
+        self.torch_free: dict[str, Any] = {}
 
     def metadata(self, format_name: str) -> CheckpointMeta:
         """Every merged global tensor (model, and optimizer state where its mapping to the
         parameters is exact), the rank files' objects and the args summary."""
-        from ckpt_tool.formats.common_state import jsonable, load_torch_save_light, summarize_common
+        from ckpt_tool.formats.common_state import jsonable, load_torch_free, summarize_common
 
         present: dict[str, Any] = {}
         unreadable: list[str] = []
         for name in rank_dirs(self.root):
             if (self.root / name / MODEL_FILE).is_file():
                 try:
-                    present[name] = load_torch_save_light(self.root / name / MODEL_FILE,
+                    present[name] = load_torch_free(self.root / name / MODEL_FILE,
                                                           trust=self.trust)
                 except CorruptCheckpointError as exc:  # reported; the other ranks still load
                     unreadable.append(f"{name}/{MODEL_FILE}")
@@ -71,7 +71,7 @@ class RankFileScan:
         if not present:
             raise CorruptCheckpointError(f"no {MODEL_FILE} in any mp_rank_* directory",
                                          path=self.root)
-        self.light = present
+        self.torch_free = present
         first = present[sorted(present)[0]]
         args = first.get("args") if isinstance(first, dict) else None
         tp_size = _get(args, "tensor_model_parallel_size")
@@ -192,14 +192,14 @@ class RankFileScan:
                           to_global: dict[str, str], args: Any, tp: int, pp: int,
                           storages: Any, pieces: dict[str, list[P.Piece]]) -> str | None:
         """Add the optimizer state tensors of one rank; returns why they stay objects."""
-        from ckpt_tool.formats.common_state import load_torch_save_light
+        from ckpt_tool.formats.common_state import load_torch_free
 
         dist = self.root / name / DISTRIB_OPTIM_FILE
         optim = state.get("optimizer") if isinstance(state, dict) else None
         if dist.is_file():
             rel = f"{name}/{DISTRIB_OPTIM_FILE}"
             try:
-                obj = load_torch_save_light(dist, trust=self.trust)
+                obj = load_torch_free(dist, trust=self.trust)
             except CorruptCheckpointError as exc:
                 self.problems.append({"message": f"unreadable: {exc.message}", "file": rel})
                 return f"{DISTRIB_OPTIM_FILE} unreadable"

@@ -23,7 +23,7 @@ against the stored ``numel_unpadded``). Otherwise the reason is in
 ``distrib_optim``, ``rng_state`` and ``opt_param_scheduler`` are always listed as objects too.
 
 Metadata is torch-free (gathered by :mod:`.metadata`): each rank file's ``data.pkl`` is
-unpickled with tensor placeholders (``common_state.load_torch_save_light``) and every chunk
+unpickled with tensor placeholders (``common_state.load_torch_free``) and every chunk
 points at its storage's byte range inside the zip (layout ``raw``; a slice of a
 ``distrib_optim.pt`` flat buffer included). Reads load (mmap) only the files holding the
 requested region.
@@ -50,7 +50,7 @@ from ckpt_tool.formats.legacy.metadata import (DISTRIB_OPTIM_FILE, MODEL_FILE, R
 from ckpt_tool.formats.save_dir import resolve_checkpoint_dir
 from ckpt_tool.model import CheckpointMeta, ChunkRef
 
-__all__ = ["LegacyReader", "LEGACY", "rank_dirs"]
+__all__ = ["LegacyReader", "LEGACY"]
 
 _LRU_FILES = 4
 
@@ -89,7 +89,7 @@ class LegacyReader(Reader):
         self._meta: CheckpointMeta | None = None
         self._sources: dict[str, P.Sources] = {}  # global key -> chunk sources
         self._files: OrderedDict[str, Any] = OrderedDict()
-        self._light: dict[str, Any] = {}  # rank dir -> light-loaded model_optim_rng.pt
+        self._torch_free: dict[str, Any] = {}  # rank dir -> model_optim_rng.pt loaded torch-free
         self.problems: list[dict[str, Any]] = []
 
     # -- metadata ---------------------------------------------------------------------------
@@ -111,7 +111,7 @@ class LegacyReader(Reader):
         if self._meta is None:
             scan = RankFileScan(self.root, trust=self.trust, problems=self.problems)
             meta = scan.metadata(self.format_name)
-            self._sources, self._light = scan.sources, scan.light
+            self._sources, self._torch_free = scan.sources, scan.torch_free
             self._meta = meta
         return self._meta
 
@@ -204,7 +204,7 @@ class LegacyReader(Reader):
         """The same as :meth:`common`, torch-free (tensors as placeholders): for
         ``ckpt inspect --common``."""
         self.metadata()
-        return self._common_state(lambda rel: self._light[rel.split("/")[0]])
+        return self._common_state(lambda rel: self._torch_free[rel.split("/")[0]])
 
     def close(self) -> None:
         """Drop the cached rank files."""

@@ -126,15 +126,15 @@ class McoreDistReader(Reader):
     def _common_torch_free(self, objects: list[ObjectMeta]) -> Any:
         f = self.root / COMMON_FILE
         if f.is_file():
-            from ckpt_tool.formats.common_state import load_torch_save_light
+            from ckpt_tool.formats.common_state import load_torch_free
 
-            return load_torch_save_light(f, trust=self.trust)
+            return load_torch_free(f, trust=self.trust)
         obj = _common_object(objects)
         if obj is not None:
-            return self._object_payload_light(obj)
+            return self._object_payload_torch_free(obj)
         return None
 
-    def _object_payload_light(self, obj: ObjectMeta) -> Any:
+    def _object_payload_torch_free(self, obj: ObjectMeta) -> Any:
         return None
 
     def metadata(self) -> CheckpointMeta:
@@ -214,9 +214,9 @@ class TorchDistReader(McoreDistReader):
 
     def sharded_metadata(self) -> tuple[dict[str, TensorMeta], list[ObjectMeta], dict[str, Any]]:
         from ckpt_tool.formats.containers.dcp.dcp_metadata import (dcp_tensor_metas,
-                                                                   read_dcp_metadata_light)
+                                                                   read_dcp_metadata_torch_free)
 
-        md = read_dcp_metadata_light(self.root, trust=self.trust)
+        md = read_dcp_metadata_torch_free(self.root, trust=self.trust)
         tensors, objects = dcp_tensor_metas(md)
         files = sorted({c.file for t in tensors.values() for c in t.chunks if c.file}
                        | {o.file for o in objects if o.file})
@@ -233,19 +233,19 @@ class TorchDistReader(McoreDistReader):
         }
         return tensors, objects, extras
 
-    def _object_payload_light(self, obj: ObjectMeta) -> Any:
-        from ckpt_tool.formats.common_state import load_torch_save_light
+    def _object_payload_torch_free(self, obj: ObjectMeta) -> Any:
+        from ckpt_tool.formats.common_state import load_torch_free
         from ckpt_tool.formats.containers.dcp.dcp_items import read_item_bytes
 
         data = read_item_bytes(self.root, obj.file, obj.byte_offset, obj.byte_length,
                                verify=False)  # (metadata and validate: checked apart)
-        payload = load_torch_save_light(data, trust=self.trust, where=self.root / str(obj.file))
+        payload = load_torch_free(data, trust=self.trust, where=self.root / str(obj.file))
         return payload[0] if isinstance(payload, list) and len(payload) == 1 else payload
 
     def read_object_torch_free(self, unique_key: str) -> Any:
         """:meth:`read_object` with tensors as placeholders: through the same allowlisting
         unpickler, without importing torch unless the pickle needs it (for validation)."""
-        return self._object_payload_light(self._object_meta(unique_key))
+        return self._object_payload_torch_free(self._object_meta(unique_key))
 
     def stored_object_bytes(self, unique_key: str) -> bytes | None:
         """The stored bytes item of a ShardedObject when it is ``torch.save([payload])`` that
@@ -256,7 +256,7 @@ class TorchDistReader(McoreDistReader):
         o = self._object_meta(unique_key)
         data = read_item_bytes(self.root, o.file, o.byte_offset, o.byte_length,
                                verify=self.verify)
-        payload = _light_or_none(data, self.trust, self.root / str(o.file))
+        payload = _torch_free_or_none(data, self.trust, self.root / str(o.file))
         return data if isinstance(payload, list) and len(payload) == 1 else None
 
     def common_file(self) -> Path | None:
@@ -269,7 +269,7 @@ class TorchDistReader(McoreDistReader):
             from ckpt_tool.formats.containers.torch_zip.archive_check import check_file
 
             check_file(f, COMMON_FILE)
-        return f if isinstance(_light_or_none(f, self.trust, f), dict) else None
+        return f if isinstance(_torch_free_or_none(f, self.trust, f), dict) else None
 
     def common_torch_free_exact(self) -> dict[str, Any] | None:
         """:meth:`common` without torch when ``common.pt`` holds no more of torch than dtypes
@@ -356,10 +356,10 @@ class ZarrReader(McoreDistReader):
         return tensors, objects, {"arrays": len(tensors), "chunk_files": chunk_files,
                                   "object_files": len(objects)}
 
-    def _object_payload_light(self, obj: ObjectMeta) -> Any:
-        from ckpt_tool.formats.common_state import load_torch_save_light
+    def _object_payload_torch_free(self, obj: ObjectMeta) -> Any:
+        from ckpt_tool.formats.common_state import load_torch_free
 
-        return load_torch_save_light(self.root / str(obj.file), trust=self.trust)
+        return load_torch_free(self.root / str(obj.file), trust=self.trust)
 
     def read(self, key: str, slices: tuple[slice, ...] | None = None) -> Any:
         """The global tensor ``key`` (or ``slices`` of it) from its chunk files."""
@@ -384,14 +384,14 @@ class ZarrReader(McoreDistReader):
         return load_torch_file(self.root / str(o.file), trust=self.trust, verify=self.verify)
 
 
-def _light_or_none(source: Any, trust: bool, where: Path) -> Any:
-    """``load_torch_save_light`` of ``source``, or None when that needs torch or fails."""
+def _torch_free_or_none(source: Any, trust: bool, where: Path) -> Any:
+    """``load_torch_free`` of ``source``, or None when that needs torch or fails."""
     from ckpt_tool.errors import CkptError
-    from ckpt_tool.formats.common_state import load_torch_save_light
+    from ckpt_tool.formats.common_state import load_torch_free
     from ckpt_tool.formats.containers.pickle.torch_stand_ins import NeedsTorch
 
     try:
-        return load_torch_save_light(source, trust=trust, where=where, torch_fallback=False)
+        return load_torch_free(source, trust=trust, where=where, torch_fallback=False)
     except (NeedsTorch, CkptError):
         return None
 

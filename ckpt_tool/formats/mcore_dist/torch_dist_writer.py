@@ -48,8 +48,8 @@ from typing import Any
 
 from ckpt_tool.formats.containers.dcp.dcp_torch_free_save import (
     is_main_rank,
-    raw_path_applies,
-    raw_write,
+    torch_free_write_applies,
+    torch_free_write,
     stored_shape_note,
 )
 from ckpt_tool.formats.mcore_dist.config import CheckpointingConfig, save_config
@@ -150,7 +150,7 @@ class TorchDistWriter(Writer):
                             self.directory / COMMON_FILE)
 
         # the integrity manifest's algorithm: sha256 (Megatron-Core's)
-        raw_write(self, request, object_keys, payload, planner_data=None,
+        torch_free_write(self, request, object_keys, payload, planner_data=None,
                   keep_local_plans=True, digest="sha256", prepare=common_file)
         if request.ranks is not None and request.ranks.world > 1:
             request.ranks.barrier()  # every rank's files are in place (.metadata: rank 0 said so)
@@ -161,9 +161,9 @@ class TorchDistWriter(Writer):
 def writes_raw(meta: CheckpointMeta, options: WriterOptions, *,
                common_alone: bool = False) -> bool:
     """True when :meth:`TorchDistWriter.write` takes the raw path for the target ``meta``
-    (:func:`~ckpt_tool.formats.containers.dcp.dcp_torch_free_save.raw_path_applies`); with ``common_alone``, also
+    (:func:`~ckpt_tool.formats.containers.dcp.dcp_torch_free_save.torch_free_write_applies`); with ``common_alone``, also
     that no object moves into ``common.pt`` (it is then the common state given, as given)."""
-    if not raw_path_applies(meta, options):
+    if not torch_free_write_applies(meta, options):
         return False
     return not (common_alone and _object_keys(SimpleNamespace(meta=meta))[1])
 

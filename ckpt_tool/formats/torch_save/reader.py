@@ -1,7 +1,7 @@
 """A single ``torch.save`` file (a zip: ``<archive>/data.pkl`` + ``<archive>/data/<n>``).
 
 The metadata path unpickles only ``data.pkl`` through the allowlist with tensor placeholders
-(:func:`ckpt_tool.formats.common_state.load_torch_save_light`, no torch import) and walks the
+(:func:`ckpt_tool.formats.common_state.load_torch_free`, no torch import) and walks the
 (nested) state: each tensor becomes a TensorMeta keyed by its dotted path (dict keys and
 list indices joined by ``"."``); every other value goes, JSON-safe, into ``common``.
 
@@ -28,13 +28,12 @@ from ckpt_tool.formats.containers.torch_zip.torch_save_files import (
     ZIP_MAGIC,
     flatten_state,
     placeholder_chunk,
-    zip_data_offsets,
     zip_storages,
 )
 from ckpt_tool.integrity_manifest import is_manifest
 from ckpt_tool.model import ChunkRef, CheckpointMeta, TensorMeta
 
-__all__ = ["LEGACY_MAGIC", "flatten_state", "zip_data_offsets", "TorchSaveReader", "TORCH"]
+__all__ = ["TorchSaveReader", "TORCH"]
 
 #: What ``ckpt convert --to torch DIR`` writes into a directory DST (no file suffix).
 DIR_FILE = "model.pt"
@@ -98,12 +97,12 @@ class TorchSaveReader(Reader):
         ``data.pkl`` and zip headers (no torch import unless the pickle needs real torch)."""
         if self._meta is not None:
             return self._meta
-        from ckpt_tool.formats.common_state import jsonable, load_torch_save_light, summarize_common
+        from ckpt_tool.formats.common_state import jsonable, load_torch_free, summarize_common
         from ckpt_tool.formats.containers.pickle.torch_stand_ins import (TensorPlaceholder,
                                                                          dtype_name)
 
         prefix, storages, byteorder = zip_storages(self.path)  # first: clear damaged-zip errors
-        state = load_torch_save_light(self.path, trust=self.trust)
+        state = load_torch_free(self.path, trust=self.trust)
         tensors_raw, others = flatten_state(state)
         tensors: dict[str, TensorMeta] = {}
         non_contiguous = []

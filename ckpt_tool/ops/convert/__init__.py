@@ -28,7 +28,7 @@ from ckpt_tool.ops._container import (check_container_target, output_container,
                                       place_container, to_validate)
 from ckpt_tool.ops.convert._plan import (TARGETS, ConvertOptions, ConvertPlan, parse_rename,
                                          plan_convert)
-from ckpt_tool.ops._torch_free_source import RawSource, raw_source_applies
+from ckpt_tool.ops._torch_free_source import TorchFreeSource, torch_free_source_applies
 from ckpt_tool.ops._framework_files import carry_framework_files
 from ckpt_tool.ops._resume import MEGATRON_CKPT_FORMAT, ResumeRecipe, resume_for, written_facts
 from ckpt_tool.ops._resume_frameworks import recipe_for
@@ -149,9 +149,9 @@ def convert(src: str | Path | SourcePlace, dst: str | Path, options: ConvertOpti
                                  "asks for shards", hint="give a directory as DST for shards")
             max_shard_size = max(plan.target.total_bytes, 1)
         sizes = {k: t.nbytes for k, t in plan.target.tensors.items()}
-        raw = options.to in _RAW_TARGETS and raw_source_applies(reader, plan.key_map,
+        raw = options.to in _RAW_TARGETS and torch_free_source_applies(reader, plan.key_map,
                                                                  plan.dtypes)
-        source: Any = (RawSource(reader, plan.key_map, sizes) if raw else
+        source: Any = (TorchFreeSource(reader, plan.key_map, sizes) if raw else
                        ReaderSource(reader, plan.key_map, plan.dtypes, sizes=sizes))
         notes = list(plan.notes) + (view.notes() if view is not None else []) + (
             [] if verify_source else [UNVERIFIED_NOTE])

@@ -83,7 +83,7 @@ def tp_size(meta: CheckpointMeta) -> int | None:
 
 
 def _full_common(reader: Any, meta: CheckpointMeta) -> dict[str, Any]:
-    """Every field of the common state, JSON-safe. Uses the reader's torch-free light loader
+    """Every field of the common state, JSON-safe. Uses the reader's torch-free loader
     where it has one (Megatron-Core dist: ``common.pt`` with tensors as placeholders), else the
     summary already in the metadata."""
     state = reader.common_torch_free()

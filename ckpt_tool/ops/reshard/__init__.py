@@ -139,7 +139,7 @@ def reshard(src: str | Path | SourcePlace, dst: str | Path | None, req: ReshardR
                                               BucketLayoutHints(req.ddp_bucket_size, spec))
     with reader:
         meta = _own_objects(reader.metadata(), reader.objects_in_common())
-        common, light = _source_common(reader)
+        common, torch_free = _source_common(reader)
         layout, target_origins = _target_layout(req, meta, common)
         options = ReshardOptions(target_format=to, drop_optimizer=req.drop_optimizer,
                                  make_vocab_size_divisible_by=req.make_vocab_size_divisible_by,
@@ -173,7 +173,7 @@ def reshard(src: str | Path | SourcePlace, dst: str | Path | None, req: ReshardR
             target = _dist_objects_only(target, new_common, result.notes)
         # the writer keeps the source's form of the common state (``formats.mcore_dist.forms``)
         wopts = WriterOptions(extra={"threads": max(1, workers), "source_extras": meta.extras})
-        if light and not (
+        if torch_free and not (
                 to == "torch_dist" and writes_raw(target, wopts, common_alone=True)
                 and torch_free_pickle(new_common) is not None):
             # it will be torch.save'd: the common state as torch loads it

@@ -15,7 +15,7 @@ class PaddedSource:
     """Reads target keys from ``reader``; rows of re-padded vocab tensors beyond the source's
     rows are zeros (``fill="zero"``) or copies of the last stored row (``"copy"``).
 
-    With ``raw`` (a :class:`ckpt_tool.ops._torch_free_source.RawSource` over the same reader) the
+    With ``raw`` (a :class:`ckpt_tool.ops._torch_free_source.TorchFreeSource` over the same reader) the
     pieces are numpy arrays of the elements' bytes, read without torch, and copied rows are
     byte copies (``raw_bytes``: the torch_dist writer takes them as they are); ``"zero"``
     fill goes through torch (its zeros are ``row * 0``: signed, NaN for non-finite values)."""
@@ -83,20 +83,20 @@ class PaddedSource:
 
 def reshard_source(reader: Reader, target: CheckpointMeta, fill: str, to: str) -> PaddedSource:
     """The source a reshard's writer pulls from: torch-free numpy pieces
-    (:class:`ckpt_tool.ops._torch_free_source.RawSource`) for a torch_dist target when every target
+    (:class:`ckpt_tool.ops._torch_free_source.TorchFreeSource`) for a torch_dist target when every target
     tensor is a source tensor of the same dtype whose chunks are plain items and whose dtype
     our archive writer takes, and a re-padded vocabulary copies rows; else torch tensors."""
     from ckpt_tool.formats.containers.torch_zip.torch_zip_write import STORAGE_TYPES
-    from ckpt_tool.ops._torch_free_source import RawSource, raw_source_applies
+    from ckpt_tool.ops._torch_free_source import TorchFreeSource, torch_free_source_applies
 
     src = reader.metadata().tensors
     key_map = {k: k for k in target.tensors}
     raw = (to == "torch_dist" and all(k in src and src[k].dtype == t.dtype
                                       and t.dtype in STORAGE_TYPES
                                       for k, t in target.tensors.items())
-           and raw_source_applies(reader, key_map, {}))
+           and torch_free_source_applies(reader, key_map, {}))
     source = PaddedSource(reader, target, fill=fill)
     if raw and (fill == "copy" or not source.rows):
-        source = PaddedSource(reader, target, fill=fill, raw=RawSource(reader, key_map, {}))
+        source = PaddedSource(reader, target, fill=fill, raw=TorchFreeSource(reader, key_map, {}))
     return source
 

@@ -19,16 +19,16 @@ def common_state_differences(root: Path, meta: CheckpointMeta, unique_key: str,
     size: 2 vs 1"``, file first; empty when they are the same), or None when either cannot be
     read (what is wrong with it is reported on its own)."""
     from ckpt_tool.errors import CkptError
-    from ckpt_tool.formats.common_state import jsonable, load_torch_save_light
+    from ckpt_tool.formats.common_state import jsonable, load_torch_free
     from ckpt_tool.formats.containers.dcp.dcp_items import read_item_bytes
 
     obj = next((o for o in meta.objects if o.unique_key == unique_key), None)
     if obj is None or obj.file is None:
         return None
     try:
-        in_file = load_torch_save_light(root / "common.pt", trust=trust)
+        in_file = load_torch_free(root / "common.pt", trust=trust)
         data = read_item_bytes(root, obj.file, obj.byte_offset, obj.byte_length)
-        payload = load_torch_save_light(data, trust=trust, where=root / obj.file)
+        payload = load_torch_free(data, trust=trust, where=root / obj.file)
     except (CkptError, OSError):
         return None
     if isinstance(payload, list) and len(payload) == 1:  # torch.save([state])

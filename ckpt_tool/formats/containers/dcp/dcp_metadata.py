@@ -4,7 +4,7 @@
   (drop-in for ``FileSystemReader.read_metadata``) unpickled through the allowlist; MCore's
   pickled ``MCoreSavePlan``/``MCoreMetadata`` become :class:`MCoreSavePlan`/:class:`MCoreMetadata`,
   our subclasses of the torch classes that keep ``mcore_data``. Megatron is never imported.
-* :func:`read_dcp_metadata_light` returns attribute-compatible stand-ins without importing
+* :func:`read_dcp_metadata_torch_free` returns attribute-compatible stand-ins without importing
   torch (the ``ckpt inspect`` path); it falls back to torch only for a global it cannot mimic.
 * :func:`dcp_tensor_metas` maps either kind into ``TensorMeta``/``ObjectMeta``.
 """
@@ -25,7 +25,7 @@ from ckpt_tool.formats.containers.pickle.safe_pickle import safe_load
 from ckpt_tool.model import ChunkRef, ObjectMeta, TensorMeta
 from ckpt_tool.storage import as_path, open_read
 
-__all__ = ["metadata_path", "read_dcp_metadata", "read_dcp_metadata_light", "dcp_tensor_metas",
+__all__ = ["metadata_path", "read_dcp_metadata", "read_dcp_metadata_torch_free", "dcp_tensor_metas",
            "mcore_classes", "METADATA_FILE", "data_file_name"]
 
 METADATA_FILE = ".metadata"
@@ -120,7 +120,7 @@ def read_dcp_metadata(checkpoint_dir: str | os.PathLike, *, trust: bool = False,
     return md
 
 
-def read_dcp_metadata_light(checkpoint_dir: str | os.PathLike, *, trust: bool = False,
+def read_dcp_metadata_torch_free(checkpoint_dir: str | os.PathLike, *, trust: bool = False,
                             rank: int | None = None) -> Any:
     """DCP metadata as torch-free stand-ins (same attribute names as the torch classes).
 
@@ -178,7 +178,7 @@ def _type_name(obj: Any) -> str:
 
 def dcp_tensor_metas(md: Any, *, mcore_data: dict[str, Any] | None = None
                      ) -> tuple[dict[str, TensorMeta], list[ObjectMeta]]:
-    """Map DCP metadata (torch or light) into TensorMeta per key and ObjectMeta per bytes item.
+    """Map DCP metadata (torch or torch-free) into TensorMeta per key and ObjectMeta per bytes item.
 
     ``mcore_data[key]["nd_reformulated_orig_global_shape"]`` marks MCore's N-D reformulated
     flattened tensors: their ``shape`` is the logical one, ``stored_shape`` the DCP one, and

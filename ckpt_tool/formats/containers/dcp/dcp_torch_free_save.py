@@ -13,7 +13,7 @@ payload as given, every file fsynced, its digest computed while it is written
 The files are byte for byte what the DCP path writes; ``.metadata`` unpickles (with torch)
 into an equal ``Metadata`` (its ``save_id`` is a fresh UUID, as DCP's).
 
-:func:`raw_save_applies` says when this path can be taken: every chunk one the raw archive
+:func:`torch_free_save_applies` says when this path can be taken: every chunk one the raw archive
 writer covers (its dtype has a plain storage class, under 4 GiB).
 """
 
@@ -40,13 +40,13 @@ from ckpt_tool.formats.containers.torch_zip.torch_zip_write import (STORAGE_TYPE
 from ckpt_tool.formats.writer import WriteRequest, Writer, WriterOptions
 from ckpt_tool.model import CheckpointMeta, dtype_itemsize
 
-__all__ = ["raw_save_applies", "raw_dcp_save", "chunk_buffer", "file_count", "is_main_rank",
-           "stored_shape_note", "raw_path_applies", "raw_write"]
+__all__ = ["torch_free_save_applies", "torch_free_dcp_save", "chunk_buffer", "file_count", "is_main_rank",
+           "stored_shape_note", "torch_free_write_applies", "torch_free_write"]
 
 METADATA_FILE = ".metadata"
 
 
-def raw_save_applies(items: Sequence[PlannedItem]) -> bool:
+def torch_free_save_applies(items: Sequence[PlannedItem]) -> bool:
     """True when every tensor item can be written by the raw archive writer."""
     return all(i.is_bytes or supported(i.dtype, i.nbytes) for i in items)
 
@@ -97,7 +97,7 @@ def _write_file(path: Path, items: Sequence[PlannedItem], tensor: Callable[[Plan
     return out
 
 
-def raw_dcp_save(directory: Path, items: Sequence[PlannedItem], *,
+def torch_free_dcp_save(directory: Path, items: Sequence[PlannedItem], *,
                  tensor: Callable[[PlannedItem], Any], payload: Callable[[str], bytes],
                  files: int | Callable[[int], int], threads: int = 1,
                  file_of: Callable[[PlannedItem], str | None] | None = None,
@@ -202,9 +202,9 @@ def _write_metadata(directory: Path, items: Sequence[PlannedItem],
 
 # -- a writer's request on the raw path (torch_dist and dcp writers) -----------------
 
-def raw_path_applies(meta: CheckpointMeta, options: WriterOptions) -> bool:
+def torch_free_write_applies(meta: CheckpointMeta, options: WriterOptions) -> bool:
     """True when a writer with ``options`` should write the target ``meta`` through
-    :func:`raw_dcp_save`: every target chunk suits the raw archive writer and
+    :func:`torch_free_dcp_save`: every target chunk suits the raw archive writer and
     ``extra["raw_save"]`` is not False."""
     if options.extra.get("raw_save", True) is False:
         return False
@@ -217,10 +217,10 @@ def raw_path_applies(meta: CheckpointMeta, options: WriterOptions) -> bool:
     return True
 
 
-def raw_write(writer: Writer, request: WriteRequest, bytes_keys: Sequence[str],
+def torch_free_write(writer: Writer, request: WriteRequest, bytes_keys: Sequence[str],
               payload: Callable[[str], bytes], *, planner_data: Any, keep_local_plans: bool,
               digest: str, prepare: Callable[[], None] | None = None) -> None:
-    """:func:`raw_dcp_save` of ``request`` into ``writer.directory`` on this rank (every rank
+    """:func:`torch_free_dcp_save` of ``request`` into ``writer.directory`` on this rank (every rank
     of a torchrun job calls it): the target chunks then the bytes items ``bytes_keys``
     (``payload(key)``: their bytes), the files and threads the writer's options ask for,
     each chunk into the file the target names when it names one."""
@@ -228,7 +228,7 @@ def raw_write(writer: Writer, request: WriteRequest, bytes_keys: Sequence[str],
         else None
     chunk_files = {(k, tuple(c.offsets)): c.file for k, t in request.meta.tensors.items()
                    for c in t.chunks if c.file}
-    raw_dcp_save(
+    torch_free_dcp_save(
         writer.directory, planned_items(list(request.meta.tensors.values()), bytes_keys),
         payload=payload, tensor=lambda i: request.source.read(i.fqn, i.offsets, i.sizes),
         files=lambda n: file_count(request, writer, n),

@@ -2,7 +2,7 @@
 
 The metadata path (``ckpt inspect``) unpickles DCP ``.metadata`` files and the ``data.pkl`` of
 ``torch.save`` archives without importing torch: :func:`torch_free_fallback` is a
-``SafeUnpickler`` fallback that answers ``torch.*`` globals with the light objects below
+``SafeUnpickler`` fallback that answers ``torch.*`` globals with the stand-ins below
 (dtype names, a tuple for ``torch.Size``, attribute bags for the DCP dataclasses, placeholders
 for tensors). A torch global it does not know raises :class:`NeedsTorch`, so the caller can
 retry through the real torch classes.
@@ -185,7 +185,7 @@ def _special(qual: str) -> Any:
 def torch_free_fallback(module: str, name: str) -> Any:
     """SafeUnpickler fallback answering ``torch.*`` globals without importing torch.
 
-    Returns ``None`` for non-torch globals (the allowlist decides), a light stand-in for known
+    Returns ``None`` for non-torch globals (the allowlist decides), a stand-in for known
     torch globals, and raises :class:`NeedsTorch` for other allowlisted torch globals. Globals
     outside the allowlist still fail in the unpickler (never silently stubbed).
     """
