@@ -35,8 +35,8 @@ from ckpt_tool.planning.optim_buckets import (STATES, Bucket, BucketLayoutError,
 from ckpt_tool.planning.param_order import model_key_prefix, moe_expert_keys
 from ckpt_tool.planning.pieces import Piece
 
-__all__ = ["UnflattenedOptimizerView", "GatheredOptimizerView", "ModelSpaceDistOptimizerView",
-           "BucketLayoutHints", "unflatten_bucketed_optimizer"]
+__all__ = ["UnflattenedOptimizerView", "GatheredOptimizerView", "BucketLayoutHints",
+           "unflatten_bucketed_optimizer"]
 
 _GROUP = re.compile(r"^(chained_\d+\.)?optimizer\.distributed\.dp_group_idx_(\d+)\."
                     r"(per_bucket_numel|per_bucket_numel_unpadded|optimizer|param_state)$")

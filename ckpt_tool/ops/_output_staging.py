@@ -35,7 +35,7 @@ from ckpt_tool.integrity_manifest import current_umask, fsync_dir
 from ckpt_tool.storage import as_path, is_remote
 
 __all__ = ["check_output_target", "staged_output", "staged_output_ranks", "fsync_tree",
-           "verify_output", "output_estimate", "STAGING_MARK"]
+           "verify_output", "output_estimate"]
 
 def check_output_target(dst: str | Path, *, sources: tuple[str | Path, ...] = (),
                         overwrite: bool = False) -> Path:

@@ -18,15 +18,11 @@ from typing import Any, Iterable, Mapping
 from ckpt_tool.errors import plural
 from ckpt_tool.model import CheckpointMeta, Finding, ObjectMeta
 from ckpt_tool.planning.sizes import Layout, ModelSizes, padded_vocab_size, stage_layer_counts
-from ckpt_tool.planning.source_layout import args_of, source_layout_from, source_layout_origins
-from ckpt_tool.planning.source_model import (DP_ONLY_OPTIMIZERS, NON_DISTRIBUTED,
-                                             RESHARDABLE_OPTIMIZERS, OptimizerInfo,
-                                             model_sizes_from, optimizer_info_from)
+from ckpt_tool.planning.source_layout import args_of
+from ckpt_tool.planning.source_model import NON_DISTRIBUTED, RESHARDABLE_OPTIMIZERS, OptimizerInfo
 
-__all__ = ["Problem", "OptimizerInfo", "model_sizes_from", "source_layout_from",
-           "source_layout_origins", "vocab_kept_unpadded",
-           "optimizer_info_from", "target_vocab_size", "check_layout", "valid_tps", "ERROR",
-           "WARNING", "NOTE", "RESHARDABLE_OPTIMIZERS", "DP_ONLY_OPTIMIZERS", "NON_DISTRIBUTED"]
+__all__ = ["Problem", "vocab_kept_unpadded", "target_vocab_size", "check_layout", "valid_tps",
+           "ERROR", "WARNING", "NOTE"]
 
 ERROR, WARNING, NOTE = "error", "warning", "note"
 

@@ -35,12 +35,12 @@ from typing import Any, Callable, Mapping, Sequence
 
 from ckpt_tool.model import CheckpointMeta, is_optimizer_key
 from ckpt_tool.planning.layout import RuleSet, rule_for
-from ckpt_tool.planning.param_order import (GPT_PARAMETER_ORDER, MOE_MLP_ORDER, TIED_KEYS,
-                                            model_key_prefix, moe_expert_keys, stage_params)
+from ckpt_tool.planning.param_order import (TIED_KEYS, model_key_prefix, moe_expert_keys,
+                                            stage_params)
 from ckpt_tool.planning.pieces import LocalTensor, rank_pieces
 from ckpt_tool.planning.sizes import Layout, LayerMap, ModelSizes
 
-__all__ = ["GPT_PARAMETER_ORDER", "MOE_MLP_ORDER", "BucketParam", "Bucket", "BucketLayoutError",
+__all__ = ["BucketParam", "Bucket", "BucketLayoutError",
            "BucketSizeUnknown", "optimizer_bucket_layout", "bucket_key", "bucket_size_configured",
            "configured_dp", "STATES", "StoredBuckets", "BUCKET_KEY"]
 

@@ -15,7 +15,7 @@ from ckpt_tool.errors import UnsupportedError
 from ckpt_tool.formats.base import open_checkpoint
 from ckpt_tool.ops._optim_unflatten import UnflattenedOptimizerView, unflatten_bucketed_optimizer
 from ckpt_tool.ops.reshard import ReshardRequest, reshard
-from ckpt_tool.planning.feasibility import model_sizes_from
+from ckpt_tool.planning.source_model import model_sizes_from
 from ckpt_tool.planning.bucket_proof import prove_bucket_layout
 from ckpt_tool.planning.optim_buckets import optimizer_bucket_layout
 from ckpt_tool.planning.source_layout import args_of, source_layout_from

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from ckpt_tool.errors import UsageError
-from ckpt_tool.ops._output_staging import STAGING_MARK, check_output_target, staged_output
+from ckpt_tool.ops._output_staging import check_output_target, staged_output
+from ckpt_tool.leftovers import STAGING_MARK
 
 
 def test_output_appears_only_at_the_end(tmp_path):

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from ckpt_tool.model import CheckpointMeta, ChunkRef, ObjectMeta, TensorMeta
-from ckpt_tool.ops.validate._checks import (Finding, check_coverage, check_expectations,
-                                            check_storage)
+from ckpt_tool.ops.validate._checks import check_coverage, check_expectations, check_storage
+from ckpt_tool.model import Finding
 from ckpt_tool.formats.containers.torch_zip.archive_check import BoundedReader, check_zip_item
 from ckpt_tool.ops.validate import validate
 

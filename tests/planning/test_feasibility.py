@@ -10,9 +10,10 @@ import pytest
 
 from ckpt_tool.formats.base import open_checkpoint
 from ckpt_tool.model import CheckpointMeta, ObjectMeta, TensorMeta
-from ckpt_tool.planning.feasibility import (ERROR, NOTE, WARNING, OptimizerInfo, check_layout,
-                                            model_sizes_from, optimizer_info_from,
-                                            source_layout_from, target_vocab_size, valid_tps)
+from ckpt_tool.planning.feasibility import (ERROR, NOTE, WARNING, check_layout, target_vocab_size,
+                                            valid_tps)
+from ckpt_tool.planning.source_model import OptimizerInfo, model_sizes_from, optimizer_info_from
+from ckpt_tool.planning.source_layout import source_layout_from
 from ckpt_tool.planning.sizes import Layout, ModelSizes
 
 TINY = ModelSizes(num_layers=4, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,

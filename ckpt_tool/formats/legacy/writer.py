@@ -47,7 +47,8 @@ class LegacyWriter(Writer):
     supports_ranks = True
 
     def write(self, request: WriteRequest) -> list[str]:
-        from ckpt_tool.planning.feasibility import ERROR, source_layout_from
+        from ckpt_tool.planning.feasibility import ERROR
+        from ckpt_tool.planning.source_layout import source_layout_from
         from ckpt_tool.planning.reshard import ReshardOptions, plan_reshard
 
         summary = self.options.extra.get("source_common_summary") or {}

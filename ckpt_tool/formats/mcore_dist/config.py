@@ -12,12 +12,10 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Optional
 
-from ckpt_tool.errors import CheckpointingException
 
 __all__ = [
     "CONFIG_FNAME",
     "CheckpointingConfig",
-    "CheckpointingException",
     "check_is_distributed_checkpoint",
     "maybe_load_config",
     "config_bytes",

@@ -25,7 +25,7 @@ from ckpt_tool.model import (CheckpointMeta, ChunkRef, ObjectMeta, TensorMeta, d
                              is_optimizer_key)
 
 __all__ = ["ConvertOptions", "ConvertPlan", "plan_convert", "parse_rename", "DTYPE_ALIASES",
-           "TARGETS", "is_optimizer_key"]
+           "TARGETS"]
 
 TARGETS = ("torch_dist", "zarr", "dcp", "legacy", "torch", "safetensors", "hf")
 DTYPE_ALIASES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16",

@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import Callable
 
 from ckpt_tool.model import CheckpointMeta, ChunkRef, TensorMeta, dtype_itemsize
-from ckpt_tool.ops.diff._windows import Spec, compare_all, memcmp
+from ckpt_tool.ops.diff._windows import Spec, compare_all
 
-__all__ = ["fast_equal", "memcmp", "Box"]
+__all__ = ["fast_equal", "Box"]
 
 _MAX_RUNS = 4096  # most byte runs compared for one chunk inside an unchunked tensor
 

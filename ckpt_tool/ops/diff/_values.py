@@ -24,7 +24,8 @@ from typing import Any, Callable, Iterator
 
 from ckpt_tool.formats.containers.torch_zip.archive_check import check_archive, check_file
 from ckpt_tool.model import CheckpointMeta, TensorMeta, dtype_itemsize
-from ckpt_tool.ops.diff._bytes import Box, memcmp
+from ckpt_tool.ops.diff._bytes import Box
+from ckpt_tool.ops.diff._windows import memcmp
 
 __all__ = ["TensorDiff", "CommonDiff", "compare_values", "compare_common", "compare_objects",
            "same_common_file", "js", "PIECE_BYTES"]

@@ -37,8 +37,9 @@ from typing import TYPE_CHECKING, Any, Iterable
 from ckpt_tool.errors import CorruptCheckpointError, InputError, UnsafePickleError
 from ckpt_tool.model import CheckpointMeta
 from ckpt_tool.storage import as_path, is_remote
-from ckpt_tool.ops.validate._checks import (Finding, check_coverage, check_expectations,
-                                            check_storage, error, warning)
+from ckpt_tool.ops.validate._checks import (check_coverage, check_expectations, check_storage,
+                                            error, warning)
+from ckpt_tool.model import Finding
 from ckpt_tool.ops.validate._common_states import common_state_differences
 from ckpt_tool.ops.validate._integrity_pass import check_loose_archives, scan_archives
 from ckpt_tool.ops.manifest_checks import manifest_findings

@@ -15,7 +15,7 @@ from ckpt_tool.errors import plural
 from ckpt_tool.model import DTYPE_ITEMSIZE, CheckpointMeta, ChunkRef, Finding, TensorMeta
 from ckpt_tool.planning.overlap import grid_tiling
 
-__all__ = ["Finding", "error", "warning", "check_coverage", "check_storage",
+__all__ = ["error", "warning", "check_coverage", "check_storage",
            "check_expectations", "MAX_REPORTED", "nonfinite", "count_nonfinite", "count_slabs",
            "crc32_counting", "NonfiniteBatch"]
 

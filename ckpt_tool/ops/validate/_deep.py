@@ -7,7 +7,8 @@ from typing import Any, Iterator
 
 from ckpt_tool.errors import plural
 from ckpt_tool.model import CheckpointMeta
-from ckpt_tool.ops.validate._checks import Finding, error, warning
+from ckpt_tool.ops.validate._checks import error, warning
+from ckpt_tool.model import Finding
 
 __all__ = ["deep_read"]
 

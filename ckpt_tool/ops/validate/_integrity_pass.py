@@ -34,7 +34,8 @@ from typing import Any, Iterator, NamedTuple
 import numpy as np
 
 from ckpt_tool.model import CheckpointMeta
-from ckpt_tool.ops.validate._checks import Finding, error
+from ckpt_tool.ops.validate._checks import error
+from ckpt_tool.model import Finding
 from ckpt_tool.ops._mapped_ranges import map_ranges, prefault
 from ckpt_tool.ops.validate._scan_item import check_slowly, scan_unit
 from ckpt_tool.ops.validate._scan_units import Out, Unit, plan_files, plan_items

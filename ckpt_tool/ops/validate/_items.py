@@ -20,7 +20,8 @@ from typing import Any
 
 from ckpt_tool.errors import CkptError, UnsafePickleError
 from ckpt_tool.model import CheckpointMeta
-from ckpt_tool.ops.validate._checks import Finding, error
+from ckpt_tool.ops.validate._checks import error
+from ckpt_tool.model import Finding
 
 __all__ = ["check_object_pickles", "check_overlaps"]
 

@@ -21,7 +21,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from ckpt_tool.model import DTYPE_ITEMSIZE, CheckpointMeta, is_optimizer_key
-from ckpt_tool.ops.validate._checks import Finding, error
+from ckpt_tool.ops.validate._checks import error
+from ckpt_tool.model import Finding
 
 __all__ = ["check_meta_against_files", "check_common_state"]
 

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ckpt_tool.formats.containers.torch_zip.zip_directory import NotSimple, ZipRecord, zip_records
-from ckpt_tool.ops.validate._checks import Finding
+from ckpt_tool.model import Finding
 
 __all__ = ["Archive", "Raw", "Items", "Unit", "Out", "plan_files", "plan_items"]
 

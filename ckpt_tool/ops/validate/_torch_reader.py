@@ -16,7 +16,8 @@ from typing import Any
 
 from ckpt_tool.formats.containers.torch_zip.archive_check import torch_reader_problem
 from ckpt_tool.model import CheckpointMeta
-from ckpt_tool.ops.validate._checks import Finding, error
+from ckpt_tool.ops.validate._checks import error
+from ckpt_tool.model import Finding
 from ckpt_tool.storage import open_read
 
 __all__ = ["torch_reader_findings"]

@@ -25,7 +25,7 @@ from ckpt_tool.planning.overlap import chunk_index
 from ckpt_tool.storage import is_remote, read_into
 
 __all__ = ["read_item_bytes", "load_chunk", "load_chunk_view", "item_ranges", "normalize_slices",
-           "assemble", "torch_dtype"]
+           "assemble"]
 
 
 def read_item_bytes(root: Path, file: str | None, offset: int | None, length: int | None, *,

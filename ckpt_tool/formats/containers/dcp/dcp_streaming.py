@@ -44,13 +44,12 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 from ckpt_tool.errors import CheckpointingException, CorruptCheckpointError
 from ckpt_tool.formats.containers.dcp.dcp_torch_free_metadata import check_grid as _check_grid
-from ckpt_tool.formats.containers.dcp.dcp_torch_free_save import (file_count, is_main_rank,
-                                                                  stored_shape_note)
+from ckpt_tool.formats.containers.dcp.dcp_torch_free_save import file_count
 from ckpt_tool.formats.writer import WriteRequest, Writer
 from ckpt_tool.model import TensorMeta
 
 __all__ = ["McoreFileSystemWriter", "run_dcp_save", "tensor_items", "serialized",
-           "stored_shape_note", "is_main_rank", "file_count", "item_nbytes", "chunk_write_items", "bytes_write_item", "StreamingSavePlanner",
+           "item_nbytes", "chunk_write_items", "bytes_write_item", "StreamingSavePlanner",
            "StreamingFileSystemWriter"]
 
 
@@ -90,7 +89,6 @@ class McoreFileSystemWriter(FileSystemWriter):
             raise CheckpointingException(
                 f"only {written} of {len(plan.items)} items written: a writer thread failed")
         return fut
-
 
 
 def chunk_write_items(t: TensorMeta) -> List[WriteItem]:
@@ -269,7 +267,6 @@ def serialized(value: Any) -> io.BytesIO:
     return buf
 
 
-
 def run_dcp_save(writer: Writer, request: WriteRequest, items: list, planner_data,
                   keep_local_plans: bool,
                   tensor: Callable[[str, tuple, tuple], Any],
@@ -323,7 +320,6 @@ def item_nbytes(item: Any) -> int:
     if td is None:
         return 1
     return max(1, math.prod(td.chunk.sizes) * td.properties.dtype.itemsize)
-
 
 
 def tensor_items(request: WriteRequest) -> list:
