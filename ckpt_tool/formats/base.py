@@ -30,11 +30,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
-from ckpt_tool.errors import CorruptCheckpointError, InputError, NotACheckpointError
+from ckpt_tool.errors import InputError, NotACheckpointError
 from ckpt_tool.model import CheckpointMeta, ChunkRef, ObjectMeta, TensorMeta
 from ckpt_tool.storage import as_path, is_remote
 
-__all__ = ["Reader", "Format", "register", "formats", "detect", "open_checkpoint", "inside_name",
+__all__ = ["Reader", "Format", "register", "formats", "detect", "open_checkpoint",
            "check_readable", "os_input_error"]
 
 
@@ -266,23 +266,6 @@ def os_input_error(exc: OSError, path: str | Path) -> InputError:
 
 
 _MARKERS = ("metadata.json", ".metadata", "common.pt", "latest_checkpointed_iteration.txt")
-
-
-def inside_name(name: Any, what: str, source: str) -> str:
-    """``name`` (a file named by a checkpoint's own metadata: a DCP storage ``relative_path``,
-    a safetensors index's ``weight_map`` value) checked to stay inside the checkpoint: a
-    non-empty relative path without ``..``. An absolute path or ``../x`` would make a reader
-    open (or a writer replace) a file outside the checkpoint: CorruptCheckpointError naming
-    ``what`` and the ``source`` that says so."""
-    if not isinstance(name, str) or not name or "\0" in name:
-        raise CorruptCheckpointError(f"{what} {name!r} is not a file name",
-                                     hint=f"{source} is damaged")
-    if os.path.isabs(name) or name.startswith(("/", "\\")) \
-            or ".." in name.replace("\\", "/").split("/"):
-        raise CorruptCheckpointError(
-            f"{what} {name!r} is outside the checkpoint directory",
-            hint=f"{source} is damaged or crafted; nothing outside the checkpoint is read")
-    return name
 
 
 def _interrupted_write(p: Any) -> InputError | None:

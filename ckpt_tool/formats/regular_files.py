@@ -8,7 +8,8 @@ command reads a byte or creates its output's lock or staging directory: :func:`d
 (``formats.base``) checks the checkpoint's whole tree (:func:`check_tree`) and the files that
 locate it (the tracker, a manifest beside a single file), and :func:`open_regular` opens a
 file without blocking and refuses it if it is not regular (for the few files read before
-the tree is known).
+the tree is known). A file that a checkpoint's own metadata names stays inside it
+(:func:`inside_name`).
 
 An object store holds nothing but objects (``ckpt_tool.storage``): its locations pass these
 checks untouched.
@@ -24,12 +25,12 @@ import errno
 import os
 import stat
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
-from ckpt_tool.errors import InputError
+from ckpt_tool.errors import CorruptCheckpointError, InputError
 from ckpt_tool.storage import is_remote
 
-__all__ = ["check_tree", "check_regular", "open_regular", "kind_of", "MAX_DEPTH"]
+__all__ = ["check_tree", "check_regular", "open_regular", "kind_of", "inside_name", "MAX_DEPTH"]
 
 MAX_DEPTH = 4  # a checkpoint's deepest files: iter_*/mp_rank_*/file, zarr array/chunk
 
@@ -112,3 +113,20 @@ def open_regular(path: str | Path) -> BinaryIO:
     except BaseException:
         os.close(fd)
         raise
+
+
+def inside_name(name: Any, what: str, source: str) -> str:
+    """``name`` (a file named by a checkpoint's own metadata: a DCP storage ``relative_path``,
+    a safetensors index's ``weight_map`` value) checked to stay inside the checkpoint: a
+    non-empty relative path without ``..``. An absolute path or ``../x`` would make a reader
+    open (or a writer replace) a file outside the checkpoint: CorruptCheckpointError naming
+    ``what`` and the ``source`` that says so."""
+    if not isinstance(name, str) or not name or "\0" in name:
+        raise CorruptCheckpointError(f"{what} {name!r} is not a file name",
+                                     hint=f"{source} is damaged")
+    if os.path.isabs(name) or name.startswith(("/", "\\")) \
+            or ".." in name.replace("\\", "/").split("/"):
+        raise CorruptCheckpointError(
+            f"{what} {name!r} is outside the checkpoint directory",
+            hint=f"{source} is damaged or crafted; nothing outside the checkpoint is read")
+    return name

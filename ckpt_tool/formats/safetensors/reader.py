@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_tool.errors import CorruptCheckpointError, InputError, UnsupportedError
-from ckpt_tool.formats.base import Format, Reader, inside_name, register
+from ckpt_tool.formats.base import Format, Reader, register
+from ckpt_tool.formats.regular_files import inside_name
 from ckpt_tool.model import ChunkRef, CheckpointMeta, TensorMeta, dtype_itemsize
 
 __all__ = ["SAFETENSORS_DTYPES", "read_header", "SafetensorsReader", "SAFETENSORS"]

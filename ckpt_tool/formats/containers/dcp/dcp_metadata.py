@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_tool.errors import CorruptCheckpointError, InputError
-from ckpt_tool.formats.base import inside_name
+from ckpt_tool.formats.regular_files import inside_name
 from ckpt_tool.formats.containers.pickle.safe_pickle import safe_load
 from ckpt_tool.model import ChunkRef, ObjectMeta, TensorMeta
 from ckpt_tool.storage import as_path, open_read
@@ -227,7 +227,7 @@ def dcp_tensor_metas(md: Any, *, mcore_data: dict[str, Any] | None = None
 
 def data_file_name(name: Any, key: str) -> str:
     """A storage ``relative_path`` checked to stay inside the checkpoint directory (see
-    :func:`ckpt_tool.formats.base.inside_name`)."""
+    :func:`ckpt_tool.formats.regular_files.inside_name`)."""
     return inside_name(name, f"item {key}: its data file", ".metadata")
 
 
