@@ -240,6 +240,13 @@ class FormatKind:
         """What Megatron-LM resumes from: a Megatron-Core dist or a legacy checkpoint."""
         return self.megatron_dist or self.legacy_rank_files
 
+    @property
+    def megatron_ckpt_format(self) -> str | None:
+        """Megatron-LM's ``--ckpt-format`` that loads it (``torch_dist`` for both dist
+        backends, ``torch`` for legacy rank files); None where Megatron-LM does not resume."""
+        return "torch" if self.legacy_rank_files else "torch_dist" if self.megatron_dist \
+            else None
+
 
 @dataclass(frozen=True)
 class CheckpointMeta:

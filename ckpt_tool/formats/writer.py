@@ -97,12 +97,78 @@ class WriterOptions:
 
 
 class Writer(abc.ABC):
-    """Writes one checkpoint into an empty directory. See the module docstring."""
+    """Writes one checkpoint into an empty directory. See the module docstring.
+
+    What the commands need to know about a target format before writing is declared here,
+    each with a default that means "this format does not", and set by each writer class;
+    ``ops`` asks ``writer_for(name)`` for them and never tests a target format's name (what a
+    name says about storage, shared with readers: ``model.FormatKind``)::
+
+        cls = writer_for(to)
+        cls.file_suffixes, cls.default_file_name    # DST as one file; what validate then reads
+        cls.keeps_common                            # "full" / "scalars" / "none"
+        cls.chunked, cls.keeps_source_grid          # the chunk grid the plan gives it
+        cls.takes_raw_bytes, cls.takes_stored_bytes # torch-free source, pass-through items
+        cls.writes_torch_free(meta, options)        # the whole write without torch
+        cls.shards_by_size, cls.optimizer_beside    # max_shard_size; optimizer files apart
+        cls.takes_layout, cls.makes_save_directory, cls.megatron_resume_target
+        cls.supports_ranks                          # every rank of a torchrun job writes
+    """
 
     format_name: str = ""
     #: True when ``write`` runs on every rank of a torchrun job and each rank writes only its
     #: share (``request.ranks``); otherwise only rank 0 calls ``write``.
     supports_ranks: bool = False
+    #: The suffixes (lower case, with the dot) of a DST that names one file of this format:
+    #: the writer then writes that one file (``WriterOptions.file_name``) into its directory.
+    #: Empty: the format is a directory.
+    file_suffixes: tuple[str, ...] = ()
+    #: The one file that is the checkpoint when no ``file_name`` is given (what validating
+    #: the output reads); None: the directory is the checkpoint.
+    default_file_name: str | None = None
+    #: What of the request's common state the format keeps: ``"full"`` (all of it: the
+    #: source must carry a sound one), ``"scalars"`` (only the int/float/str/bool values of
+    #: its JSON-safe summary, ``meta.common``, which the caller passes as ``common``) or
+    #: ``"none"`` (weights only; a source without a common state converts as well).
+    keeps_common: str = "full"
+    #: Stores each tensor as the chunks the plan gives it (``meta.tensors[k].chunks``): the
+    #: planner splits a chunk bigger than ``max_memory`` along its first axis.
+    chunked: bool = False
+    #: Is given the source's chunk grid (when it tiles the tensor), so each piece pulled is
+    #: one source chunk read once: the chunked formats store it, others pull a whole tensor
+    #: piece by piece along it; False: one chunk per tensor (the writer streams slabs).
+    keeps_source_grid: bool = False
+    #: ``write`` takes the raw element bytes (numpy arrays) of a torch-free source
+    #: (``ops._torch_free_source.TorchFreeSource``) as well as torch tensors.
+    takes_raw_bytes: bool = False
+    #: ``write`` uses ``WriteRequest``'s pass-through of stored bytes (``common_file``,
+    #: ``common_loader``, ``raw_object``): the common state and objects copied as stored.
+    takes_stored_bytes: bool = False
+    #: Splits its files at ``WriterOptions.max_shard_size`` bytes (a DST naming one file
+    #: asks for a single shard).
+    shards_by_size: bool = False
+    #: Keeps optimizer state in files of its own beside the model's: a DST naming one file
+    #: then holds the model's weights only.
+    optimizer_beside: bool = False
+    #: Writes at the tensor/pipeline-parallel layout ``WriterOptions.tp``/``pp`` (one file
+    #: per model-parallel rank); the others write global tensors with no layout of their own.
+    takes_layout: bool = False
+    #: Writes the whole training save directory itself (iteration directory, tracker file,
+    #: ``WriterOptions.extra["iteration_dir"]``) into the directory it is given, rather than
+    #: into the container the caller makes.
+    makes_save_directory: bool = False
+    #: A format today's Megatron-LM resumes training from at a layout of its own (Megatron-Core
+    #: 0.16 and later no longer load ``zarr``): what ``reshard`` writes and an HF directory is
+    #: imported into.
+    megatron_resume_target: bool = False
+
+    @classmethod
+    def writes_torch_free(cls, meta: CheckpointMeta, options: WriterOptions, *,
+                          common_alone: bool = False) -> bool:
+        """True when ``write`` of target ``meta`` imports no torch given a torch-free source
+        and common state (``TorchRef`` values); ``common_alone``: and the common state given
+        is written as given (no object moves into it). By default False."""
+        return False
 
     def __init__(self, directory: Path, options: WriterOptions | None = None):
         self.directory = Path(directory)

@@ -21,6 +21,7 @@ from typing import Any
 from ckpt_tool.errors import UsageError
 from ckpt_tool.formats.save_dir import (LATEST_FILE, NEMO_WEIGHTS, Container,
                                         iteration_dir_name, is_iteration_dir_name)
+from ckpt_tool.formats.writer import writer_for
 from ckpt_tool.model import FormatKind
 
 __all__ = ["output_container", "check_container_target", "place_container",
@@ -32,7 +33,7 @@ def output_container(source: Container, to: str, iteration: Any = None) -> Conta
     """The container of an output in format ``to`` from a source in ``source``; ``iteration``
     (the common state's) names a legacy output's iteration directory when the source has
     none."""
-    if to == "legacy":
+    if writer_for(to).makes_save_directory:  # legacy rank files: always in a save directory
         name = source.iteration_dir or iteration_dir_name(
             "release" if iteration is None else int(iteration))
         return Container("save_dir", name)

@@ -29,10 +29,7 @@ from ckpt_tool.formats.save_dir import LATEST_FILE, Container, iteration_dir_nam
 from ckpt_tool.model import FormatKind
 
 __all__ = ["ResumeFacts", "ResumeRecipe", "resume_recipe", "resume_for", "written_facts",
-           "MEGATRON_CKPT_FORMAT", "FRAMEWORK_NAMES", "ranks_note"]
-
-#: ``--ckpt-format`` of Megatron-LM for each format it resumes from.
-MEGATRON_CKPT_FORMAT = {"torch_dist": "torch_dist", "zarr": "torch_dist", "legacy": "torch"}
+           "FRAMEWORK_NAMES", "ranks_note"]
 
 
 @dataclass(frozen=True)
@@ -57,7 +54,7 @@ def resume_for(written: Path, target: Path, container: Container, source_format:
     """The recipe for the checkpoint just written at ``written`` (None for a format
     Megatron-LM does not resume from); ``layouts``: ``layout``/``source_layout`` of
     :func:`written_facts`."""
-    if target_format not in MEGATRON_CKPT_FORMAT:
+    if not FormatKind(target_format).megatron:
         return None
     return resume_recipe(written_facts(written, target, container, source_format, **layouts))
 
@@ -127,13 +124,14 @@ class ResumeRecipe:
 def resume_recipe(facts: ResumeFacts) -> ResumeRecipe | None:
     """The Megatron-LM recipe for an output Megatron-LM resumes from (None for the other
     formats); ``ops._resume_frameworks.recipe_for`` speaks Megatron-Bridge's and NeMo's."""
-    if facts.target_format not in MEGATRON_CKPT_FORMAT:
+    target = FormatKind(facts.target_format)
+    if not target.megatron:
         return None
     flags: list[str] = []
     notes: list[str] = []
     _load(facts, flags, notes)
-    if MEGATRON_CKPT_FORMAT.get(facts.source_format) != MEGATRON_CKPT_FORMAT[facts.target_format]:
-        flags += ["--ckpt-format", MEGATRON_CKPT_FORMAT[facts.target_format]]
+    if FormatKind(facts.source_format).megatron_ckpt_format != target.megatron_ckpt_format:
+        flags += ["--ckpt-format", str(target.megatron_ckpt_format)]
     if facts.layout is not None:
         _layout(facts.layout, facts.source_layout or {}, flags, notes)
     if not facts.has_rng:
@@ -143,7 +141,7 @@ def resume_recipe(facts: ResumeFacts) -> ResumeRecipe | None:
         notes.append("no optimizer state: Adam starts afresh and the learning-rate scheduler "
                      "from the flags (Megatron-LM loads its state with the optimizer's)")
     _sharding(facts, notes)
-    if FormatKind(facts.target_format).zarr_arrays:
+    if target.zarr_arrays:
         notes.append("Megatron-Core 0.16 and later cannot load zarr (0.15 and earlier, with "
                      "zarr installed, can): 'ckpt convert --to torch_dist' for them")
     return ResumeRecipe(flags, notes, _dist_line(facts))

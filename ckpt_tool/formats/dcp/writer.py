@@ -45,6 +45,8 @@ class DcpWriter(Writer):
 
     format_name = "dcp"
     supports_ranks = True
+    chunked = keeps_source_grid = True
+    takes_raw_bytes = takes_stored_bytes = True
 
     def write(self, request: WriteRequest) -> list[str]:
         """The DCP items and ``.metadata``; objects and common values as bytes items."""

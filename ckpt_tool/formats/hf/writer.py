@@ -24,6 +24,8 @@ class HfWriter(Writer):
 
     format_name = "hf"
     supports_ranks = True
+    keeps_common = "none"
+    shards_by_size = True
 
     def write(self, request: WriteRequest) -> list[str]:
         """The safetensors shards, then ``config.json`` (+ ``generation_config.json``)."""

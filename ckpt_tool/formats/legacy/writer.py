@@ -45,6 +45,7 @@ class LegacyWriter(Writer):
 
     format_name = "legacy"
     supports_ranks = True
+    takes_layout = makes_save_directory = megatron_resume_target = True
 
     def write(self, request: WriteRequest) -> list[str]:
         from ckpt_tool.planning.feasibility import ERROR

@@ -59,7 +59,7 @@ from ckpt_tool.formats.containers.torch_zip.torch_save_object import object_item
 from ckpt_tool.formats.writer import WriteRequest, Writer, WriterOptions
 from ckpt_tool.model import CheckpointMeta
 
-__all__ = ["TorchDistWriter", "writes_raw"]
+__all__ = ["TorchDistWriter"]
 
 # What Megatron-Core's ShardedObject.empty_from_unique_key can parse back.
 _SHARDED_OBJECT_KEY = re.compile(r"[^/]+/shard_\d+(\.\d+)*_\d+(\.\d+)*")
@@ -70,6 +70,20 @@ class TorchDistWriter(Writer):
 
     format_name = "torch_dist"
     supports_ranks = True
+    chunked = keeps_source_grid = True
+    takes_raw_bytes = takes_stored_bytes = True
+    megatron_resume_target = True
+
+    @classmethod
+    def writes_torch_free(cls, meta: CheckpointMeta, options: WriterOptions, *,
+                          common_alone: bool = False) -> bool:
+        """True when :meth:`write` takes the raw path for the target ``meta``
+        (:func:`~ckpt_tool.formats.containers.dcp.dcp_torch_free_save.torch_free_write_applies`);
+        with ``common_alone``, also that no object moves into ``common.pt`` (it is then the
+        common state given, as given)."""
+        if not torch_free_write_applies(meta, options):
+            return False
+        return not (common_alone and _object_keys(SimpleNamespace(meta=meta))[1])
 
     def write(self, request: WriteRequest) -> list[str]:
         """``common.pt``, the DCP items and ``.metadata``, then ``metadata.json``; keeps
@@ -124,7 +138,7 @@ class TorchDistWriter(Writer):
         without torch where ``torch_save_object`` can).
         Objects are their stored bytes items when the source has them, else
         ``torch.save([payload])`` as the DCP path writes them."""
-        if not writes_raw(request.meta, self.options):
+        if not self.writes_torch_free(request.meta, self.options):
             return False
         form = self.form
         object_keys, others = _object_keys(request)
@@ -158,14 +172,6 @@ class TorchDistWriter(Writer):
         return True
 
 
-def writes_raw(meta: CheckpointMeta, options: WriterOptions, *,
-               common_alone: bool = False) -> bool:
-    """True when :meth:`TorchDistWriter.write` takes the raw path for the target ``meta``
-    (:func:`~ckpt_tool.formats.containers.dcp.dcp_torch_free_save.torch_free_write_applies`); with ``common_alone``, also
-    that no object moves into ``common.pt`` (it is then the common state given, as given)."""
-    if not torch_free_write_applies(meta, options):
-        return False
-    return not (common_alone and _object_keys(SimpleNamespace(meta=meta))[1])
 
 
 def _object_keys(request: Any) -> tuple[list[str], list[str]]:

@@ -97,6 +97,7 @@ class ZarrWriter(Writer):
 
     format_name = "zarr"
     supports_ranks = True
+    chunked = keeps_source_grid = True
 
     def write(self, request: WriteRequest) -> list[str]:
         """Write arrays, ShardedObjects, ``common.pt`` and (last) ``metadata.json``."""

@@ -110,6 +110,10 @@ class SafetensorsWriter(Writer):
 
     format_name = "safetensors"
     supports_ranks = True
+    file_suffixes = (".safetensors",)
+    keeps_common = "scalars"  # (in __metadata__)
+    keeps_source_grid = True  # (each tensor pulled piece by piece along it)
+    takes_raw_bytes = shards_by_size = optimizer_beside = True
 
     def write(self, request: WriteRequest) -> list[str]:
         """Write the shards (and the index when more than one); return what was dropped."""

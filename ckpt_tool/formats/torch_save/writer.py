@@ -116,6 +116,8 @@ class TorchSaveWriter(Writer):
     """One torch.save file of full tensors; see the module docstring."""
 
     format_name = "torch"
+    file_suffixes = (".pt", ".pth", ".bin", ".ckpt")
+    default_file_name = "model.pt"
 
     def write(self, request: WriteRequest) -> list[str]:
         """Write ``<directory>/<file_name or model.pt>``; return what was dropped."""

@@ -30,7 +30,7 @@ from ckpt_tool.ops.convert._plan import (TARGETS, ConvertOptions, ConvertPlan, p
                                          plan_convert)
 from ckpt_tool.ops._torch_free_source import TorchFreeSource, torch_free_source_applies
 from ckpt_tool.ops._framework_files import carry_framework_files
-from ckpt_tool.ops._resume import MEGATRON_CKPT_FORMAT, ResumeRecipe, resume_for, written_facts
+from ckpt_tool.ops._resume import ResumeRecipe, resume_for, written_facts
 from ckpt_tool.ops._resume_frameworks import recipe_for
 from ckpt_tool.ops._source import ReaderSource
 from ckpt_tool.ops.validate import UNVERIFIED_NOTE, check_source
@@ -43,15 +43,7 @@ from ckpt_tool.parallel import JobProgress
 from ckpt_tool.parallel import ranks as current_ranks
 
 __all__ = ["ConvertResult", "convert", "ConvertOptions", "ConvertPlan", "plan_convert",
-           "parse_rename", "TARGETS", "SINGLE_FILE_TARGETS", "Progress"]
-
-# Targets written as one file when DST looks like a file name.
-# Targets that keep no common state (a source without one converts to them as well).
-_NO_COMMON = ("safetensors", "hf")
-# Targets whose writers take raw element bytes (numpy) from a torch-free source.
-_RAW_TARGETS = ("safetensors", "torch_dist", "dcp")
-SINGLE_FILE_TARGETS = {"torch": (".pt", ".pth", ".bin", ".ckpt"), "safetensors": (".safetensors",)}
-
+           "parse_rename", "TARGETS", "Progress"]
 
 
 class Progress(Protocol):
@@ -107,7 +99,8 @@ def convert(src: str | Path | SourcePlace, dst: str | Path, options: ConvertOpti
     (IntegrityError, exit 1, on a mismatch: nothing is written)."""
     start = time.perf_counter()
     place = src if isinstance(src, SourcePlace) else locate_source(src)
-    if options.to == "hf" or options.to in ("torch_dist", "legacy"):
+    writer_cls = writer_for(options.to)
+    if FormatKind(options.to).hf_directory or writer_cls.megatron_resume_target:
         from ckpt_tool.formats.base import detect
         from ckpt_tool.ops.convert._hf import convert_hf, is_hf_conversion
 
@@ -118,7 +111,7 @@ def convert(src: str | Path | SourcePlace, dst: str | Path, options: ConvertOpti
                 verify=verify, tp=tp, pp=pp, max_shard_size=max_shard_size,
                 progress=progress, verify_source=verify_source))
             return _with_resume_of_import(done)
-    if (tp is not None or pp is not None) and options.to != "legacy":
+    if (tp is not None or pp is not None) and not writer_cls.takes_layout:
         raise UsageError("--tp/--pp only apply with --to legacy",
                          hint="use 'ckpt reshard' to change the parallel layout")
     r = current_ranks()
@@ -130,27 +123,27 @@ def convert(src: str | Path | SourcePlace, dst: str | Path, options: ConvertOpti
         meta = reader.metadata()
         container = output_container(place.container, options.to, meta.common.get("iteration"))
         check_container_target(out, container)
-        file_name = _single_file_name(out, options.to)
-        one_file_model = (file_name and options.to == "safetensors" and not options.model_only
+        file_name = out.name if out.suffix.lower() in writer_cls.file_suffixes else None
+        one_file_model = (file_name and writer_cls.optimizer_beside and not options.model_only
                           and any(is_optimizer_key(k) for k in meta.tensors))
         if one_file_model:  # one .safetensors file is the model: its optimizer has no place
             options = dataclasses.replace(options, model_only=True)
         plan = plan_convert(meta, options, reader.objects_in_common())
-        check_source(meta, plan.key_map.values(), needs_common=options.to not in _NO_COMMON)
+        check_source(meta, plan.key_map.values(), needs_common=writer_cls.keeps_common == "full")
         if verify_source:
             check_source_manifest(as_path(place.given), as_path(meta.root), r)
         if one_file_model:
             plan.notes.append(f"{out.name} holds the model's weights only: optimizer state "
                               "left out (give a directory as DST to keep it in "
                               "optimizer.safetensors)")
-        if file_name and options.to == "safetensors":  # one file, as DST names it
+        if file_name and writer_cls.shards_by_size:  # one file, as DST names it
             if max_shard_size:
                 raise UsageError(f"{out.name} names one safetensors file, and --max-shard-size "
                                  "asks for shards", hint="give a directory as DST for shards")
             max_shard_size = max(plan.target.total_bytes, 1)
         sizes = {k: t.nbytes for k, t in plan.target.tensors.items()}
-        raw = options.to in _RAW_TARGETS and torch_free_source_applies(reader, plan.key_map,
-                                                                 plan.dtypes)
+        raw = writer_cls.takes_raw_bytes and torch_free_source_applies(reader, plan.key_map,
+                                                                       plan.dtypes)
         source: Any = (TorchFreeSource(reader, plan.key_map, sizes) if raw else
                        ReaderSource(reader, plan.key_map, plan.dtypes, sizes=sizes))
         notes = list(plan.notes) + (view.notes() if view is not None else []) + (
@@ -164,13 +157,14 @@ def convert(src: str | Path | SourcePlace, dst: str | Path, options: ConvertOpti
 
         # torch_dist -> torch_dist (or dcp) moving raw bytes: common.pt and the objects' bytes
         # items may be copied (or re-pickled) as stored: the writer then never imports torch
-        passthrough = (_passthrough(reader, plan) if raw and options.to in ("torch_dist", "dcp")
+        passthrough = (_passthrough(reader, plan) if raw and writer_cls.takes_stored_bytes
                        else {})
         # safetensors keeps only scalars of the common state: the summary has them (and
         # loading the full common state would import torch for nothing)
-        if options.to == "safetensors":  # (from the metadata's summary: checked here)
+        scalars = writer_cls.keeps_common == "scalars"
+        if scalars:  # (from the metadata's summary: checked here)
             reader.check_common()
-        common = (_scalar_summary(meta.common) if options.to == "safetensors"
+        common = (_scalar_summary(meta.common) if scalars
                   else {} if passthrough else _full_common(reader, plan))
         request = WriteRequest(
             meta=plan.target, source=source, common=common,
@@ -183,25 +177,24 @@ def convert(src: str | Path | SourcePlace, dst: str | Path, options: ConvertOpti
             file_name=file_name, max_memory=options.max_memory, tp=tp, pp=pp,
             extra={"source_common_summary": meta.common, "source_extras": meta.extras,
                    "threads": max(1, workers), "iteration_dir": container.iteration_dir})
-        writer_cls = writer_for(options.to)
-        legacy = options.to == "legacy"  # (whose writer makes its own save directory)
+        own_dir = writer_cls.makes_save_directory
         with staged_output_ranks(out, r, overwrite=overwrite, file_name=file_name,
                                  notes=notes, need_bytes=output_estimate(plan.target),
-                                 inner=None if legacy else container.inner) as staging:
-            where = staging if legacy else place_container(staging, container, r)
+                                 inner=None if own_dir else container.inner) as staging:
+            where = staging if own_dir else place_container(staging, container, r)
             writer = writer_cls(where, wopts)
             if r.is_main or writer_cls.supports_ranks:
                 notes += writer.write(request)
             r.barrier()
             job_progress.catch_up(source.tensors_done)
             facts = (written_facts(container.checkpoint_in(staging), out, container, meta.format)
-                     if options.to in MEGATRON_CKPT_FORMAT else None)
+                     if FormatKind(options.to).megatron else None)
             if facts is not None and r.is_main:
                 notes += carry_framework_files(place, staging, container, None, facts.has_rng,
                                                facts.has_optimizer)
             r.barrier()
             if verify:
-                single = file_name or ("model.pt" if options.to == "torch" else "")
+                single = file_name or writer_cls.default_file_name
                 verify_output(staging / single if single else to_validate(staging, container),
                               trust=trust, what="converted", ranks=r)
             resume = None if facts is None else recipe_for(facts)
@@ -227,12 +220,6 @@ def _with_resume_of_import(done: ConvertResult) -> ConvertResult:
     return dataclasses.replace(done, container=place.container, resume=resume_for(
         place.checkpoint, as_path(done.target), place.container, done.source_format,
         done.format))
-
-
-def _single_file_name(out: Path, to: str) -> str | None:
-    if out.suffix.lower() in SINGLE_FILE_TARGETS.get(to, ()):
-        return out.name
-    return None
 
 
 def _scalar_summary(summary: dict[str, Any]) -> dict[str, Any]:

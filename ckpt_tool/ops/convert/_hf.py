@@ -47,9 +47,10 @@ __all__ = ["convert_hf", "is_hf_conversion", "load_hf_config"]
 
 
 def is_hf_conversion(source_format: str, to: str) -> bool:
-    """True when ``convert`` goes through the architecture rules."""
-    return to == "hf" or (FormatKind(source_format).hf_directory
-                          and to in ("torch_dist", "legacy"))
+    """True when ``convert`` goes through the architecture rules: an export to an HF
+    directory, or an HF directory imported into what Megatron-LM resumes from."""
+    return FormatKind(to).hf_directory or (FormatKind(source_format).hf_directory
+                                           and writer_for(to).megatron_resume_target)
 
 
 def load_hf_config(path: str | Path | None) -> dict[str, Any]:
@@ -133,7 +134,7 @@ def _import(reader: Reader, meta: CheckpointMeta, options: Any, tp: int, pp: int
 def _target(recipes: list[Recipe], to: str) -> CheckpointMeta:
     tensors = {}
     for r in recipes:
-        if to in ("torch_dist", "legacy") and any(p.index for p in r.parts):
+        if not FormatKind(to).hf_directory and any(p.index for p in r.parts):
             lead = len(r.parts[0].index)
             chunks = tuple(ChunkRef(offsets=(*p.index, *(0,) * (len(r.shape) - lead)),
                                     sizes=(*(1,) * lead, *r.shape[lead:])) for p in r.parts)
@@ -162,7 +163,7 @@ def convert_hf(src: str | Path, dst: str | Path, options: Any, *, trust: bool = 
         check_source(meta)
         if verify_source:
             check_source_manifest(as_path(src), as_path(meta.root), r)
-        if options.to == "hf":
+        if FormatKind(options.to).hf_directory:
             if tp is not None or pp is not None:
                 raise UsageError("--tp/--pp do not apply with --to hf",
                                  hint="an HF directory has no parallel layout")
@@ -171,7 +172,7 @@ def convert_hf(src: str | Path, dst: str | Path, options: Any, *, trust: bool = 
             recipes, common, extra = _import(reader, meta, options, tp or 1, pp or 1)
         target = _target(recipes, options.to)
         extra_states = None
-        if options.to == "torch_dist":  # the model's _extra_state objects, as it saves them
+        if FormatKind(options.to).megatron_dist:  # the model's _extra_state objects, as saved
             extra_states = ExtraStates(target.tensors, LOCAL if options.local_spec else TE)
             target = replace(target, objects=extra_states.objects)
         source = HfSource(reader, {r.key: r for r in recipes})

@@ -4,13 +4,15 @@
 ``--rename OLD=NEW`` (prefix mapping, first match wins), ``--model-only`` (drops optimizer
 state) and ``--dtype`` (floating tensors only) and picks the target chunk grid:
 
-* dist targets (``torch_dist``, ``dcp``, ``zarr``) keep the source's chunk grid when it is a
-  plain tiling of the tensor (replicas counted once), so each output chunk is one source chunk
-  read once; otherwise (flattened optimizer state, unchunked sources) one chunk per tensor;
-* any chunk larger than ``max_memory`` is split along its first axis;
-* safetensors keeps that grid too, though each tensor is stored whole: its writer pulls pieces
-  no bigger than the largest of them, so memory follows the stored chunks, not the tensor
-  (a stacked ``decoder.layers.*`` tensor grows with the layers; each layer's chunk does not);
+* chunked targets (``Writer.chunked``: ``torch_dist``, ``dcp``, ``zarr``) keep the source's
+  chunk grid when it is a plain tiling of the tensor (replicas counted once), so each output
+  chunk is one source chunk read once; otherwise (flattened optimizer state, unchunked
+  sources) one chunk per tensor;
+* any chunk of theirs larger than ``max_memory`` is split along its first axis;
+* safetensors keeps that grid too (``Writer.keeps_source_grid``), though each tensor is stored
+  whole: its writer pulls pieces no bigger than the largest of them, so memory follows the
+  stored chunks, not the tensor (a stacked ``decoder.layers.*`` tensor grows with the layers;
+  each layer's chunk does not);
 * other single-file targets get one chunk per tensor (their writers stream slabs themselves).
 """
 
@@ -21,19 +23,18 @@ import re
 from dataclasses import dataclass, field, replace
 
 from ckpt_tool.errors import UsageError, plural
+from ckpt_tool.formats.writer import WRITERS, Writer, writer_for
 from ckpt_tool.model import (CheckpointMeta, ChunkRef, ObjectMeta, TensorMeta, dtype_itemsize,
                              is_optimizer_key)
 
 __all__ = ["ConvertOptions", "ConvertPlan", "plan_convert", "parse_rename", "DTYPE_ALIASES",
            "TARGETS"]
 
-TARGETS = ("torch_dist", "zarr", "dcp", "legacy", "torch", "safetensors", "hf")
+TARGETS = tuple(WRITERS)  # what --to names
 DTYPE_ALIASES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16",
                  "float16": "float16", "half": "float16", "fp32": "float32",
                  "float32": "float32", "float": "float32"}
 _FLOATS = {"float64", "float32", "float16", "bfloat16"}
-_CHUNKED_TARGETS = {"torch_dist", "dcp", "zarr"}
-_GRID_TARGETS = _CHUNKED_TARGETS | {"safetensors"}  # keep the source's grid (see above)
 _OPTIMIZER_COMMON = ("optimizer", "opt_param_scheduler", "optim")
 
 
@@ -97,9 +98,7 @@ def plan_convert(meta: CheckpointMeta, options: ConvertOptions,
     """The target ``CheckpointMeta`` and key maps for converting ``meta`` (pure).
     ``objects_in_common``: the source's stored objects that are pieces of its common state
     (``Reader.objects_in_common``): they travel in the common state, not as objects."""
-    if options.to not in TARGETS:
-        raise UsageError(f"unknown target format {options.to!r}",
-                         hint="use one of: " + ", ".join(TARGETS))
+    writer = writer_for(options.to)  # (UsageError for a name it does not know)
     dtype = None
     if options.dtype is not None:
         dtype = DTYPE_ALIASES.get(options.dtype.lower())
@@ -128,7 +127,7 @@ def plan_convert(meta: CheckpointMeta, options: ConvertOptions,
         new_dtype = dtype if dtype is not None and t.dtype in _FLOATS else t.dtype
         if new_dtype != t.dtype:
             dtypes[new_key] = new_dtype
-        chunks = _target_chunks(t, options.to, new_dtype, options.max_memory)
+        chunks = _target_chunks(t, writer, new_dtype, options.max_memory)
         tensors[new_key] = TensorMeta(key=new_key, dtype=new_dtype, shape=t.shape,
                                       chunks=chunks, origin=key)
         key_map[new_key] = key
@@ -163,15 +162,15 @@ def plan_convert(meta: CheckpointMeta, options: ConvertOptions,
                        dropped_common=dropped_common, notes=notes)
 
 
-def _target_chunks(t: TensorMeta, to: str, dtype: str, max_memory: int | None
+def _target_chunks(t: TensorMeta, writer: type[Writer], dtype: str, max_memory: int | None
                    ) -> tuple[ChunkRef, ...]:
     whole = (ChunkRef(offsets=(0,) * len(t.shape), sizes=tuple(t.shape)),)
     grid = whole
-    if to in _GRID_TARGETS and _is_plain_tiling(t):
+    if writer.keeps_source_grid and _is_plain_tiling(t):
         seen = set()
         grid = tuple(ChunkRef(offsets=c.offsets, sizes=c.sizes) for c in t.chunks
                      if not (c.offsets in seen or seen.add(c.offsets)))
-    if max_memory is None or to not in _CHUNKED_TARGETS:
+    if max_memory is None or not writer.chunked:
         return grid
     return tuple(piece for c in grid for piece in _split_rows(c, dtype, max_memory))
 

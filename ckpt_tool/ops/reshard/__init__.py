@@ -20,9 +20,8 @@ from typing import Any
 from ckpt_tool.errors import UsageError
 from ckpt_tool.formats.base import open_checkpoint
 from ckpt_tool.formats.save_dir import Container, SourcePlace, locate_source
-from ckpt_tool.formats.writer import WriteRequest, WriterOptions, writer_for
+from ckpt_tool.formats.writer import WRITERS, WriteRequest, WriterOptions, writer_for
 from ckpt_tool.formats.legacy.writer import updated_args, write_legacy_ranks
-from ckpt_tool.formats.mcore_dist.torch_dist_writer import writes_raw
 from ckpt_tool.formats.containers.torch_zip.torch_save_object import torch_free_pickle
 from ckpt_tool.ops._container import (check_container_target, output_container,
                                       place_container, to_validate)
@@ -38,6 +37,7 @@ from ckpt_tool.ops._output_staging import (check_output_target, output_estimate,
                                            staged_output_ranks, verify_output)
 from ckpt_tool.parallel import JobProgress
 from ckpt_tool.parallel import ranks as current_ranks
+from ckpt_tool.model import FormatKind
 from ckpt_tool.storage import as_path
 
 __all__ = ["ReshardRequest", "ReshardResult", "reshard"]
@@ -124,15 +124,17 @@ def reshard(src: str | Path | SourcePlace, dst: str | Path | None, req: ReshardR
         check_source_manifest(as_path(place.given), as_path(base.metadata().root), r)
     src_format = base.metadata().format
     to = req.to or ("legacy" if base.metadata().kind.legacy_rank_files else "torch_dist")
-    if to not in ("torch_dist", "legacy"):
+    if to not in WRITERS or not writer_for(to).megatron_resume_target:
         raise UsageError(f"reshard writes torch_dist or legacy, not {to!r}",
                          hint="reshard, then 'ckpt convert' the result")
+    writer_cls = writer_for(to)
+    rank_files = FormatKind(to).legacy_rank_files  # else a dist checkpoint
     container = output_container(place.container, to, base.metadata().common.get("iteration"))
     if out is not None:
         check_container_target(out, container)
     view = stacked_view(base, to)  # a legacy source with Megatron-Core's stacked keys
     reader = view or base
-    if to != "legacy" and not req.drop_optimizer:
+    if not rank_files and not req.drop_optimizer:
         spec = None if req.local_spec is None else (
             "local" if req.local_spec else "transformer_engine")
         reader = unflatten_bucketed_optimizer(reader, load_rules(req.rules),
@@ -154,7 +156,7 @@ def reshard(src: str | Path | SourcePlace, dst: str | Path | None, req: ReshardR
         if view is not None:
             result.notes += view.notes()
         local_spec, why = _norm_names(req, common)
-        if to == "legacy":
+        if rank_files:
             result.plan["target"]["norm_names"] = (
                 f"{'local spec (input_layernorm.*)' if local_spec else 'Transformer-Engine'}"
                 f" ({why})")
@@ -169,22 +171,21 @@ def reshard(src: str | Path | SourcePlace, dst: str | Path | None, req: ReshardR
         if progress is not None:
             progress.start(target.total_bytes, len(target.tensors))
         new_common = _new_common(reader, common, plan, layout)
-        if to != "legacy":
+        if not rank_files:
             target = _dist_objects_only(target, new_common, result.notes)
         # the writer keeps the source's form of the common state (``formats.mcore_dist.forms``)
         wopts = WriterOptions(extra={"threads": max(1, workers), "source_extras": meta.extras})
         if torch_free and not (
-                to == "torch_dist" and writes_raw(target, wopts, common_alone=True)
+                writer_cls.writes_torch_free(target, wopts, common_alone=True)
                 and torch_free_pickle(new_common) is not None):
             # it will be torch.save'd: the common state as torch loads it
             new_common = _new_common(reader, reader.common(), plan, layout)
-            if to != "legacy":  # the same legacy state dropped again (target and notes: above)
+            if not rank_files:  # the same legacy state dropped again (target and notes: above)
                 _dist_objects_only(target, new_common, [])
-        legacy = to == "legacy"  # (whose writer makes its own save directory)
         with staged_output_ranks(out, r, overwrite=overwrite, notes=result.notes,
                                  need_bytes=output_estimate(target),
-                                 inner=None if legacy else container.inner) as staging:
-            if legacy:  # every rank writes its share of the rank files
+                                 inner=None if rank_files else container.inner) as staging:
+            if rank_files:  # every rank writes its share of the rank files (own save dir)
                 skipped = write_legacy_ranks(staging, plan, source, new_common, on_bytes,
                                              ranks=r if r.world > 1 else None,
                                              local_spec=local_spec,
@@ -202,7 +203,7 @@ def reshard(src: str | Path | SourcePlace, dst: str | Path | None, req: ReshardR
                     progress=on_bytes, ranks=r if r.world > 1 else None,
                     source_description=f"ckpt reshard of {meta.root}")
                 where = place_container(staging, container, r)
-                result.notes += writer_for("torch_dist")(where, wopts).write(request)
+                result.notes += writer_cls(where, wopts).write(request)
             r.barrier()
             job_progress.catch_up()
             facts = written_facts(container.checkpoint_in(staging), out, container, src_format,

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from ckpt_tool.formats.base import Reader
+from ckpt_tool.formats.writer import writer_for
 from ckpt_tool.model import CheckpointMeta
 
 __all__ = ["PaddedSource", "reshard_source"]
@@ -83,17 +84,18 @@ class PaddedSource:
 
 def reshard_source(reader: Reader, target: CheckpointMeta, fill: str, to: str) -> PaddedSource:
     """The source a reshard's writer pulls from: torch-free numpy pieces
-    (:class:`ckpt_tool.ops._torch_free_source.TorchFreeSource`) for a torch_dist target when every target
-    tensor is a source tensor of the same dtype whose chunks are plain items and whose dtype
-    our archive writer takes, and a re-padded vocabulary copies rows; else torch tensors."""
+    (:class:`ckpt_tool.ops._torch_free_source.TorchFreeSource`) for a target whose writer takes
+    them (``Writer.takes_raw_bytes``: torch_dist) when every target tensor is a source tensor
+    of the same dtype whose chunks are plain items and whose dtype our archive writer takes,
+    and a re-padded vocabulary copies rows; else torch tensors."""
     from ckpt_tool.formats.containers.torch_zip.torch_zip_write import STORAGE_TYPES
     from ckpt_tool.ops._torch_free_source import TorchFreeSource, torch_free_source_applies
 
     src = reader.metadata().tensors
     key_map = {k: k for k in target.tensors}
-    raw = (to == "torch_dist" and all(k in src and src[k].dtype == t.dtype
-                                      and t.dtype in STORAGE_TYPES
-                                      for k, t in target.tensors.items())
+    raw = (writer_for(to).takes_raw_bytes
+           and all(k in src and src[k].dtype == t.dtype and t.dtype in STORAGE_TYPES
+                   for k, t in target.tensors.items())
            and torch_free_source_applies(reader, key_map, {}))
     source = PaddedSource(reader, target, fill=fill)
     if raw and (fill == "copy" or not source.rows):

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
 
 from ckpt_tool.errors import CorruptCheckpointError, InputError, UnsafePickleError
-from ckpt_tool.model import CheckpointMeta
+from ckpt_tool.model import CheckpointMeta, FormatKind
 from ckpt_tool.storage import as_path, is_remote
 from ckpt_tool.ops.validate._checks import (check_coverage, check_expectations, check_storage,
                                             error, warning)
@@ -289,11 +289,13 @@ def _check_markers(root: Path, findings: list[Finding]) -> bool:
             findings.append(error(f"not a complete checkpoint: {exc.message}",
                                   file="metadata.json"))
             return False
-        if cfg["sharded_backend"] == "torch_dist" and not (root / ".metadata").is_file():
+        # (metadata.json names the backend as the format registry does)
+        if FormatKind(cfg["sharded_backend"]).dcp_files and not (root / ".metadata").is_file():
             findings.append(error(
-                "not a complete checkpoint: metadata.json says torch_dist but .metadata is "
-                "missing" + (" (.metadata.tmp present: the save was interrupted)"
-                             if (root / ".metadata.tmp").exists() else ""), file=".metadata"))
+                f"not a complete checkpoint: metadata.json says {cfg['sharded_backend']} but "
+                ".metadata is missing" + (" (.metadata.tmp present: the save was interrupted)"
+                                          if (root / ".metadata.tmp").exists() else ""),
+                file=".metadata"))
             return False
         return True
     if not dcp_md:
