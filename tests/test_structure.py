@@ -160,3 +160,70 @@ def test_test_modules_have_unique_basenames():
     for path in (PKG.parent / "tests").rglob("test_*.py"):
         names.setdefault(path.name, []).append(str(path.relative_to(PKG.parent)))
     assert {name: paths for name, paths in names.items() if len(paths) > 1} == {}
+
+
+def _format_names() -> set[str]:
+    """The registered names of source formats (``formats.base.formats``) and of target
+    formats (``formats.writer.WRITERS``)."""
+    from ckpt_tool.formats.base import formats
+    from ckpt_tool.formats.writer import WRITERS
+
+    return set(formats()) | set(WRITERS)
+
+
+def _format_name_tests(tree: ast.AST, names: set[str]) -> list[tuple[int, str]]:
+    """Comparisons (``==``, ``!=``, ``in``, ``not in``, ``match`` cases) of a format name
+    given as a string, and collections of two or more format names (what ``in`` tests or
+    lookups then ask)."""
+
+    def named(node: ast.AST) -> list[str]:
+        if isinstance(node, ast.Constant) and node.value in names:
+            return [node.value]
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            return [n for e in node.elts for n in named(e)]
+        return []
+
+    found: dict[int, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            hits = [n for side in (node.left, *node.comparators) for n in named(side)]
+        elif isinstance(node, ast.MatchValue):
+            hits = named(node.value)
+        elif isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            hits = named(node) if len(named(node)) > 1 else []
+        elif isinstance(node, ast.Dict):
+            keys = [n for k in node.keys if k is not None for n in named(k)]
+            hits = keys if len(keys) > 1 else []
+        else:
+            continue
+        if hits:
+            found.setdefault(node.lineno, ", ".join(hits))
+    return sorted(found.items())
+
+
+def test_ops_tests_no_format_name():
+    """``ops`` asks the contracts what a format can do (``Reader``'s capabilities, ``Writer``'s
+    class attributes through ``writer_for``, ``CheckpointMeta.kind``/``FormatKind``), never
+    compares a format's name: a new format then declares its facts in one place."""
+    names = _format_names()
+    found = [f"{path.relative_to(PKG.parent)}:{line}: {hit}"
+             for path in sorted((PKG / "ops").rglob("*.py"))
+             for line, hit in _format_name_tests(ast.parse(path.read_text()), names)]
+    assert found == []
+
+
+def test_the_format_name_check_sees_comparisons():
+    names = {"torch_dist", "legacy", "safetensors"}
+    source = '''
+to == "legacy"
+"safetensors" != options.to
+to in ("torch_dist", "legacy")
+_TARGETS = {"torch_dist", "safetensors"}
+_FLAGS = {"torch_dist": 1, "legacy": 2}
+match to:
+    case "legacy": pass
+ok = to == "other" or stacked_view(reader, "torch_dist") or to in TARGETS
+format_name = "legacy"
+'''
+    assert [line for line, _ in _format_name_tests(ast.parse(source), names)] == \
+        [2, 3, 4, 5, 6, 8]
