@@ -31,7 +31,8 @@ from .serialization import (
 )
 
 # A script that ends without destroy_process_group must not die in SIGABRT at exit: an exit
-# handler lets gloo's worker threads finish with our collectives' tensors first (issue 15)
+# handler lets gloo's worker threads finish with our collectives' tensors first
+# (tests/dist_checkpointing/test_exit_clean.py runs such scripts)
 register_exit_teardown()
 
 __all__ = [

@@ -67,9 +67,6 @@ def save_remote(local_save: Callable[[str], Any], checkpoint_dir: str) -> Option
         raise CheckpointingException(f"rank 0 could not take the save target {target}")
     spool = tempfile.mkdtemp(prefix="ckpt-spool-", dir=os.environ.get("CKPT_SPOOL_DIR") or None)
 
-    def upload() -> None:
-        _upload(Path(spool), target, lock)
-
     def finish(exc: BaseException | None) -> None:
         shutil.rmtree(spool, ignore_errors=True)
         if lock_cm is not None:
@@ -80,23 +77,18 @@ def save_remote(local_save: Callable[[str], Any], checkpoint_dir: str) -> Option
     except BaseException as exc:
         finish(exc)
         raise
-    if request is None:
-        try:
-            upload()
-        except BaseException as exc:
-            finish(exc)
-            raise
-        finish(None)
-        return None
 
     def finalize() -> None:
         try:
-            upload()
+            _upload(Path(spool), target, lock)
         except BaseException as exc:
             finish(exc)
             raise
         finish(None)
 
+    if request is None:  # a synchronous save: upload now
+        finalize()
+        return None
     request.finalize_fns.append(finalize)
     return request
 

@@ -181,6 +181,12 @@ def _split_by_separation_hint(buckets: List[List[WriteItem]], hint: Optional[str
     return rest + hinted
 
 
+# Megatron-Core's strategies ask for the msc writer only when MultiStorageClientFeature is
+# enabled, which ours never is: save() takes msc:// paths itself (spool, then upload)
+_NO_MSC_WRITER = ("the multi-storage client writer (use_msc=True) is not used here: pass the "
+                  "msc:// path to dist_checkpointing.save, which writes it "
+                  "(docs/object-storage.md)")
+
 class FileSystemWriterAsync(FileSystemWriter):
     """DCP's file writer split into staging (here) and writing (in a worker).
 
@@ -191,7 +197,7 @@ class FileSystemWriterAsync(FileSystemWriter):
     def __init__(self, path: Union[str, os.PathLike], *args, separation_hint: Optional[str] = None,
                  use_msc: bool = False, **kwargs):
         if use_msc:
-            raise CheckpointingException("the multi-storage client (use_msc) is not supported")
+            raise CheckpointingException(_NO_MSC_WRITER)
         super().__init__(path, *args, **kwargs)
         if separation_hint is not None and self.thread_count < 2:
             raise CheckpointingException(
@@ -282,7 +288,7 @@ class FileSystemWriterAsync(FileSystemWriter):
         """Write every bucket (one thread each) and put ``({bucket: [WriteResult]}, {file name:
         (size, sha256)})`` or the first exception into ``global_results_queue``."""
         if use_msc:
-            raise NotImplementedError("multi-storage client is not supported")
+            raise CheckpointingException(_NO_MSC_WRITER)
         digests: Dict[str, Tuple[int, str]] = {}
         local_results: "queue.Queue" = queue.Queue()
         count_queue: "queue.Queue" = queue.Queue()  # one token per bucket, as MCore's workers
