@@ -30,8 +30,10 @@ from ckpt_tool.planning.bucket_choices import (LayoutChoice, dp_candidates, layo
                                               spec_from_args, stored_bucket_sizes)
 from ckpt_tool.planning.bucket_proof import prove_bucket_layout
 from ckpt_tool.planning.optim_buckets import (STATES, Bucket, BucketLayoutError, BucketParam,
-                                              BucketSizeUnknown, bucket_size_configured,
-                                              configured_dp, optimizer_bucket_layout)
+                                              BucketSizeUnknown, UnknownParameterOrder,
+                                              bucket_size_configured, configured_dp,
+                                              optimizer_bucket_layout)
+from ckpt_tool.ops._optim_derived_order import derive_bucket_layout, describe_leftover
 from ckpt_tool.planning.param_order import model_key_prefix, moe_expert_keys
 from ckpt_tool.planning.pieces import Piece
 
@@ -168,6 +170,13 @@ class UnflattenedOptimizerView(Reader):
                 raise UnsupportedError(f"{where}: {exc}", hint="pass the training run's "
                                        "--ddp-bucket-size N (0: overlap_grad_reduce was "
                                        "off), or reshard with --drop-optimizer") from None
+            except UnknownParameterOrder as exc:
+                if not self.derivable:
+                    raise UnsupportedError(f"{where}: {exc}", hint="reshard with "
+                                           "--drop-optimizer, or re-save with "
+                                           "--dist-ckpt-optim-fully-reshardable") from None
+                return self._derived_layout(meta, sizes, source, args, rules, per_bucket,
+                                            dps, where, None)
             except BucketLayoutError as exc:
                 raise UnsupportedError(f"{where}: {exc}", hint="reshard with --drop-optimizer, "
                                        "or re-save with --dist-ckpt-optim-fully-reshardable"
@@ -178,6 +187,10 @@ class UnflattenedOptimizerView(Reader):
                 failed.append((choice, problems))
             else:
                 proven.append((choice, buckets))
+        if not proven and self.derivable and per_bucket and not hints.spec:
+            # no known layer spec's order fits: the order the stored data gives
+            return self._derived_layout(meta, sizes, source, args, rules, per_bucket, dps,
+                                        where, failed)
         if not proven:
             choice, problems = min(failed, key=lambda f: len(f[1]))
             more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
@@ -195,6 +208,41 @@ class UnflattenedOptimizerView(Reader):
                 "was trained")
         choice, buckets = proven[0]
         return buckets, choice, self._how(args, hints, configured, proven, bool(stored))
+
+    #: whether the parameter order may be read off the stored data (per-bucket pieces)
+    derivable = True
+
+    def _derived_layout(self, meta: CheckpointMeta, sizes: Any, source: Any,
+                        args: dict[str, Any], rules: RuleSet | None,
+                        per_bucket: dict[Domain, tuple[Any, Any]], dps: list[int], where: str,
+                        failed: list[tuple[LayoutChoice, list[str]]] | None
+                        ) -> tuple[list[Bucket], LayoutChoice, str]:
+        """The layout whose parameter order is read off the stored data
+        (:mod:`ckpt_tool.ops._optim_derived_order`), proven like any other."""
+        known = ("no known layer spec's parameter order fits the stored pieces, and "
+                 if failed else "")
+        try:
+            buckets, leftover = derive_bucket_layout(self.inner, meta, sizes, source, args,
+                                                     rules, per_bucket, dps[0])
+        except BucketLayoutError as exc:
+            raise UnsupportedError(f"{where}: {known}the parameter order read off the stored "
+                                   f"data fails: {exc}", hint="reshard with --drop-optimizer "
+                                   "(nothing is guessed)") from None
+        self.buckets = buckets
+        problems: list[str] = []
+        for dp in dps:
+            problems = self._prove(meta, per_bucket, dp)
+            if not problems:
+                how = ("bucket boundaries from per_bucket_numel_unpadded; parameter order read "
+                       "off the stored data (each main parameter against the weights); "
+                       f"dp {dp}")
+                rest = describe_leftover(leftover)
+                return buckets, LayoutChoice("stored data", dp, False), how + (
+                    f"; {rest}" if rest else "")
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise UnsupportedError(f"{where}: the bucket layout read off the stored data does not "
+                               f"match the checkpoint: {problems[0]}{more}",
+                               hint="reshard with --drop-optimizer (nothing is guessed)")
 
     def _how(self, args: dict[str, Any], hints: BucketLayoutHints, configured: int | None,
              proven: list[tuple[LayoutChoice, list[Bucket]]], stored: bool) -> str:
@@ -394,6 +442,7 @@ class GatheredOptimizerView(UnflattenedOptimizerView):
     memory at a time)."""
 
     form = "dp_zero_gather_scatter"
+    derivable = False  # no per-bucket pieces to walk
     proven_by = "each buffer's length and every main parameter against its model parameter"
 
     def _buffer(self, group: Domain) -> tuple[str, dict[str, Any]]:

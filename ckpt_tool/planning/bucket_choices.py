@@ -43,7 +43,7 @@ class LayoutChoice:
 
     @property
     def spec_name(self) -> str:
-        return _SPEC_NAMES[self.spec]
+        return _SPEC_NAMES.get(self.spec, self.spec)
 
 
 def spec_from_args(args: Mapping[str, Any]) -> str | None:

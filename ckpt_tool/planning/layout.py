@@ -60,6 +60,9 @@ class Rule:
     expert: bool = False
     origin: str = "builtin"
     ndim: int | None = None
+    #: the source's chunk grid, where it tells, overrides the kind (a module the layer specs
+    #: build either split or replicated, e.g. MLA's down projections)
+    grid_first: bool = False
     _re: re.Pattern = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -95,10 +98,21 @@ BUILTIN_RULES: tuple[Rule, ...] = (
     # norms: TE-fused (linear_qkv.layer_norm_*, linear_fc1.layer_norm_*), local spec, q/k norms
     _r(r"\.layer_norm_(weight|bias)$", REPLICATED),
     _r(r"(^|\.)(input_layernorm|pre_mlp_layernorm|pre_cross_attn_layernorm|final_layernorm|"
-       r"final_norm|q_layernorm|k_layernorm|post_attention_layernorm|post_mlp_layernorm)\.",
+       r"final_norm|q_layernorm|k_layernorm|kv_layernorm|post_attention_layernorm|post_mlp_layernorm)\.",
        REPLICATED),
     _r(r"(^|\.)linear_qkv\.(weight|bias)$", QKV),
     _r(r"(^|\.)linear_(q|kv|k|v)\.(weight|bias)$", COLUMN),
+    # Multi-Latent Attention: the up projections (and linear_q_proj without a q LoRA rank)
+    # are column-parallel; the down projections are column-parallel in the local spec and
+    # replicated (TE "duplicated") in the Transformer-Engine spec: the source's chunk grid
+    # decides (``grid_first``); its norms are replicated (above, and kv_layernorm)
+    _r(r"(^|\.)linear_(q_proj|q_up_proj|kv_up_proj)\.(weight|bias)$", COLUMN),
+    Rule(r"(^|\.)linear_(q_down_proj|kv_down_proj)\.(weight|bias)$", COLUMN, grid_first=True),
+    # attention sinks (GPT-OSS: softmax_type "learnable"): one offset per head
+    Rule(r"(^|\.)core_attention\.softmax_offset$", COLUMN, ndim=1),
+    # Multi-Token Prediction: eh_proj is column-parallel; enorm/hnorm replicated norms
+    _r(r"(^|\.)mtp\.layers\.\d+\.eh_proj\.weight$", COLUMN),
+    _r(r"(^|\.)mtp\.layers\.\d+\.(enorm|hnorm)\.", REPLICATED),
     # MoE: router and its bias replicated; shared experts split by TP like a dense MLP
     _r(r"(^|\.)router\.(weight|bias|expert_bias)$", REPLICATED),
     _r(r"(^|\.)shared_experts\.gate_weight$", REPLICATED),

@@ -41,8 +41,8 @@ from ckpt_tool.planning.pieces import LocalTensor, rank_pieces
 from ckpt_tool.planning.sizes import Layout, LayerMap, ModelSizes
 
 __all__ = ["BucketParam", "Bucket", "BucketLayoutError",
-           "BucketSizeUnknown", "optimizer_bucket_layout", "bucket_key", "bucket_size_configured",
-           "configured_dp", "STATES", "StoredBuckets", "BUCKET_KEY"]
+           "BucketSizeUnknown", "UnknownParameterOrder", "optimizer_bucket_layout", "bucket_key", "bucket_size_configured",
+           "configured_dp", "parallel_sizes", "STATES", "StoredBuckets", "BUCKET_KEY"]
 
 STATES = ("param", "exp_avg", "exp_avg_sq")
 BUCKET_KEY = re.compile(r"^(chained_\d+\.)?optimizer\.distributed\.dp_group_idx_(\d+)\."
@@ -51,6 +51,10 @@ BUCKET_KEY = re.compile(r"^(chained_\d+\.)?optimizer\.distributed\.dp_group_idx_
 
 class BucketLayoutError(ValueError):
     """The rebuilt bucket layout does not match the checkpoint (message: where and how)."""
+
+
+class UnknownParameterOrder(BucketLayoutError):
+    """No known layer spec's registration order covers the model's parameters."""
 
 
 class BucketSizeUnknown(BucketLayoutError):
@@ -191,7 +195,9 @@ def configured_dp(source: Layout, args: Mapping[str, Any]) -> int | None:
     return dp or None
 
 
-def _parallel_sizes(source: Layout, args: Mapping[str, Any], dp: int | None) -> _Sizes:
+def parallel_sizes(source: Layout, args: Mapping[str, Any], dp: int | None) -> _Sizes:
+    """The sizes DDP and the optimizers were built with: ``dp`` (else the configured one),
+    the expert data-parallel size, the bucket padding divisor."""
     if int(args.get("context_parallel_size") or 1) > 1:
         raise BucketLayoutError("context parallelism: the bucket layout over the data-and-"
                                 "context-parallel group is not rebuilt")
@@ -237,7 +243,7 @@ def optimizer_bucket_layout(meta: CheckpointMeta, sizes: ModelSizes, source: Lay
                                 "one dense optimizer per model chunk is not rebuilt")
     if sizes.num_layers is None:
         raise BucketLayoutError("the number of layers is unknown (no args.num_layers)")
-    ps = _parallel_sizes(source, args, dp)
+    ps = parallel_sizes(source, args, dp)
     # tied embeddings are DDP's "shared_embedding" (a bucket of their own) only at pp > 1
     tied = not args.get("untie_embeddings_and_output_weights", True) and ps.pp > 1
     dtype = dtype or _buffer_dtype(meta)
@@ -251,7 +257,7 @@ def optimizer_bucket_layout(meta: CheckpointMeta, sizes: ModelSizes, source: Lay
                                            p == ps.pp - 1, experts[0], prefix)}
     unknown = [k for k in model_keys if k not in known]
     if unknown:
-        raise BucketLayoutError(f"no parameter-order rule for {unknown[0]!r}"
+        raise UnknownParameterOrder(f"no parameter-order rule for {unknown[0]!r}"
                                 + (f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""))
     expert_parallel = ps.ep > 1 and bool(experts[0])
     out: list[Bucket] = []

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import Mapping, Sequence
 
-__all__ = ["GPT_PARAMETER_ORDER", "MOE_MLP_ORDER", "LAYER_PREFIX", "StageParam", "stage_params",
+__all__ = ["NOT_PARAMETERS", "GPT_PARAMETER_ORDER", "MOE_MLP_ORDER", "LAYER_PREFIX", "StageParam", "stage_params",
            "moe_expert_keys", "model_key_prefix", "TIED_KEYS"]
 
 LAYER_PREFIX = "decoder.layers."
@@ -65,6 +65,11 @@ MOE_MLP_ORDER: dict[str, list[str]] = {
                "mlp.shared_experts.linear_fc2.weight", "mlp.shared_experts.linear_fc2.bias",
                "mlp.shared_experts.gate_weight"],
 }
+
+#: Saved model tensors that are not parameters (no optimizer state): Transformer Engine's extra
+#: state, the router's expert bias (a persistent fp32 buffer that aux-loss-free balancing
+#: updates outside the optimizer).
+NOT_PARAMETERS = (r"_extra_state$", r"(^|\.)router\.expert_bias$")
 
 _EMBEDDING, _OUTPUT = "embedding.word_embeddings.weight", "output_layer.weight"
 #: The parameters DDP treats as the shared embedding when the embeddings are tied.

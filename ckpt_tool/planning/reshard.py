@@ -164,8 +164,8 @@ def _resolve_rules(meta: CheckpointMeta, rules: RuleSet, source: Layout, skip: s
         if key in skip:
             continue
         rule = rules.find(key)
-        if rule is None and meta.format not in ("legacy",):
-            rule = infer_rule_from_grid(t, source.tp)
+        if (rule is None or rule.grid_first) and meta.format not in ("legacy",):
+            rule = infer_rule_from_grid(t, source.tp) or rule
         if rule is None:
             unknown.append(key)
             continue

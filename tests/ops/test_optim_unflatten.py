@@ -79,15 +79,26 @@ def test_the_proof_rejects_a_wrong_layout():
     assert any("first difference" in p for p in prove_bucket_layout(buckets, meta, per, 2))
 
 
-def test_reshard_refuses_an_unproven_layout_with_one_line(tmp_path, monkeypatch):
+def test_reshard_refuses_an_unproven_layout_with_one_line(tmp_path):
+    # the user's --te-spec on a local-spec model: the flag decides, the proof refuses it
+    with pytest.raises(UnsupportedError, match="does not match the checkpoint") as e:
+        reshard(FIX / BUCKETED[0], tmp_path / "out", ReshardRequest(tp=1, local_spec=False))
+    assert "\n" not in str(e.value) and not (tmp_path / "out").exists()
+
+
+def test_a_known_order_that_does_not_fit_gives_way_to_the_stored_data(tmp_path, monkeypatch):
+    """Without a flag, a configuration whose layer spec's order fails the proof (a model of
+    another family under the same key names, e.g. grouped-GEMM experts) is not the end: the
+    order read off the stored data is proven instead, and says so."""
     import ckpt_tool.ops._optim_unflatten as U
 
     real = U.optimizer_bucket_layout
     monkeypatch.setattr(U, "optimizer_bucket_layout",
                         lambda *a, **k: real(*a, **{**k, "spec": "transformer_engine"}))
-    with pytest.raises(UnsupportedError, match="does not match the checkpoint") as e:
-        reshard(FIX / BUCKETED[0], tmp_path / "out", ReshardRequest(tp=1))
-    assert "\n" not in str(e.value) and not (tmp_path / "out").exists()
+    result = reshard(FIX / BUCKETED[0], tmp_path / "out", ReshardRequest(tp=1))
+    assert result.written
+    assert any("parameter order read off the stored data" in p["reason"]
+               for p in result.plan["problems"])
     # --drop-optimizer needs no layout
     reshard(FIX / BUCKETED[0], tmp_path / "out", ReshardRequest(tp=1, drop_optimizer=True))
     meta = open_checkpoint(tmp_path / "out").metadata()
