@@ -91,7 +91,8 @@ def validate(
 # stats shown in the verdict line: key, noun, words after the number and noun
 _CHECKED = (("tensors", "tensor", ""), ("objects", "object", ""), ("files", "file", ""),
             ("zip_items_checked", "zip item", " checked"), ("tensors_read", "tensor", " read"),
-            ("manifest_files_hashed", "digest", " checked"))
+            ("manifest_files_hashed", "digest", " checked"),
+            ("optimizer_params_checked", "optimizer parameter", " checked against the model"))
 
 
 def verdict(result: Any) -> str:

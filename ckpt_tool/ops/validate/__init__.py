@@ -44,6 +44,7 @@ from ckpt_tool.ops.validate._common_states import common_state_differences
 from ckpt_tool.ops.validate._integrity_pass import check_loose_archives, scan_archives
 from ckpt_tool.ops.manifest_checks import manifest_findings
 from ckpt_tool.ops.validate._deep import deep_read
+from ckpt_tool.ops.validate._optimizer_consistency import optimizer_model_findings
 from ckpt_tool.ops.validate._meta import check_common_state, check_meta_against_files
 from ckpt_tool.ops.validate._torch_reader import torch_reader_findings
 from ckpt_tool.ops.validate._items import check_object_pickles, check_overlaps
@@ -217,6 +218,7 @@ def validate(path: str | Path, *, trust: bool = False, deep: bool = False,
         if deep:
             findings.extend(deep_read(reader, meta, findings, stats, counted, nonfinite,
                                       progress))
+            findings.extend(optimizer_model_findings(reader, meta, findings, stats))
     finally:
         reader.close()
     findings.extend(_sub_checkpoint_findings(as_path(meta.root), trust=trust, deep=deep,
