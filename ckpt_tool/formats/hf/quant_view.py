@@ -201,6 +201,12 @@ class QuantView:
                     "quantized_tensors": len(self.pairs), "dtype": self.dtype}
         return {"method": "mxfp4", "quantized_tensors": len(self.pairs), "dtype": self.dtype}
 
+    def describe(self) -> str:
+        """One line: the stored form and what it is read as."""
+        form = (f"fp8 e4m3, {self.scheme.block[0]}x{self.scheme.block[1]} blocks"
+                if isinstance(self.scheme, Fp8Blocks) else "mxfp4 (e2m1, e8m0 per 32)")
+        return f"{form}: {len(self.pairs)} tensors read dequantized to {self.dtype}"
+
     def read(self, key: str, slices: tuple[slice, ...] | None) -> Any:
         """Region ``slices`` (step 1) of logical tensor ``key``, dequantized a slab at a time."""
         import torch

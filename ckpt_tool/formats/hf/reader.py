@@ -136,6 +136,8 @@ class HfReader(Reader):
             str(self.config.get("model_type") or "unknown")
         common = {"architecture": arch,
                   "model": {k: self.config[k] for k in _SUMMARY if k in self.config}}
+        if self._quant is not None:
+            common["quantization"] = self._quant.describe()
         self._meta = CheckpointMeta(format=self.format_name, root=str(self.path),
                                     tensors=tensors, common=common, extras=extras)
         return self._meta
