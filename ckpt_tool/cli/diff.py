@@ -130,14 +130,14 @@ def verdict(result: Any) -> str:
     head = "identical" if result.identical else "DIFFERENT"
     line = (f"{head}: {result.a} ({result.format_a}) vs {result.b} ({result.format_b}): {what} "
             f"[{checked}{tol}]")
+    if result.values:
+        v = result.values[0]
+        line += (f"; first: {v.key}{list(v.first_index)} is {_num(v.first_a)} in A, "
+                 f"{_num(v.first_b)} in B" + result.named(v.key)[len(v.key):])
     worst = result.first_disagreeing
     if worst is not None:
         line += (f"; first that disagrees: {result.named(worst.key)} (cosine "
                  f"{worst.cosine:.4g})")
-    elif result.values:
-        v = result.values[0]
-        line += (f"; first: {v.key}{list(v.first_index)} is {_num(v.first_a)} in A, "
-                 f"{_num(v.first_b)} in B" + result.named(v.key)[len(v.key):])
     from ckpt_tool.ops.diff import RESHARDED_HINT
 
     if not result.identical and RESHARDED_HINT in result.notes:

@@ -58,7 +58,8 @@ from ckpt_tool.ops.manifest_checks import check_source_manifest
 from ckpt_tool.parallel import ranks as current_ranks
 from ckpt_tool.parallel import split_by_bytes
 from ckpt_tool.ops.diff._resharded import RESHARDED_HINT
-from ckpt_tool.ops.diff._similarity import Accumulator, Similarity, first_disagreeing, model_order
+from ckpt_tool.ops.diff._similarity import (COSINE_FLOOR, Accumulator, Similarity,
+                                            first_disagreeing, model_order)
 from ckpt_tool.ops.diff._values import CommonDiff, TensorDiff, js
 from ckpt_tool.storage import as_path
 
@@ -430,7 +431,7 @@ def diff(a: str | Path, b: str | Path, *, rename: Iterable[tuple[str, str]] = ()
     elif any(n for n in (only_a, only_b, shapes)) and R.looks_resharded(cdiffs):
         notes.append(R.RESHARDED_HINT)
     shown = {*only_a, *only_b, *(c.key for c in (*dtypes, *shapes)), *(v.key for v in values),
-             *(x.key for x in sims)}
+             *(x.key for x in sims if not x.cosine >= COSINE_FLOOR)}
     return DiffResult(
         str(a), str(b), ma.format, mb.format, tuple(only_a), tuple(only_b), dtypes, shapes,
         tuple(values), tuple(cdiffs), tuple(obj_a), tuple(obj_b), tuple(objects), tuple(notes),
