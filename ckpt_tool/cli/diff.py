@@ -82,7 +82,7 @@ def diff(
     b = at_iteration(b, iteration if iteration_dirs(b) else None)
     pairs = parse_rename(rename or [])
     if plot is not None:
-        from ckpt_tool.ops.diff._similarity import check_plotting
+        from ckpt_tool.ops.diff import check_plotting
 
         check_plotting()  # before any reading
         if keys_only:
@@ -94,7 +94,7 @@ def diff(
                           rtol=rtol, trust=trust, progress=bar, resharded=resharded,
                           similarity=plot is not None)
     if plot is not None:
-        from ckpt_tool.ops.diff._similarity import plot as draw
+        from ckpt_tool.ops.diff import plot_similarity as draw
 
         draw(result.similarity, plot, f"{result.a} vs {result.b}")
         message(f"plot: {plot}")

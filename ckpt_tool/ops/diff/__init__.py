@@ -59,12 +59,13 @@ from ckpt_tool.parallel import ranks as current_ranks
 from ckpt_tool.parallel import split_by_bytes
 from ckpt_tool.ops.diff._resharded import RESHARDED_HINT
 from ckpt_tool.ops.diff._similarity import (COSINE_FLOOR, Accumulator, Similarity,
-                                            first_disagreeing, model_order)
+                                            check_plotting, first_disagreeing, model_order)
+from ckpt_tool.ops.diff._similarity import plot as plot_similarity
 from ckpt_tool.ops.diff._values import CommonDiff, TensorDiff, js
 from ckpt_tool.storage import as_path
 
 __all__ = ["diff", "DiffResult", "TensorDiff", "MetaChange", "CommonDiff", "parse_rename",
-           "Progress", "RESHARDED_HINT"]
+           "Progress", "RESHARDED_HINT", "Similarity", "check_plotting", "plot_similarity"]
 
 
 class Progress(Protocol):
