@@ -9,7 +9,8 @@ import typer
 
 __all__ = ["CheckpointPath", "SourcePath", "JsonFlag", "TrustFlag", "OverwriteFlag", "NoVerifyFlag",
            "MaxMemoryOption", "DebugFlag", "QuietFlag", "VerboseFlag", "NoProgressFlag",
-           "IterationOption", "at_iteration", "source_place", "parse_size", "completer"]
+           "IterationOption", "at_iteration", "source_place", "parse_size", "completer",
+           "HfDtypeOption", "PlotOption"]
 
 _WHERE = "Checkpoint directory, an iter_* directory, a training save directory or a file."
 CheckpointPath = Annotated[
@@ -22,6 +23,17 @@ CheckpointPath = Annotated[
 # The input of a command that writes (convert, reshard).
 SourcePath = Annotated[Path, typer.Argument(metavar="SRC", help=_WHERE, show_default=False,
                                             readable=False)]
+# convert --to hf: the weights' form (quantized or not)
+HfDtypeOption = Annotated[Optional[str], typer.Option(
+    "--hf-dtype", metavar="DTYPE", show_default=False,
+    help="--to hf: bf16 (unquantized, floating tensors cast to bf16) or fp8 (the linear "
+    "weights block-scaled float8_e4m3fn with 128x128 float32 scales, as FP8 releases store "
+    "them). Default: the weights as the checkpoint stores them.")]
+# diff: a picture of the per-layer similarity (needs matplotlib, the bench extra)
+PlotOption = Annotated[Optional[Path], typer.Option(
+    "--plot", metavar="FILE.png", show_default=False,
+    help="Draw each layer's lowest cosine similarity between A and B into FILE.png "
+    "(needs matplotlib: pip install 'ckpt[bench]').")]
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout.")]
 TrustFlag = Annotated[
     bool,

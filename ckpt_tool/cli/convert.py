@@ -6,7 +6,7 @@ from typing import Annotated, List, Optional
 import typer
 
 from ckpt_tool.cli._errors import handle_errors
-from ckpt_tool.cli._options import (DebugFlag, IterationOption, JsonFlag, MaxMemoryOption,
+from ckpt_tool.cli._options import (DebugFlag, HfDtypeOption, IterationOption, JsonFlag, MaxMemoryOption,
                                     NoProgressFlag, NoVerifyFlag, OverwriteFlag, QuietFlag,
                                     SourcePath, TrustFlag, completer, parse_size,
                                     source_place)
@@ -56,6 +56,7 @@ def convert(
     local_spec: Annotated[bool, typer.Option(
         "--local-spec", help="From an HF directory: norm names of Megatron-Core's local "
         "layer spec (default: the Transformer Engine spec).")] = False,
+    hf_dtype: HfDtypeOption = None,
     max_shard_size: Annotated[Optional[str], typer.Option(
         "--max-shard-size", metavar="SIZE", help="safetensors: largest shard, e.g. 5GB.",
         show_default=False)] = None,
@@ -82,6 +83,7 @@ def convert(
           --dtype bf16
       ckpt convert checkpoints/gpt/iter_0001000 gpt-hf --to hf
       ckpt convert gpt-hf gpt-mcore --to torch_dist --tp 2
+      ckpt convert checkpoints/gpt/iter_0001000 gpt-fp8 --to hf --hf-dtype fp8
     """
     from ckpt_tool.ops.convert import ConvertOptions, parse_rename
     from ckpt_tool.ops.convert import convert as run_convert
@@ -91,7 +93,7 @@ def convert(
                              rename=parse_rename(rename or []), model_only=model_only,
                              max_memory=parse_size(max_memory, "--max-memory"),
                              hf_config=str(hf_config) if hf_config else None,
-                             hf_arch=hf_arch, local_spec=local_spec)
+                             hf_arch=hf_arch, local_spec=local_spec, hf_dtype=hf_dtype)
     with progress_bar(f"convert -> {to}", enabled=not (quiet or no_progress)) as bar:
         result = run_convert(place, dst, options, trust=trust, overwrite=overwrite,
                              verify=not no_verify, verify_source=not no_verify, tp=tp, pp=pp,

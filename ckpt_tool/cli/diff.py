@@ -10,7 +10,7 @@ import typer
 
 from ckpt_tool.cli._errors import handle_errors, state
 from ckpt_tool.cli._options import (DebugFlag, IterationOption, JsonFlag, NoProgressFlag,
-                                    QuietFlag, TrustFlag, at_iteration)
+                                    PlotOption, QuietFlag, TrustFlag, at_iteration)
 from ckpt_tool.cli._output import message, print_json, print_text
 from ckpt_tool.errors import plural
 
@@ -52,6 +52,7 @@ def diff(
         "optimizer value across layouts (TP/PP/EP, legacy or dist, optimizer buckets or model "
         "space, the padded vocabulary on the rows both hold); what a reshard changes by design "
         "(parallel sizes in args, dropped RNG states) is a note, not a difference.")] = False,
+    plot: PlotOption = None,
     iteration: IterationOption = None,
     quiet: QuietFlag = False,
     no_progress: NoProgressFlag = False,
@@ -61,13 +62,14 @@ def diff(
     differing tensor (count, max abs/rel diff, first differing index) and common-state fields.
     Values are exact by default; NaN equals NaN at the same position. A Megatron checkpoint
     and a Hugging Face model directory are compared in HF names (the rules of convert --to
-    hf). Exit 0 identical, 1 different, 2 unreadable input.
+    hf), with each tensor's cosine similarity and largest errors, and the first tensor that
+    disagrees (cosine below 0.99). Exit 0 identical, 1 different, 2 unreadable input.
 
     \b
     Examples:
       ckpt diff run1/iter_0000100 export/model.safetensors --json
       ckpt diff old new --rename module.= --filter 'decoder\\.' --rtol 1e-2
-      ckpt diff checkpoints/gpt/iter_0001000 gpt-hf
+      ckpt diff checkpoints/gpt/iter_0001000 gpt-hf --plot similarity.png
       ckpt diff checkpoints/gpt/iter_0001000 gpt-tp4 --resharded
     """
     from ckpt_tool.cli._progress import progress_bar
@@ -79,9 +81,23 @@ def diff(
     a = at_iteration(a, iteration if iteration_dirs(a) else None)
     b = at_iteration(b, iteration if iteration_dirs(b) else None)
     pairs = parse_rename(rename or [])
+    if plot is not None:
+        from ckpt_tool.ops.diff import check_plotting
+
+        check_plotting()  # before any reading
+        if keys_only:
+            from ckpt_tool.errors import UsageError
+
+            raise UsageError("--plot draws values; --keys-only reads none")
     with progress_bar("diff", enabled=not (keys_only or quiet or no_progress)) as bar:
         result = run_diff(a, b, rename=pairs, filter=filter_, keys_only=keys_only, atol=atol,
-                          rtol=rtol, trust=trust, progress=bar, resharded=resharded)
+                          rtol=rtol, trust=trust, progress=bar, resharded=resharded,
+                          similarity=plot is not None)
+    if plot is not None:
+        from ckpt_tool.ops.diff import plot_similarity as draw
+
+        draw(result.similarity, plot, f"{result.a} vs {result.b}")
+        message(f"plot: {plot}")
     state.verdict = 0 if result.identical else 1  # kept if stdout's reader goes away
     if json_:
         print_json(result.to_dict())
@@ -118,6 +134,10 @@ def verdict(result: Any) -> str:
         v = result.values[0]
         line += (f"; first: {v.key}{list(v.first_index)} is {_num(v.first_a)} in A, "
                  f"{_num(v.first_b)} in B" + result.named(v.key)[len(v.key):])
+    worst = result.first_disagreeing
+    if worst is not None:
+        line += (f"; first that disagrees: {result.named(worst.key)} (cosine "
+                 f"{worst.cosine:.4g})")
     from ckpt_tool.ops.diff import RESHARDED_HINT
 
     if not result.identical and RESHARDED_HINT in result.notes:
@@ -156,6 +176,9 @@ def render(result: Any) -> None:
            [(name(v["key"]), f"{v['differing']} of {v['numel']}", _num(v["max_abs_diff"]),
              _num(v["max_rel_diff"]), v["first_index"], _num(v["first_a"]), _num(v["first_b"]))
             for v in d["values"]])
+    _table("similarity", ("key", "cosine", "max abs error", "max rel error"),
+           [(name(x["key"]), _num(x["cosine"]), _num(x["max_abs_error"]),
+             _num(x["max_rel_error"])) for x in d.get("similarity", ())])
     _table("common state", ("field", "kind", "A", "B"),
            [(c["path"], c["kind"], c["a"], c["b"]) for c in d["common"]])
     _table("objects only in A", ("unique key",), [(k,) for k in d["objects_only_in_a"]])

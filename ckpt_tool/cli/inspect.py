@@ -198,7 +198,7 @@ def _render_common(common: dict[str, Any]) -> None:
         print_text("common state: none found")
         return
     lines = []
-    for k in ("architecture", "iteration", "checkpoint_version",
+    for k in ("architecture", "quantization", "iteration", "checkpoint_version",
               "num_floating_point_operations_so_far"):
         if k in common:
             lines.append(f"{k}: {common[k]}")

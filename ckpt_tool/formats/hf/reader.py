@@ -6,6 +6,11 @@ config: ``metadata().common`` holds the architecture and a summary of the model'
 ``extras["config"]`` the whole ``config.json``. safetensors wins when a directory has both
 (as transformers does). A ``.bin`` index naming a missing file, or a tensor stored twice, is a
 CorruptCheckpointError.
+
+A quantized release (``quantization_config`` in config.json: block-scaled FP8, MXFP4) is seen
+dequantized (:mod:`.quant_view`): each weight and its scales make one tensor of the model's
+dtype; ``extras["quantization"]`` summarises the stored form. Unknown quantization methods and
+missing or misshapen scales are refused when the metadata is read.
 """
 
 from __future__ import annotations
@@ -74,6 +79,7 @@ class HfReader(Reader):
         self._parts: list[Reader] = []
         self._owner: dict[str, Reader] = {}
         self._meta: CheckpointMeta | None = None
+        self._quant: Any = None  # a quant_view.QuantView for a quantized release
 
     def _bin_files(self) -> tuple[list[str], str | None]:
         index = self.path / BIN_INDEX
@@ -118,17 +124,33 @@ class HfReader(Reader):
                     tensors[key] = t
                     self._owner[key] = sub
             extras.update(files=files, index=index)
+        from ckpt_tool.formats.hf.quant_view import QuantView, model_dtype, scheme_of
+
+        scheme = scheme_of(self.config, self.path / CONFIG)
+        if scheme is not None:  # a quantized release: its dequantized tensors
+            self._quant = QuantView(scheme, tensors, model_dtype(self.config), self._read_stored,
+                                    self.path)
+            tensors = self._quant.tensors
+            extras["quantization"] = self._quant.summary()
         arch = ", ".join(self.config.get("architectures") or ()) or \
             str(self.config.get("model_type") or "unknown")
         common = {"architecture": arch,
                   "model": {k: self.config[k] for k in _SUMMARY if k in self.config}}
+        if self._quant is not None:
+            common["quantization"] = self._quant.describe()
         self._meta = CheckpointMeta(format=self.format_name, root=str(self.path),
                                     tensors=tensors, common=common, extras=extras)
         return self._meta
 
     def read(self, key: str, slices: tuple[slice, ...] | None = None) -> Any:
-        """Tensor ``key`` (or ``slices`` of it), read by the file's own reader."""
+        """Tensor ``key`` (or ``slices`` of it), read by the file's own reader (a quantized
+        weight dequantized, a slab at a time)."""
         self.metadata()
+        if self._quant is not None and key in self._quant.pairs:
+            return self._quant.read(key, slices)
+        return self._read_stored(key, slices)
+
+    def _read_stored(self, key: str, slices: tuple[slice, ...] | None = None) -> Any:
         owner = self._owner.get(key)
         if owner is None:
             raise InputError(f"no tensor {key!r} in the model directory", path=self.path)

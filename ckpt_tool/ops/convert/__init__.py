@@ -100,6 +100,9 @@ def convert(src: str | Path | SourcePlace, dst: str | Path, options: ConvertOpti
     start = time.perf_counter()
     place = src if isinstance(src, SourcePlace) else locate_source(src)
     writer_cls = writer_for(options.to)
+    if options.hf_dtype is not None and not FormatKind(options.to).hf_directory:
+        raise UsageError(f"--hf-dtype applies with --to hf, not --to {options.to}",
+                         hint="use --dtype to cast the tensors of other formats")
     if FormatKind(options.to).hf_directory or writer_cls.megatron_resume_target:
         from ckpt_tool.formats.base import detect
         from ckpt_tool.ops.convert._hf import convert_hf, is_hf_conversion

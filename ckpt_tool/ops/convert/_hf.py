@@ -131,6 +131,36 @@ def _import(reader: Reader, meta: CheckpointMeta, options: Any, tp: int, pp: int
     return recipes, common, extra
 
 
+HF_DTYPES = ("bf16", "fp8")
+
+
+def _hf_dtype_recipes(recipes: list[Recipe], hf_dtype: str) -> list[Recipe]:
+    """``--hf-dtype bf16``: every floating tensor in bfloat16; ``fp8``: the tensors kept
+    unquantized as stored (the quantized ones are read in their stored dtype)."""
+    if hf_dtype not in HF_DTYPES:
+        raise UsageError(f"--hf-dtype {hf_dtype!r} is not one of {', '.join(HF_DTYPES)}",
+                         hint="bf16 (unquantized) or fp8 (block-scaled, 128x128)")
+    if hf_dtype == "fp8":
+        return recipes
+    return [replace(r, dtype="bfloat16") if r.dtype in ("float32", "float16", "float64")
+            else r for r in recipes]
+
+
+def _fp8_export(recipes: list[Recipe], target: CheckpointMeta, source: Any,
+                extra: dict[str, Any]) -> tuple[CheckpointMeta, Any]:
+    from ckpt_tool.formats.hf.quant_view import Fp8Blocks
+    from ckpt_tool.ops._hf_fp8_export import Fp8Source, plan_fp8
+
+    scheme = Fp8Blocks()
+    tensors, quantized, qconfig = plan_fp8(recipes, target.tensors, scheme)
+    extra["hf_config"] = {**extra["hf_config"], "quantization_config": qconfig}
+    if not quantized:
+        extra["notes"] = [*extra.get("notes", ()), "--hf-dtype fp8: no linear weight divides "
+                          f"into whole {scheme.block[0]}x{scheme.block[1]} blocks; nothing "
+                          "was quantized"]
+    return replace(target, tensors=tensors), Fp8Source(source, quantized, scheme)
+
+
 def _target(recipes: list[Recipe], to: str) -> CheckpointMeta:
     tensors = {}
     for r in recipes:
@@ -168,6 +198,8 @@ def convert_hf(src: str | Path, dst: str | Path, options: Any, *, trust: bool = 
                 raise UsageError("--tp/--pp do not apply with --to hf",
                                  hint="an HF directory has no parallel layout")
             recipes, common, extra = _export(reader, meta, options)
+            if options.hf_dtype is not None:
+                recipes = _hf_dtype_recipes(recipes, options.hf_dtype)
         else:
             recipes, common, extra = _import(reader, meta, options, tp or 1, pp or 1)
         target = _target(recipes, options.to)
@@ -175,7 +207,9 @@ def convert_hf(src: str | Path, dst: str | Path, options: Any, *, trust: bool = 
         if FormatKind(options.to).megatron_dist:  # the model's _extra_state objects, as saved
             extra_states = ExtraStates(target.tensors, LOCAL if options.local_spec else TE)
             target = replace(target, objects=extra_states.objects)
-        source = HfSource(reader, {r.key: r for r in recipes})
+        source: Any = HfSource(reader, {r.key: r for r in recipes})
+        if options.hf_dtype == "fp8":  # the linear weights block-scaled, as FP8 releases
+            target, source = _fp8_export(recipes, target, source, extra)
         if progress is not None:
             progress.start(target.total_bytes, len(target.tensors))
         job = JobProgress(progress, r)

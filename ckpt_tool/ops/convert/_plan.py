@@ -52,6 +52,7 @@ class ConvertOptions:
     hf_config: str | None = None  # --hf-config: config.json for --to hf (or to override)
     hf_arch: str | None = None  # --hf-arch: the architecture rule to use
     local_spec: bool = False  # --local-spec: local layer spec norm names (default TE)
+    hf_dtype: str | None = None  # --hf-dtype: bf16 | fp8 (block-scaled) for --to hf
 
 
 @dataclass(frozen=True)

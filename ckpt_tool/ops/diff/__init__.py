@@ -26,7 +26,10 @@ its export, or the source of an import, is identical; a changed tensor is report
 HF name with the Megatron tensor it comes from (``mapped_from``); what HF cannot hold
 (optimizer state, padded vocab rows, common state) is noted as not comparable, but the
 settings ``config.json`` shares with ``args`` (sizes, heads, vocab, norm epsilon, rope theta, tied
-embeddings) are compared, each disagreement a common-state difference.
+embeddings) are compared, each disagreement a common-state difference. Such a diff (or any,
+with ``similarity``) also reports each tensor's cosine similarity and largest absolute and
+relative errors (``_similarity``), and names the first tensor in model order that disagrees
+(cosine below 0.99: a transposed or swapped projection, not rounding).
 
 Megatron-LM legacy files against a Megatron-Core dist checkpoint (torch_dist, zarr): the legacy
 side is seen as Megatron-Core saves that model (``_stacked_view``: stacked layers, its
@@ -55,11 +58,14 @@ from ckpt_tool.ops.manifest_checks import check_source_manifest
 from ckpt_tool.parallel import ranks as current_ranks
 from ckpt_tool.parallel import split_by_bytes
 from ckpt_tool.ops.diff._resharded import RESHARDED_HINT
+from ckpt_tool.ops.diff._similarity import (COSINE_FLOOR, Accumulator, Similarity,
+                                            check_plotting, first_disagreeing, model_order)
+from ckpt_tool.ops.diff._similarity import plot as plot_similarity
 from ckpt_tool.ops.diff._values import CommonDiff, TensorDiff, js
 from ckpt_tool.storage import as_path
 
 __all__ = ["diff", "DiffResult", "TensorDiff", "MetaChange", "CommonDiff", "parse_rename",
-           "Progress", "RESHARDED_HINT"]
+           "Progress", "RESHARDED_HINT", "Similarity", "check_plotting", "plot_similarity"]
 
 
 class Progress(Protocol):
@@ -105,6 +111,12 @@ class DiffResult:
     atol: float = 0.0
     rtol: float = 0.0
     origins: dict[str, str] = field(default_factory=dict)
+    similarity: tuple[Similarity, ...] = ()  # per tensor, in model order (see _similarity)
+
+    @property
+    def first_disagreeing(self) -> Similarity | None:
+        """The first tensor (model order) whose cosine similarity is below 0.99."""
+        return first_disagreeing(self.similarity)
 
     @property
     def common_differences(self) -> tuple[CommonDiff, ...]:
@@ -143,7 +155,10 @@ class DiffResult:
             "objects_only_in_b": list(self.objects_only_in_b),
             "objects": [c.to_dict() for c in self.objects],
             "notes": list(self.notes), "stats": self.stats,
-        } | ({"mapped_from": self.origins} if self.origins else {})
+        } | ({"mapped_from": self.origins} if self.origins else {}) | ({
+            "similarity": [x.to_dict() for x in self.similarity],
+            "first_disagreeing": (self.first_disagreeing.key if self.first_disagreeing
+                                  else None)} if self.similarity else {})
 
     def named(self, key: str) -> str:
         """``key`` with the Megatron tensor it was mapped from (HF vs Megatron diffs)."""
@@ -248,27 +263,29 @@ def _vocab_pairs(pairs: list[tuple[str, Any, Any]], R: Any
                  for (x, y), names in padded.items()]
 
 
-def _merge_ranks(ranks: Any, values: list[TensorDiff], stats: dict[str, int]
-                 ) -> tuple[list[TensorDiff], dict[str, int]]:
-    """Every rank's differing tensors and counts, merged on rank 0 and shared with all (so
-    every rank exits with the same code)."""
-    parts = ranks.gather((values, stats))
+def _merge_ranks(ranks: Any, values: list[TensorDiff], stats: dict[str, int],
+                 sims: list[Similarity]
+                 ) -> tuple[list[TensorDiff], dict[str, int], list[Similarity]]:
+    """Every rank's differing tensors, counts and similarities, merged on rank 0 and shared
+    with all (so every rank exits with the same code)."""
+    parts = ranks.gather((values, stats, sims))
     merged = None
     if ranks.is_main:
         assert parts is not None
-        all_values = sorted((v for vs, _ in parts for v in vs), key=lambda v: v.key)
-        total = {k: (stats[k] if k == "tensors_common" else sum(st[k] for _, st in parts))
+        all_values = sorted((v for vs, _, _ in parts for v in vs), key=lambda v: v.key)
+        total = {k: (stats[k] if k == "tensors_common" else sum(st[k] for _, st, _ in parts))
                  for k in stats}
-        merged = (all_values, total)
+        merged = (all_values, total, [x for _, _, ss in parts for x in ss])
     return ranks.broadcast(merged)
 
 
 def diff(a: str | Path, b: str | Path, *, rename: Iterable[tuple[str, str]] = (),
          filter: str | None = None, keys_only: bool = False, atol: float = 0.0,
          rtol: float = 0.0, trust: bool = False, progress: Progress | None = None,
-         resharded: bool = False) -> DiffResult:
+         resharded: bool = False, similarity: bool = False) -> DiffResult:
     """Compare checkpoint ``a`` with ``b`` (see the module docstring); ``progress`` is told the
-    bytes read (both sides) and the tensors finished."""
+    bytes read (both sides) and the tensors finished. ``similarity``: each tensor's cosine
+    similarity and errors (always between a Megatron checkpoint and an HF directory)."""
     from ckpt_tool.formats.base import open_checkpoint
     from ckpt_tool.ops.diff._hf_view import hf_view
     from ckpt_tool.ops._stacked_view import stacked_view
@@ -323,6 +340,8 @@ def diff(a: str | Path, b: str | Path, *, rename: Iterable[tuple[str, str]] = ()
         stats = {"tensors_common": len(pairs), "tensors_compared": 0, "tensors_equal_bytes": 0,
                  "bytes_compared": 0}
         values: list[TensorDiff] = []
+        sims: list[Similarity] = []
+        similar = similarity or view.side is not None
         if keys_only:
             notes.append("--keys-only: values not compared")
         else:
@@ -348,16 +367,22 @@ def diff(a: str | Path, b: str | Path, *, rename: Iterable[tuple[str, str]] = ()
             for n, t, u in todo:
                 eq = proven.get(n, set())
                 if sum(math.prod(b - a for a, b in box) for box in eq) != t.numel:
-                    found = compare_values(n, common[n], t, u, ra, rb, eq, atol, rtol, tick)
+                    acc = Accumulator() if similar else None  # (reads the equal pieces too)
+                    found = compare_values(n, common[n], t, u, ra, rb, set() if acc else eq,
+                                           atol, rtol, tick, acc.add if acc else None)
                     if found is not None:
                         values.append(found)
+                    if acc is not None:
+                        sims.append(acc.result(n))
                 else:
                     stats["tensors_equal_bytes"] += 1
+                    if similar:
+                        sims.append(Similarity(n, 1.0, 0.0, 0.0))
                 stats["tensors_compared"] += 1
                 tick(0, n)
             stats["bytes_compared"] = done[0]
             if ranks.world > 1:
-                values, stats = _merge_ranks(ranks, values, stats)
+                values, stats, sims = _merge_ranks(ranks, values, stats, sims)
         cdiffs: list[CommonDiff] = []
         if rx is not None:
             notes.append("--filter: common state not compared")
@@ -406,9 +431,11 @@ def diff(a: str | Path, b: str | Path, *, rename: Iterable[tuple[str, str]] = ()
                      "optimizer state, whatever each side's layout)")
     elif any(n for n in (only_a, only_b, shapes)) and R.looks_resharded(cdiffs):
         notes.append(R.RESHARDED_HINT)
-    shown = {*only_a, *only_b, *(c.key for c in (*dtypes, *shapes)), *(v.key for v in values)}
+    shown = {*only_a, *only_b, *(c.key for c in (*dtypes, *shapes)), *(v.key for v in values),
+             *(x.key for x in sims if not x.cosine >= COSINE_FLOOR)}
     return DiffResult(
         str(a), str(b), ma.format, mb.format, tuple(only_a), tuple(only_b), dtypes, shapes,
         tuple(values), tuple(cdiffs), tuple(obj_a), tuple(obj_b), tuple(objects), tuple(notes),
         stats, keys_only, float(atol), float(rtol),
-        {k: view.origins[k] for k in sorted(shown) if k in view.origins})
+        {k: view.origins[k] for k in sorted(shown) if k in view.origins},
+        tuple(sorted(sims, key=lambda x: model_order(x.key))))

@@ -183,10 +183,11 @@ def _unravel(flat: int, box: Box) -> tuple[int, ...]:
 
 def compare_values(name: str, ka: str, ta: TensorMeta, tb: TensorMeta, ra: Any, rb: Any,
                    proven: set[Box], atol: float, rtol: float,
-                   tick: Callable[[int, str | None], None]) -> TensorDiff | None:
+                   tick: Callable[[int, str | None], None],
+                   observe: Callable[[Any, Any], None] | None = None) -> TensorDiff | None:
     """Element-wise comparison of tensor ``ka`` of reader ``ra`` with ``name`` of ``rb`` over
     the pieces not in ``proven`` (boxes the byte path proved equal); ``tick(nbytes, None)``
-    after each piece. None when equal."""
+    after each piece, ``observe(a, b)`` with each pair of pieces read. None when equal."""
     size = max(dtype_itemsize(ta.dtype), dtype_itemsize(tb.dtype))
     count, max_abs, max_rel, first, fa, fb = 0, 0.0, 0.0, None, None, None
     for cell in _cells(ta, tb):
@@ -195,6 +196,8 @@ def compare_values(name: str, ka: str, ta: TensorMeta, tb: TensorMeta, ra: Any, 
         for box in _slabs(cell, size) if ta.stored_shape is None else [cell]:
             sl = tuple(slice(a, b) for a, b in box)
             x, y = ra.read(ka, sl), rb.read(name, sl)
+            if observe is not None:
+                observe(x, y)
             found = _compare(x, y, atol, rtol)
             tick(x.numel() * x.element_size() + y.numel() * y.element_size(), None)
             if found is None:
