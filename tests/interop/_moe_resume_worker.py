@@ -7,6 +7,7 @@ be bit-identical to the fixture's expected per-parameter state, and every bf16 m
 must equal its expected main parameter rounded to bf16.
 
     torchrun --nproc-per-node N _moe_resume_worker.py TP PP EP CKPT [FIXTURE] [--verify-integrity]
+        [--model-only]
 
 FIXTURE's ``generate.py`` provides ``init(tp, pp, ep)`` and ``build(tp, pp, ep)`` (no virtual
 pipeline at the target), optionally ``load(ckpt, gpt, model, optimizer)`` (a framework's own
@@ -15,7 +16,10 @@ per-parameter state.
 The Megatron-Core is the installed one, or with ``$CKPT_MEGATRON_SRC`` the ``megatron/core``
 source tree it names (0.19's: ``fixtures/_mcore_cpu.megatron_core_from_source``);
 ``--verify-integrity`` loads as Megatron-LM 0.18+'s ``--verify-integrity`` does (``integrity.json``
-checked first).
+checked first). ``--model-only``: CKPT holds no optimizer state (``reshard --drop-optimizer``);
+the model loads alone (Megatron-LM's ``--no-load-optim``) and only its parameters are compared.
+A generate.py with ``buffer_names(gpt)`` ({TP1 name: buffer}, e.g. the routers' ``expert_bias``)
+has its saved buffers compared with ``expected/buffers.safetensors`` too.
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ import sys
 os.environ.setdefault("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VERIFY_INTEGRITY = "--verify-integrity" in sys.argv
-ARGS = [a for a in sys.argv if a != "--verify-integrity"]
+MODEL_ONLY = "--model-only" in sys.argv
+ARGS = [a for a in sys.argv if a not in ("--verify-integrity", "--model-only")]
 FIXTURE = os.path.join(REPO, "fixtures", ARGS[5] if len(ARGS) > 5
                        else "mcore016_moe_ep2_distopt_buckets")
 sys.path.insert(0, os.path.join(REPO, "fixtures"))
@@ -74,10 +79,16 @@ def main() -> int:
     gen = _generator()
     gen.init(tp, pp, ep)
     gpt, _model, optimizer, names = gen.build(tp, pp, ep)
+    buffers = gen.buffer_names(gpt) if hasattr(gen, "buffer_names") else {}
     with torch.no_grad():
         for p in gpt.parameters():
             p.fill_(float("nan"))
-    if hasattr(gen, "load"):  # the framework's own resume (NeMo 2: the wrapped model's keys)
+        for b in buffers.values():
+            b.fill_(float("nan"))
+    if MODEL_ONLY:
+        optimizer = None
+        R.load_as_megatron_lm(ckpt, gpt, None, verify_integrity=VERIFY_INTEGRITY)
+    elif hasattr(gen, "load"):  # the framework's own resume (NeMo 2: the wrapped model's keys)
         gen.load(ckpt, gpt, _model, optimizer)
     else:
         R.load_as_megatron_lm(ckpt, gpt, optimizer, verify_integrity=VERIFY_INTEGRITY)
@@ -96,8 +107,14 @@ def main() -> int:
         want = expected[f"fp32_param.{name}"]
         if p.shape != want.shape or not torch.equal(p.detach(), want.to(p.dtype)):
             errors.append(f"model {name}")
+    if buffers:
+        want_buffers = load_file(os.path.join(FIXTURE, "expected", "buffers.safetensors"))
+        assert sorted(want_buffers) == sorted(buffers), (sorted(want_buffers), sorted(buffers))
+        for name, b in buffers.items():
+            if b.dtype != want_buffers[name].dtype or not torch.equal(b, want_buffers[name]):
+                errors.append(f"buffer {name}")
     checked = 0
-    chained = optimizer.chained_optimizers
+    chained = optimizer.chained_optimizers if optimizer is not None else []
     for o in chained:
         for gbuf_range_maps in o.gbuf_ranges:
             for maps in gbuf_range_maps.values():
@@ -113,12 +130,13 @@ def main() -> int:
                                 errors.append(f"optimizer {key}[{r.start}:{r.end}]")
                             checked += g.numel()
     rank = torch.distributed.get_rank()
-    if errors or not checked:
+    if errors or not (checked or MODEL_ONLY):
         print(f"rank {rank}: {len(errors)} differences: {errors[:6]}", file=sys.stderr)
         return 1
     from megatron.core import package_info
 
-    print(f"rank {rank}: OK {len(names)} parameters, {len(chained)} optimizers, {checked} "
+    print(f"rank {rank}: OK {len(names)} parameters, {len(buffers)} buffers, "
+          f"{len(chained)} optimizers, {checked} "
           f"optimizer elements bit-identical (megatron-core {package_info.__version__})")
     return 0
 
