@@ -92,6 +92,8 @@ def render(result: Any, *, tree: bool = False, all_objects: bool = False,
         _render_full_common(result.full_common)
     else:
         _render_common(meta.common)
+    if result.parts:
+        print_text("parts: " + "; ".join(f"{k}: {v}" for k, v in result.parts.items()))
     if "optimizer_sharding" in ex:  # Megatron-Core formats only
         opt = ex["optimizer_sharding"]
         print_text("optimizer sharding: " + (f"{opt['type']} ({opt['source']})" if opt

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpt_tool.errors import UsageError
+from ckpt_tool.planning.model_parts import model_parts
 from ckpt_tool.model import CheckpointMeta, TensorMeta
 
 __all__ = ["InspectResult", "inspect", "describe_split", "dtype_totals", "filter_meta",
@@ -33,6 +34,8 @@ class InspectResult:
     totals: dict[str, dict[str, int]] = field(default_factory=dict)
     full_common: dict[str, Any] | None = None
     common_items: tuple[str, ...] = ()
+    #: the architecture parts the stored keys show (planning.model_parts)
+    parts: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self, *, tree: bool = False) -> dict[str, Any]:
         """``CheckpointMeta.to_dict()`` with a ``split`` per tensor, ``dtype_totals`` and
@@ -43,6 +46,7 @@ class InspectResult:
             entry["split"] = self.splits.get(key, "")
         d["dtype_totals"] = self.totals
         d["common_items"] = list(self.common_items)
+        d["model_parts"] = dict(self.parts)
         if self.full_common is not None:
             d["common"] = self.full_common
         if tree:
@@ -65,13 +69,14 @@ def inspect(path: str | Path, *, trust: bool = False, pattern: str | None = None
         if full_common:
             full = _full_common(reader, meta)
         in_common = reader.objects_in_common()
+    parts = model_parts(meta)
     meta = filter_meta(replace(meta, objects=tuple(
         o for o in meta.objects if o.unique_key not in in_common)), rx)
     tp = tp_size(meta)
     return InspectResult(meta=meta,
                          splits={k: describe_split(t, tp=tp) for k, t in meta.tensors.items()},
                          totals=dtype_totals(meta), full_common=full,
-                         common_items=tuple(sorted(in_common)))
+                         common_items=tuple(sorted(in_common)), parts=parts)
 
 
 def tp_size(meta: CheckpointMeta) -> int | None:
