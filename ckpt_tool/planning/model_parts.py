@@ -109,7 +109,7 @@ PARTS: tuple[Part, ...] = (
 )
 
 #: a layer's kind in Megatron-Core's ``hybrid_override_pattern`` letters, by the keys it stores
-_LAYER_LETTERS = (("mixer.in_proj.", "M"), ("self_attention.", "*"), ("mlp.experts.", "E"),
+_LAYER_LETTERS = (("mixer.", "M"), ("self_attention.", "*"), ("mlp.experts.", "E"),
                   ("mlp.linear_fc", "-"))
 
 
