@@ -10,9 +10,9 @@ must equal its expected main parameter rounded to bf16.
 
 FIXTURE's ``generate.py`` provides ``init(tp, pp, ep)`` and ``build(tp, pp, ep)`` (no virtual
 pipeline at the target), optionally ``load(ckpt, gpt, model, optimizer)`` (a framework's own
-resume, e.g. NeMo 2's; default Megatron-LM's) and ``tp_local(p, full)`` (this rank's part of a
-parameter whose TP split is not one contiguous block, e.g. Mamba's ``in_proj``; default
-:func:`tp_local`), and its ``expected/optim.safetensors`` the per-parameter state.
+resume, e.g. NeMo 2's; default Megatron-LM's) and ``tp_local(p, full, default)`` (this rank's
+part of a parameter whose TP split is not one contiguous block, e.g. Mamba's ``in_proj``;
+``default`` is :func:`tp_local`), and its ``expected/optim.safetensors`` the per-parameter state.
 The Megatron-Core is the installed one, or with ``$CKPT_MEGATRON_SRC`` the ``megatron/core``
 source tree it names (0.19's: ``fixtures/_mcore_cpu.megatron_core_from_source``);
 ``--verify-integrity`` loads as Megatron-LM 0.18+'s ``--verify-integrity`` does (``integrity.json``
@@ -93,7 +93,11 @@ def main() -> int:
         p._glu = re.search(r"linear_fc1\.(weight|bias)\d*$", name) is not None
         p._name = name
     full = load_file(os.path.join(FIXTURE, "expected", "optim.safetensors"))
-    local = getattr(gen, "tp_local", tp_local)
+    if hasattr(gen, "tp_local"):
+        def local(p, t):
+            return gen.tp_local(p, t, tp_local)
+    else:
+        local = tp_local
     expected = {f"{s}.{name}": local(p, full[f"{s}.{name}"]).contiguous()
                 for p, name in names.items() for s in ("fp32_param", "exp_avg", "exp_avg_sq")}
     errors: list[str] = []

@@ -26,14 +26,23 @@ pytestmark = [pytest.mark.interop, pytest.mark.multiproc]
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 WORKER = Path(__file__).resolve().parent / "_moe_resume_worker.py"
 GROUPED = "mcore016_moe_grouped_ep2_distopt"
+HYBRID = "mcore016_hybrid_tp2dp2_distopt"
 
 # fixture -> (tp, pp, ep, world, optimizers) it was saved at
 SAVED = {
     GROUPED: (1, 1, 2, 4, 2),
+    HYBRID: (2, 1, 1, 4, 1),
 }
+NEEDS = {HYBRID: ("einops", "triton")}  # what the family's Megatron-Core modules import
 RESHARD_PENDING = pytest.mark.xfail(
     strict=False, reason="reshard of this family's dp_reshardable buckets needs the parameter "
     "order derived from the stored data and layout rules for its keys")
+
+
+def _needs(fixture):
+    pytest.importorskip("megatron.core")
+    for module in NEEDS.get(fixture, ()):
+        pytest.importorskip(module)
 
 
 def _resume(fixture, ckpt, tp, pp, ep, world, optimizers):
@@ -45,7 +54,7 @@ def _resume(fixture, ckpt, tp, pp, ep, world, optimizers):
 
 @pytest.mark.parametrize("fixture", sorted(SAVED))
 def test_megatron_core_resumes_the_original_at_its_own_layout(fixture):
-    pytest.importorskip("megatron.core")
+    _needs(fixture)
     tp, pp, ep, world, optimizers = SAVED[fixture]
     _resume(fixture, locate_source(FIXTURES / fixture).checkpoint, tp, pp, ep, world, optimizers)
 
@@ -55,9 +64,11 @@ def test_megatron_core_resumes_the_original_at_its_own_layout(fixture):
     (GROUPED, 1, 1, 1, 2),   # ep 2 -> 1: the grouped experts join the dense optimizer, dp 2
     (GROUPED, 1, 1, 4, 4),   # ep 2 -> 4: one expert per rank, expert dp 1
     (GROUPED, 2, 1, 2, 4),   # tp 1 -> 2 at ep 2 (expert tp 1): dense dp 2, expert dp 2
+    (HYBRID, 1, 1, 1, 2),    # tp 2 -> 1: in_proj's z/x/B/C/dt and conv1d's x/B/C joined, dp 2
+    (HYBRID, 1, 2, 1, 4),    # tp 2 -> 1, pp 1 -> 2 (the pattern split over two stages), dp 2
 ])
 def test_megatron_core_resumes_a_family_after_reshard(tmp_path, fixture, tp, pp, ep, world):
-    pytest.importorskip("megatron.core")
+    _needs(fixture)
     out = tmp_path / "out"
     result = reshard(FIXTURES / fixture, out, ReshardRequest(tp=tp, pp=pp, ep=ep))
     assert result.written
