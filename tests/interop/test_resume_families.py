@@ -27,11 +27,13 @@ FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 WORKER = Path(__file__).resolve().parent / "_moe_resume_worker.py"
 GROUPED = "mcore016_moe_grouped_ep2_distopt"
 HYBRID = "mcore016_hybrid_tp2dp2_distopt"
+GPTOSS = "mcore016_gptoss_ep2_distopt"
 
 # fixture -> (tp, pp, ep, world, optimizers) it was saved at
 SAVED = {
     GROUPED: (1, 1, 2, 4, 2),
     HYBRID: (2, 1, 1, 4, 1),
+    GPTOSS: (1, 2, 2, 4, 2),
 }
 NEEDS = {HYBRID: ("einops", "triton")}  # what the family's Megatron-Core modules import
 RESHARD_PENDING = pytest.mark.xfail(
@@ -66,6 +68,8 @@ def test_megatron_core_resumes_the_original_at_its_own_layout(fixture):
     (GROUPED, 2, 1, 2, 4),   # tp 1 -> 2 at ep 2 (expert tp 1): dense dp 2, expert dp 2
     (HYBRID, 1, 1, 1, 2),    # tp 2 -> 1: in_proj's z/x/B/C/dt and conv1d's x/B/C joined, dp 2
     (HYBRID, 1, 2, 1, 4),    # tp 2 -> 1, pp 1 -> 2 (the pattern split over two stages), dp 2
+    (GPTOSS, 1, 1, 2, 2),    # pp 2 -> 1 at ep 2: dense dp 2, expert dp 1
+    (GPTOSS, 1, 1, 4, 4),    # pp 2 -> 1, ep 2 -> 4: one expert per rank
 ])
 def test_megatron_core_resumes_a_family_after_reshard(tmp_path, fixture, tp, pp, ep, world):
     _needs(fixture)
