@@ -11,8 +11,9 @@ must equal its expected main parameter rounded to bf16.
 
 FIXTURE's ``generate.py`` provides ``init(tp, pp, ep)`` and ``build(tp, pp, ep)`` (no virtual
 pipeline at the target), optionally ``load(ckpt, gpt, model, optimizer)`` (a framework's own
-resume, e.g. NeMo 2's; default Megatron-LM's), and its ``expected/optim.safetensors`` the
-per-parameter state.
+resume, e.g. NeMo 2's; default Megatron-LM's) and ``tp_local(p, full, default)`` (this rank's
+part of a parameter whose TP split is not one contiguous block, e.g. Mamba's ``in_proj``;
+``default`` is :func:`tp_local`), and its ``expected/optim.safetensors`` the per-parameter state.
 The Megatron-Core is the installed one, or with ``$CKPT_MEGATRON_SRC`` the ``megatron/core``
 source tree it names (0.19's: ``fixtures/_mcore_cpu.megatron_core_from_source``);
 ``--verify-integrity`` loads as Megatron-LM 0.18+'s ``--verify-integrity`` does (``integrity.json``
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import sys
 
 os.environ.setdefault("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
@@ -49,7 +51,8 @@ def _generator():
 def tp_local(p, full):
     """The part of the TP1 tensor ``full`` that tensor-parallel rank r holds of ``p``, by
     Megatron-Core's own attributes (``tensor_model_parallel``, ``partition_dim``); a gated
-    ``linear_fc1`` holds its rank's part of each GLU half."""
+    ``linear_fc1`` (``weight``/``bias``, grouped experts' ``weight{k}``/``bias{k}``) holds its
+    rank's part of each GLU half."""
     import torch
 
     if not getattr(p, "tensor_model_parallel", False) or p.shape == full.shape:
@@ -98,9 +101,15 @@ def main() -> int:
         expert = not getattr(p, "allreduce", True)
         p._tp_rank = (ps.get_expert_tensor_parallel_rank() if expert
                       else ps.get_tensor_model_parallel_rank())
-        p._glu = name.endswith(("linear_fc1.weight", "linear_fc1.bias"))
+        p._glu = re.search(r"linear_fc1\.(weight|bias)\d*$", name) is not None
+        p._name = name
     full = load_file(os.path.join(FIXTURE, "expected", "optim.safetensors"))
-    expected = {f"{s}.{name}": tp_local(p, full[f"{s}.{name}"]).contiguous()
+    if hasattr(gen, "tp_local"):
+        def local(p, t):
+            return gen.tp_local(p, t, tp_local)
+    else:
+        local = tp_local
+    expected = {f"{s}.{name}": local(p, full[f"{s}.{name}"]).contiguous()
                 for p, name in names.items() for s in ("fp32_param", "exp_avg", "exp_avg_sq")}
     errors: list[str] = []
     for p, name in names.items():
