@@ -108,9 +108,10 @@ class _Reads:
         self._weights: dict[tuple[str, tuple], bytes] = {}
 
     def _weight_digest(self, c: Candidate) -> bytes:
-        ident = (c.key, tuple((p.global_offsets, p.sizes) for p in c.local.pieces))
+        ident = tuple((k, tuple((p.global_offsets, p.sizes) for p in local.pieces))
+                      for k, local in c.pieces)
         if ident not in self._weights:
-            self._weights[ident] = _digest(self._local(c.key, c.local))
+            self._weights[ident] = _digest(*(self._local(k, local) for k, local in c.pieces))
         return self._weights[ident]
 
     def _local(self, key: str, local: LocalTensor) -> Any:
@@ -136,7 +137,7 @@ class _Reads:
         slots: dict[tuple[int, str], bytes] = {}
         out = []
         for c in fitting:
-            dtype = self.meta.tensors[c.key].dtype
+            dtype = self.meta.tensors[c.key].dtype  # (a parameter's components share it)
             if (c.numel, dtype) not in slots:
                 main = self._slot(bucket, "param", start, c.numel)
                 slots[(c.numel, dtype)] = _digest(main.to(torch_dtype(dtype)))
@@ -158,11 +159,14 @@ class _Reads:
         return True
 
 
-def _digest(t: Any) -> bytes:
+def _digest(*tensors: Any) -> bytes:
+    """One digest of the bytes of ``tensors``, one after the other."""
     import torch
 
-    raw = t.contiguous().reshape(-1).view(torch.uint8)
-    return hashlib.blake2b(raw.numpy().tobytes(), digest_size=16).digest()
+    h = hashlib.blake2b(digest_size=16)
+    for t in tensors:
+        h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.digest()
 
 
 def describe_leftover(leftover: list[Candidate]) -> str:

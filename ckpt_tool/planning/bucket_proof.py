@@ -62,8 +62,14 @@ def _flat_numels(value: Any) -> list[int]:
 def _prove_chunks(b: Bucket, meta: CheckpointMeta, dp: int) -> list[str]:
     local = b.numel // dp
     points = {0} | {r * local for r in range(dp)}
+    spans: list[tuple[int, int]] = []
     for p in b.params:
-        points |= {p.start, p.start + p.numel}
+        if p.continues and spans:
+            spans[-1] = (spans[-1][0], p.start + p.numel)
+        else:
+            spans.append((p.start, p.start + p.numel))
+    for start, end in spans:
+        points |= {start, end}
     want = sorted(x for x in points if x < b.numel_unpadded)
     out = []
     for state in STATES:

@@ -110,6 +110,15 @@ BUILTIN_RULES: tuple[Rule, ...] = (
     Rule(r"(^|\.)linear_(q_down_proj|kv_down_proj)\.(weight|bias)$", COLUMN, grid_first=True),
     # attention sinks (GPT-OSS: softmax_type "learnable"): one offset per head
     Rule(r"(^|\.)core_attention\.softmax_offset$", COLUMN, ndim=1),
+    # Mamba mixers (hybrid models): in_proj and conv1d are stored per component (z, x, B, C,
+    # dt; x, B, C), each split by tensor parallelism along its rows; the per-head A_log, D,
+    # dt_bias and the gated norm split likewise; out_proj is row-parallel
+    _r(r"(^|\.)mixer\.in_proj\.weight\.(z|x|B|C|dt)$", COLUMN),
+    Rule(r"(^|\.)mixer\.conv1d\.weight\.(x|B|C)$", COLUMN, ndim=3),
+    Rule(r"(^|\.)mixer\.conv1d\.bias\.(x|B|C)$", COLUMN, ndim=1),
+    Rule(r"(^|\.)mixer\.(A_log|D|dt_bias)$", COLUMN, ndim=1),
+    Rule(r"(^|\.)mixer\.norm\.weight$", COLUMN, ndim=1),
+    _r(r"(^|\.)mixer\.out_proj\.weight$", ROW),
     # Multi-Token Prediction: eh_proj is column-parallel; enorm/hnorm replicated norms
     _r(r"(^|\.)mtp\.layers\.\d+\.eh_proj\.weight$", COLUMN),
     _r(r"(^|\.)mtp\.layers\.\d+\.(enorm|hnorm)\.", REPLICATED),

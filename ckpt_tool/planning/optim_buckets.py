@@ -76,6 +76,9 @@ class BucketParam:
     local: LocalTensor
     start: int
     numel: int
+    #: the next component of the same parameter (stored per component: its elements follow
+    #: the previous entry's with no boundary between them)
+    continues: bool = False
 
 
 @dataclass

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import Mapping, Sequence
 
-__all__ = ["NOT_PARAMETERS", "GPT_PARAMETER_ORDER", "MOE_MLP_ORDER", "LAYER_PREFIX", "StageParam", "stage_params",
+__all__ = ["NOT_PARAMETERS", "COMPONENTS", "GPT_PARAMETER_ORDER", "MOE_MLP_ORDER", "LAYER_PREFIX", "StageParam", "stage_params",
            "moe_expert_keys", "model_key_prefix", "TIED_KEYS"]
 
 LAYER_PREFIX = "decoder.layers."
@@ -70,6 +70,16 @@ MOE_MLP_ORDER: dict[str, list[str]] = {
 #: state, the router's expert bias (a persistent fp32 buffer that aux-loss-free balancing
 #: updates outside the optimizer).
 NOT_PARAMETERS = (r"_extra_state$", r"(^|\.)router\.expert_bias$")
+
+#: Parameters Megatron-Core stores per component (``<name>.<component>`` keys), each component
+#: split by tensor parallelism on its own: a rank's parameter is its part of each component,
+#: concatenated along dim 0 in this order (Mamba's ``in_proj`` = [z; x; B; C; dt], ``conv1d`` =
+#: [x; B; C]: ``MambaMixer`` of megatron-core 0.16).
+COMPONENTS: dict[str, tuple[str, ...]] = {
+    r"mixer\.in_proj\.weight": ("z", "x", "B", "C", "dt"),
+    r"mixer\.conv1d\.weight": ("x", "B", "C"),
+    r"mixer\.conv1d\.bias": ("x", "B", "C"),
+}
 
 _EMBEDDING, _OUTPUT = "embedding.word_embeddings.weight", "output_layer.weight"
 #: The parameters DDP treats as the shared embedding when the embeddings are tied.

@@ -37,7 +37,8 @@ from ckpt_tool.planning.grid import infer_rule_from_grid
 from ckpt_tool.planning.layout import RuleSet, leading_axes, stacked_expert_axis
 from ckpt_tool.planning.optim_buckets import (Bucket, BucketLayoutError, BucketParam,
                                               parallel_sizes)
-from ckpt_tool.planning.param_order import NOT_PARAMETERS, TIED_KEYS, model_key_prefix
+from ckpt_tool.planning.param_order import (COMPONENTS, NOT_PARAMETERS, TIED_KEYS,
+                                            model_key_prefix)
 from ckpt_tool.planning.pieces import LocalTensor, rank_pieces
 from ckpt_tool.planning.sizes import Layout, LayerMap, ModelSizes
 
@@ -66,10 +67,27 @@ class Candidate:
     layer: int | None
     expert: int | None
     local: LocalTensor
+    #: a parameter stored per component (param_order.COMPONENTS): each component's key and
+    #: local tensor, in the order they are concatenated (``key``/``local``: the first's)
+    parts: tuple[tuple[str, LocalTensor], ...] = ()
+
+    @property
+    def pieces(self) -> tuple[tuple[str, LocalTensor], ...]:
+        """``(key, local tensor)`` of each stored key the parameter is made of, in order."""
+        return self.parts or ((self.key, self.local),)
 
     @property
     def numel(self) -> int:
-        return math.prod(self.local.local_shape)
+        return sum(math.prod(local.local_shape) for _k, local in self.pieces)
+
+    def bucket_params(self, start: int) -> list[BucketParam]:
+        """The parameter at element ``start`` of a bucket: one entry per stored key."""
+        out = []
+        for key, local in self.pieces:
+            n = math.prod(local.local_shape)
+            out.append(BucketParam(key, local, start, n, continues=bool(out)))
+            start += n
+        return out
 
     @property
     def name(self) -> str:
@@ -158,6 +176,31 @@ def buffer_candidates(meta: CheckpointMeta, sizes: ModelSizes, source: Layout,
                                 _experts_of(key, t.shape, rule, 0, 1) if expert else None)
                 _add(out, buffers, ("chained_0." if expert_parallel else "", idx), t.dtype,
                      found)
+    return {k: _join_components(v) for k, v in out.items()}
+
+
+def _join_components(found: list[Candidate]) -> list[Candidate]:
+    """Candidates of one buffer with each parameter stored per component made one."""
+    groups: dict[tuple[str, int | None, int | None], dict[str, Candidate]] = {}
+    out: list[Candidate] = []
+    for c in found:
+        for base, parts in COMPONENTS.items():
+            m = re.search(rf"(^|\.){base}\.([^.]+)$", c.key)
+            if m and m.group(2) in parts:
+                groups.setdefault((c.key[:m.start(2) - 1], c.layer, c.expert), {})[
+                    m.group(2)] = c
+                break
+        else:
+            out.append(c)
+    for (base_key, layer, expert), by_part in groups.items():
+        order = next(parts for base, parts in COMPONENTS.items()
+                     if re.search(rf"(^|\.){base}$", base_key))
+        if set(by_part) != set(order):
+            raise BucketLayoutError(f"{base_key}: stored components {sorted(by_part)}, a "
+                                    f"parameter of components {list(order)}")
+        first = by_part[order[0]]
+        out.append(Candidate(first.key, layer, expert, first.local,
+                             tuple((by_part[p].key, by_part[p].local) for p in order)))
     return out
 
 
@@ -231,8 +274,18 @@ def placed_order(buckets: Sequence[Bucket], candidates: Sequence[Candidate]
                  ) -> list[list[tuple[str, int | None, int | None]]]:
     """Per bucket, the ``(key, layer, expert)`` of each placed parameter: what the other
     tensor-parallel ranks of the same stage follow (:func:`place_buffer` ``follow``)."""
-    ident = {(c.key, c.local): (c.key, c.layer, c.expert) for c in candidates}
-    return [[ident[(p.key, p.local)] for p in b.params] for b in buckets]
+    ident = {(k, local): (c.key, c.layer, c.expert) for c in candidates
+             for k, local in c.pieces}
+    out = []
+    for b in buckets:
+        order: list[tuple[str, int | None, int | None]] = []
+        for p in b.params:
+            i = ident[(p.key, p.local)]
+            if not order or order[-1] != i or not any(c.parts for c in candidates
+                                                      if (c.key, c.layer, c.expert) == i):
+                order.append(i)
+        out.append(order)
+    return out
 
 
 def place_buffer(buf: BufferToPlace, match: Match, same: Same,
@@ -275,7 +328,7 @@ def place_buffer(buf: BufferToPlace, match: Match, same: Same,
                 _join(groups, {id(c) for c in matched}, (bucket, pos, chosen.numel))
             remaining.remove(chosen)
             taken[id(chosen)] = chosen
-            bucket.params.append(BucketParam(chosen.key, chosen.local, pos, chosen.numel))
+            bucket.params.extend(chosen.bucket_params(pos))
             end = pos + chosen.numel
             pos = min(-(-end // _PARAM_ALIGN) * _PARAM_ALIGN, unpadded) if end < unpadded \
                 else unpadded
@@ -323,7 +376,7 @@ def _follow(buf: BufferToPlace, follow: Sequence[Sequence[tuple[str, int | None,
                 raise BucketLayoutError(f"{where} bucket {b}: the order of tensor-parallel "
                                         f"rank 0 does not fit the stored pieces at element "
                                         f"{pos} ({ident[0]})")
-            bucket.params.append(BucketParam(c.key, c.local, pos, c.numel))
+            bucket.params.extend(c.bucket_params(pos))
             end = pos + c.numel
             pos = min(-(-end // _PARAM_ALIGN) * _PARAM_ALIGN, unpadded) if end < unpadded \
                 else unpadded

@@ -36,9 +36,6 @@ SAVED = {
     GPTOSS: (1, 2, 2, 4, 2),
 }
 NEEDS = {HYBRID: ("einops", "triton")}  # what the family's Megatron-Core modules import
-RESHARD_PENDING = pytest.mark.xfail(
-    strict=False, reason="reshard of this family's dp_reshardable buckets needs the parameter "
-    "order derived from the stored data and layout rules for its keys")
 
 
 def _needs(fixture):
@@ -61,7 +58,6 @@ def test_megatron_core_resumes_the_original_at_its_own_layout(fixture):
     _resume(fixture, locate_source(FIXTURES / fixture).checkpoint, tp, pp, ep, world, optimizers)
 
 
-@RESHARD_PENDING
 @pytest.mark.parametrize("fixture,tp,pp,ep,world", [
     (GROUPED, 1, 1, 1, 2),   # ep 2 -> 1: the grouped experts join the dense optimizer, dp 2
     (GROUPED, 1, 1, 4, 4),   # ep 2 -> 4: one expert per rank, expert dp 1
