@@ -19,7 +19,8 @@ pytestmark = [pytest.mark.interop, pytest.mark.multiproc,
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 TORCH_DIST = ["mcore016_gpt_tp2pp2_fp32", "mcore016_gpt_tp2pp2_bf16_optim",
-              "mcore016_llama_tp2pp2_distopt", "mcore016_mixtral_ep2"]
+              "mcore016_llama_tp2pp2_distopt", "mcore016_mixtral_ep2",
+              "mcore016_deepseek_tp2ep2_distopt"]
 
 
 def _ckpt(name: str) -> Path:
