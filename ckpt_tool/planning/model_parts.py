@@ -85,7 +85,7 @@ def _mtp(tensors: Tensors) -> str | None:
 
 
 def _mamba(tensors: Tensors) -> str | None:
-    if not any(k.endswith("mixer.in_proj.weight") for k in tensors):
+    if not any(".mixer.in_proj." in k for k in tensors):
         return None
     pattern = layer_pattern(tensors)
     return "Mamba mixers" + (f", hybrid layer pattern {pattern}" if pattern else "")
