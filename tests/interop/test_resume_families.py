@@ -61,12 +61,13 @@ def test_megatron_core_resumes_the_original_at_its_own_layout(fixture):
 @pytest.mark.parametrize("fixture,tp,pp,ep,world", [
     (GROUPED, 1, 1, 1, 2),   # ep 2 -> 1: the grouped experts join the dense optimizer, dp 2
     (GROUPED, 1, 1, 4, 4),   # ep 2 -> 4: one expert per rank, expert dp 1
-    (GROUPED, 2, 1, 2, 4),   # tp 1 -> 2 at ep 2 (expert tp 1): dense dp 2, expert dp 2
     (HYBRID, 1, 1, 1, 2),    # tp 2 -> 1: in_proj's z/x/B/C/dt and conv1d's x/B/C joined, dp 2
-    (HYBRID, 1, 2, 1, 4),    # tp 2 -> 1, pp 1 -> 2 (the pattern split over two stages), dp 2
     (GPTOSS, 1, 1, 2, 2),    # pp 2 -> 1 at ep 2: dense dp 2, expert dp 1
     (GPTOSS, 1, 1, 4, 4),    # pp 2 -> 1, ep 2 -> 4: one expert per rank
 ])
+# Not here: the grouped-GEMM model at tp > 1 (Megatron-Core trains MoE at tp > 1 only with
+# sequence parallelism, which its local torch norm refuses: the fixture's builder has no stand-in
+# for it), the hybrid model at pp 2 (its 5 layers do not split evenly over 2 stages).
 def test_megatron_core_resumes_a_family_after_reshard(tmp_path, fixture, tp, pp, ep, world):
     _needs(fixture)
     out = tmp_path / "out"
