@@ -10,7 +10,7 @@ from ckpt_tool.cli._options import (DebugFlag, IterationOption, JsonFlag, MaxMem
                                     NoProgressFlag, NoVerifyFlag, OverwriteFlag, QuietFlag,
                                     SourcePath, TrustFlag, completer, parse_size,
                                     source_place)
-from ckpt_tool.cli._output import human_bytes, message, print_json
+from ckpt_tool.cli._output import human_bytes, message, print_json, print_resume
 from ckpt_tool.cli._progress import progress_bar
 from ckpt_tool.errors import plural
 
@@ -106,5 +106,4 @@ def convert(
             f"{plural(result.objects, 'object')}, "
             f"{human_bytes(result.nbytes)} in {result.seconds:.1f} s"
             + ("" if result.verified else " (not verified)"))
-    for line in result.resume.lines() if result.resume is not None else ():
-        message(line)
+    print_resume(result.resume)

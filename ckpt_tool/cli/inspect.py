@@ -1,5 +1,6 @@
 """``ckpt inspect PATH``: a checkpoint's tensors, objects and common state (metadata only)."""
 
+import sys
 from typing import Annotated, Any, Optional
 
 import typer
@@ -7,7 +8,8 @@ import typer
 from ckpt_tool.cli._errors import handle_errors
 from ckpt_tool.cli._options import (CheckpointPath, DebugFlag, IterationOption, JsonFlag,
                                     TrustFlag, at_iteration)
-from ckpt_tool.cli._output import human_bytes, message, print_json, print_text, stdout
+from ckpt_tool.cli._output import (human_bytes, message, print_json, print_text, stdout,
+                                   terminal_width)
 from ckpt_tool.errors import plural
 
 # The default view lists objects one per row up to this many, then one row per key.
@@ -75,7 +77,10 @@ def render(result: Any, *, tree: bool = False, all_objects: bool = False,
 
     meta, ex = result.meta, result.meta.extras
     title = Text(f"{meta.format}", style="bold cyan")
-    title.append(f"  {meta.root}", style="default")
+    width = terminal_width(sys.stdout)
+    # on a terminal too narrow for both: the path on a line of its own, whole
+    wide = width is None or len(meta.format) + 2 + len(str(meta.root)) <= width
+    title.append(f"  {meta.root}" if wide else f"\n  {meta.root}", style="default")
     stdout.print(title)
     backend = [f"{k}={ex[k]}" for k in ("sharded_backend", "sharded_backend_version",
                                         "common_backend", "common_backend_version",
@@ -144,7 +149,7 @@ def _render_tree(result: Any) -> None:
     root = tensor_tree(result.meta, result.splits)
     top = Tree(label({**root, "name": root["name"] or "tensors"}))
     add(top, root)
-    stdout.print(top, highlight=False)
+    stdout.print(top, highlight=False, soft_wrap=False)  # labels wrapped between words
 
 
 def _render_objects(meta: Any, all_objects: bool) -> None:
@@ -187,10 +192,8 @@ def _render_totals(result: Any) -> None:
 def _render_full_common(common: dict[str, Any]) -> None:
     import json
 
-    from rich.markup import escape
-
-    stdout.print("common state (full):", highlight=False)
-    stdout.print(escape(json.dumps(common, indent=2, default=str)), highlight=False)
+    print_text("common state (full):")
+    print_text(json.dumps(common, indent=2, default=str))
 
 
 def _render_common(common: dict[str, Any]) -> None:

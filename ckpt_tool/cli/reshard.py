@@ -9,7 +9,7 @@ from ckpt_tool.cli._errors import handle_errors, state
 from ckpt_tool.cli._options import (DebugFlag, IterationOption, JsonFlag, NoProgressFlag,
                                     NoVerifyFlag, OverwriteFlag, QuietFlag, SourcePath,
                                     TrustFlag, VerboseFlag, completer, source_place)
-from ckpt_tool.cli._output import human_bytes, message, print_json, print_text
+from ckpt_tool.cli._output import human_bytes, message, print_json, print_resume, print_text
 from ckpt_tool.cli._progress import progress_bar
 from ckpt_tool.errors import plural
 
@@ -136,8 +136,7 @@ def reshard(
         if note.startswith(("reclaimed", "--no-verify")):  # (the others: the feasibility table)
             message(f"note: {note}")
     message(_verdict(result, check or dry_run), failure=not result.ok)
-    for line in result.resume.lines() if result.resume is not None else ():
-        message(line)
+    print_resume(result.resume)
     if not result.ok:
         raise typer.Exit(1)
 
