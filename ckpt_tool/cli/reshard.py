@@ -127,8 +127,12 @@ def reshard(
     problems = result.plan.get("problems") or []
     if json_:
         print_json(result.to_dict())
-    elif check or dry_run or verbose or (not quiet and _to_act_on(problems)):
+    elif dry_run or verbose:
         _render(result.plan, show_ranks=dry_run)
+    elif not result.ok:  # what stops it, each with its fix; what it would change: --verbose
+        _print_problems([p for p in problems if p["severity"] != "note"])
+    elif check or (not quiet and _to_act_on(problems)):
+        _render(result.plan, show_ranks=False)
     else:  # a reshard that went through: what it changed, one message each (none with -q)
         for p in problems:
             message(_problem_line(p), failure=p["severity"] == "error")
@@ -145,6 +149,20 @@ def _to_act_on(problems: list[dict[str, Any]]) -> bool:
     """The feasibility table is worth a table when a row asks for something: an error, a
     warning, or a fix to apply; rows that only say what the reshard changes are notes."""
     return any(p["severity"] != "note" or p.get("fix") for p in problems)
+
+
+def _print_problems(problems: list[dict[str, Any]]) -> None:
+    """One line per problem, those with the same fix together and the fix once after them,
+    on a line of its own (errors also with --quiet)."""
+    by_fix: dict[str, list[dict[str, Any]]] = {}
+    for p in problems:
+        by_fix.setdefault(p.get("fix") or "", []).append(p)
+    for fix, group in by_fix.items():
+        for p in group:
+            key = f"{p['key']}: " if p.get("key") else ""
+            message(f"{p['severity']}: {key}{p['reason']}", failure=p["severity"] == "error")
+        if fix:
+            message(f"  fix: {fix}", failure=any(p["severity"] == "error" for p in group))
 
 
 def _problem_line(p: dict[str, Any]) -> str:
@@ -195,9 +213,8 @@ def _verdict(result: Any, planning_only: bool) -> str:
     layout = (" ".join(f"{k}{'?' if k in unknown else src.get(k)}" for k in ("tp", "pp", "ep"))
               + f" -> tp{tgt.get('tp')} pp{tgt.get('pp')} ep{tgt.get('ep')}")
     errors = [p for p in result.plan.get("problems", []) if p["severity"] == "error"]
-    if errors:
-        return (f"cannot reshard {result.source} ({layout}): "
-                f"{plural(len(errors), 'problem')}; first: {errors[0]['reason']}")
+    if errors:  # (the lines above it say which: also with --quiet)
+        return f"cannot reshard {result.source} ({layout}): {plural(len(errors), 'problem')}"
     if planning_only:
         return f"feasible: {result.source} ({result.source_format}, {layout})"
     return (f"resharded {result.source} ({layout}) -> {result.target} ({result.format}): "
