@@ -98,7 +98,12 @@ def convert(
                              max_shard_size=parse_size(max_shard_size, "--max-shard-size"),
                              progress=bar, workers=workers)
     for note in result.notes:
-        message(f"note: {note}")
+        # what was dropped or left out is counted in the one line below (--json: the notes)
+        if not (result.left_behind and note.startswith(("dropped ", "left out "))):
+            message(f"note: {note}")
+    if result.left_behind:
+        message("note: left behind (not in the output): " + ", ".join(
+            f"{n} {kind}" for kind, n in result.left_behind.items()) + " (--json lists them)")
     if json_:
         print_json(result.to_dict())
     message(f"converted {result.source} ({result.source_format}) -> {result.target} "
