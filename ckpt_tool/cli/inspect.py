@@ -10,7 +10,7 @@ from ckpt_tool.cli._options import (CheckpointPath, DebugFlag, IterationOption, 
                                     TrustFlag, at_iteration)
 from ckpt_tool.cli._output import (human_bytes, message, print_json, print_text, stdout,
                                    terminal_width)
-from ckpt_tool.errors import plural
+from ckpt_tool.errors import NotACheckpointError, plural
 
 # The default view lists objects one per row up to this many, then one row per key.
 _OBJECTS_IN_FULL = 24
@@ -45,7 +45,13 @@ def inspect(
 
     compile_filter(filter_)  # a bad regex is a usage error before any I/O
     path = at_iteration(path, iteration)
-    result = run_inspect(path, trust=trust, pattern=filter_, full_common=common)
+    try:
+        result = run_inspect(path, trust=trust, pattern=filter_, full_common=common)
+    except NotACheckpointError as exc:
+        if not _a_plain_folder(path, exc):  # (a damaged checkpoint: its own error)
+            raise
+        _list_checkpoints(path, json_)  # a folder of checkpoints: what it holds
+        return
     if json_:
         print_json(result.to_dict(tree=tree))
     else:
@@ -56,6 +62,53 @@ def inspect(
     if left:  # e.g. a killed --overwrite run: the old checkpoint is whole, its staging beside
         message(f"note: an interrupted write left {describe_leftovers(left)} beside "
                 f"{path} (a rerun of the command that writes it reclaims it)")
+
+
+# files that make a directory a (perhaps damaged) checkpoint rather than a folder of them
+_CHECKPOINT_FILES = ("metadata.json", ".metadata", "common.pt",
+                     "latest_checkpointed_iteration.txt", "*.distcp")
+
+
+def _a_plain_folder(path: Any, exc: Any) -> bool:
+    """True when ``path`` is a local directory that no format recognised at all and that
+    holds none of a checkpoint's own files: a folder that may hold checkpoints."""
+    from ckpt_tool.formats.save_dir import iteration_dirs
+
+    return (path.is_dir() and exc.message.startswith("not a checkpoint of any known format")
+            and not iteration_dirs(path)
+            and not any(next(path.glob(name), None) for name in _CHECKPOINT_FILES))
+
+
+def _list_checkpoints(path: Any, json_: bool) -> None:
+    """The checkpoints in ``path`` and below, one row each; a short error when there are
+    none."""
+    from ckpt_tool.errors import NotACheckpointError
+    from ckpt_tool.ops.inspect import DEPTH, checkpoints_under
+
+    found = checkpoints_under(path)
+    if not found:
+        raise NotACheckpointError(f"not a checkpoint, and none in it or {DEPTH} levels below",
+                                  path=path,
+                                  hint="pass a checkpoint directory, an iter_* directory or "
+                                  "a training save directory") from None
+    if json_:
+        print_json({"path": str(path), "checkpoints": found})
+        return
+    from ckpt_tool.cli._tables import Column, print_table
+
+    def layout(e: dict[str, Any]) -> str:
+        return " ".join(f"{k}{v}" for k, v in (e["layout"] or {}).items())
+
+    def iterations(e: dict[str, Any]) -> str:
+        its = e["iterations"] or []
+        return ", ".join(its) if len(its) <= 3 else f"{its[0]} ... {its[-1]} ({len(its)})"
+
+    print_table(f"{plural(len(found), 'checkpoint')} in {path}",
+                (Column("path", name=True), Column("format"), Column("iterations"),
+                 Column("layout"), Column("size", "right"), Column("manifest")),
+                [(e["path"], e["format"], iterations(e), layout(e), human_bytes(e["bytes"]),
+                  "yes" if e["manifest"] else "") for e in found])
+    message(f"note: 'ckpt inspect {path}/PATH' shows one of them")
 
 
 def _shape(shape: Any) -> str:
