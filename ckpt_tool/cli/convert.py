@@ -78,10 +78,10 @@ def convert(
 
     \b
     Examples:
-      ckpt convert checkpoints/gpt/iter_0001000 gpt-st --to safetensors \\
-          --dtype bf16
-      ckpt convert checkpoints/gpt/iter_0001000 gpt-hf --to hf
-      ckpt convert gpt-hf gpt-mcore --to torch_dist --tp 2
+      ckpt convert fixtures/mcore016_gpt_tp2pp2_fp32 gpt-st \\
+          --to safetensors --dtype bf16
+      ckpt convert fixtures/mcore016_llama_tp2pp2_distopt llama-hf --to hf
+      ckpt convert llama-hf llama-mcore --to torch_dist --tp 2
     """
     from ckpt_tool.ops.convert import ConvertOptions, parse_rename
     from ckpt_tool.ops.convert import convert as run_convert

@@ -37,8 +37,9 @@ def inspect(
 
     \b
     Examples:
-      ckpt inspect checkpoints/gpt/iter_0000010 --json
-      ckpt inspect checkpoints/gpt --tree --filter 'decoder\\.layers\\.mlp'
+      ckpt inspect fixtures/mcore016_gpt_tp2pp2_fp32 --json
+      ckpt inspect fixtures/mcore016_gpt_tp2pp2_fp32 --tree --filter 'mlp'
+      ckpt inspect fixtures
     """
     from ckpt_tool.ops.inspect import compile_filter
     from ckpt_tool.ops.inspect import inspect as run_inspect

@@ -101,8 +101,8 @@ def reshard(
 
     \b
     Examples:
-      ckpt reshard checkpoints/gpt/iter_0001000 gpt-tp4 --tp 4
-      ckpt reshard checkpoints/gpt --tp 1 --pp 4 --check
+      ckpt reshard fixtures/mcore016_gpt_tp2pp2_fp32 gpt-tp4 --tp 4
+      ckpt reshard fixtures/mcore016_gpt_tp2pp2_fp32 --pp 4 --check
     """
     from ckpt_tool.errors import UsageError
     from ckpt_tool.ops.reshard import ReshardRequest
