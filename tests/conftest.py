@@ -20,7 +20,9 @@ def _known_warnings() -> list[str]:
     if tomllib is None:
         return []
     doc = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
-    return doc["tool"]["pytest"]["ini_options"].get("filterwarnings", [])
+    found = doc["tool"]["pytest"]["ini_options"].get("filterwarnings", [])
+    assert not any("," in w for w in found), "PYTHONWARNINGS separates filters by commas"
+    return found
 
 
 # the same filters for every process a test starts (ckpt commands, torchrun workers, the real
