@@ -2,7 +2,34 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    tomllib = None
+
+
+def _known_warnings() -> list[str]:
+    """pyproject.toml's ``filterwarnings`` (third-party warnings known to be harmless)."""
+    from pathlib import Path
+
+    if tomllib is None:
+        return []
+    doc = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    found = doc["tool"]["pytest"]["ini_options"].get("filterwarnings", [])
+    assert not any("," in w for w in found), "PYTHONWARNINGS separates filters by commas"
+    return found
+
+
+# the same filters for every process a test starts (ckpt commands, torchrun workers, the real
+# Megatron-Core): their stderr may reach the terminal between pytest's progress dots
+KNOWN_WARNINGS = _known_warnings()
+os.environ["PYTHONWARNINGS"] = ",".join(
+    [w for w in os.environ.get("PYTHONWARNINGS", "").split(",") if w] + KNOWN_WARNINGS)
 
 # ``-m "not slow"``, the quick run: everything but what starts torchrun jobs or the real
 # Megatron-Core (the ``multiproc`` and ``interop`` markers, ``tests/interop``, ``tests/peer``)

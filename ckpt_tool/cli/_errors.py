@@ -12,6 +12,7 @@ from typing import Any, Callable, Iterator, TypeVar
 import typer
 from typer.core import TyperGroup
 
+from ckpt_tool.cli._output import error
 from ckpt_tool.cli._startup import resume_gc
 from ckpt_tool.errors import CkptError
 
@@ -164,7 +165,7 @@ def handle_errors(fn: F) -> F:
             from ckpt_tool._torchrun import record_error
 
             if record_error(line):  # under torchrun: rank 0 alone prints
-                print(f"ckpt: error: {line}", file=sys.stderr)
+                error(line)
             raise typer.Exit(code) from None
 
     return wrapper  # type: ignore[return-value]
@@ -208,7 +209,7 @@ def _one_line_usage_errors() -> Iterator[None]:
         if type(exc).__name__ == "NoArgsIsHelpError":  # ``ckpt`` alone: the help, on stderr
             sys.stderr.write(exc.format_message().rstrip("\n") + "\n")
         else:
-            print(f"ckpt: error: {usage_line(exc)}", file=sys.stderr)
+            error(usage_line(exc))
         raise typer.Exit(code) from None
 
 
@@ -252,7 +253,11 @@ def _one_process(group: Any, ctx: Any, nproc: int) -> bool:
         return True
     reason = one_process_reason(name, params, nproc)
     if reason and not params.get("quiet"):
-        print(f"ckpt: note: {reason}", file=sys.stderr)
+        from ckpt_tool.cli._output import fold, terminal_width
+
+        width = terminal_width(sys.stderr)
+        text = f"ckpt: note: {reason}"
+        print(text if width is None else fold(text, width), file=sys.stderr)
     return reason is not None
 
 
@@ -262,12 +267,12 @@ def _launch(ctx: Any, nproc: int) -> Any:
 
     rest = _rest(ctx)
     if not rest:
-        print("ckpt: error: --nproc needs a command (try 'ckpt --help')", file=sys.stderr)
+        error("--nproc needs a command (try 'ckpt --help')")
         raise typer.Exit(2)
     if under_torchrun():
-        print("ckpt: error: --nproc under torchrun: leave one of them out", file=sys.stderr)
+        error("--nproc under torchrun: leave one of them out")
         raise typer.Exit(2)
     code, line = run_on_ranks(nproc, (["--debug"] if state.debug else []) + rest)
     if line:
-        print(f"ckpt: error: {line}", file=sys.stderr)
+        error(line)
     raise typer.Exit(code)

@@ -1,5 +1,9 @@
 """Rich progress bars on stderr (only when stderr is a terminal): bytes, items, throughput.
 
+The line fits the terminal: the bar takes the room the other columns leave; on a terminal
+narrower than 80 columns the rate and the time left are left out. The rate is the bytes per
+second so far (nothing before the first bytes arrive), never a placeholder.
+
 A sink has ``start(total_bytes, total_count, unit="tensor")`` and ``update(nbytes,
 count_done)``; ``start`` may be called again for a further phase of the same job (``validate
 --deep``: the files scanned, then the tensors read), which draws a bar of its own.
@@ -50,6 +54,34 @@ class _RichProgress:
         return plural(self._total, self._unit)
 
 
+_FULL_WIDTH = 80  # narrower: no rate, no time left
+
+
+def _rate_column() -> object:
+    from rich.progress import ProgressColumn
+    from rich.text import Text
+
+    from ckpt_tool.cli._output import human_bytes
+
+    class RateColumn(ProgressColumn):
+        """Bytes per second so far; empty until bytes have arrived."""
+
+        def render(self, task: object) -> Text:
+            speed = task.finished_speed or task.speed  # type: ignore[attr-defined]
+            elapsed = task.elapsed or 0  # type: ignore[attr-defined]
+            if speed is None and elapsed > 0:
+                speed = task.completed / elapsed  # type: ignore[attr-defined]
+            return Text(f"{human_bytes(speed)}/s" if speed else "", style="progress.data.speed")
+
+    return RateColumn(table_column=_whole())
+
+
+def _whole() -> object:
+    from rich.table import Column
+
+    return Column(no_wrap=True)
+
+
 @contextlib.contextmanager
 def progress_bar(description: str, *, enabled: bool = True) -> Iterator[object]:
     """A progress sink for ``ops`` functions; draws on stderr only when it is a terminal (and
@@ -58,10 +90,16 @@ def progress_bar(description: str, *, enabled: bool = True) -> Iterator[object]:
         yield NullProgress()
         return
     from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn,
-                               TimeRemainingColumn, TransferSpeedColumn)
+                               TimeRemainingColumn)
 
-    with Progress(TextColumn("{task.description}"), BarColumn(),
-                  DownloadColumn(binary_units=True), TransferSpeedColumn(),
-                  TextColumn("{task.fields[tensors]}"), TimeRemainingColumn(),
-                  console=stderr.console, transient=True) as bar:
+    columns: list = [TextColumn("{task.description}", table_column=_whole()),
+                     BarColumn(bar_width=None),
+                     DownloadColumn(binary_units=True, table_column=_whole())]
+    full = stderr.console.size.width >= _FULL_WIDTH
+    if full:
+        columns.append(_rate_column())
+    columns.append(TextColumn("{task.fields[tensors]}", table_column=_whole()))
+    if full:
+        columns.append(TimeRemainingColumn(table_column=_whole()))
+    with Progress(*columns, console=stderr.console, transient=True) as bar:
         yield _RichProgress(bar, description)

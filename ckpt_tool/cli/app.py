@@ -86,7 +86,9 @@ def main() -> None:
     except SystemExit as exc:
         code = exc.code
     except KeyboardInterrupt:
-        print("ckpt: error: interrupted", file=sys.stderr)
+        from ckpt_tool.cli._output import error
+
+        error("interrupted")
         code = 130
     if code in (None, 0, 1) and not state.interrupted:
         _join_ranks()

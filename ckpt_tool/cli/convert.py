@@ -10,7 +10,7 @@ from ckpt_tool.cli._options import (DebugFlag, HfDtypeOption, IterationOption, J
                                     NoProgressFlag, NoVerifyFlag, OverwriteFlag, QuietFlag,
                                     SourcePath, TrustFlag, completer, parse_size,
                                     source_place)
-from ckpt_tool.cli._output import human_bytes, message, print_json
+from ckpt_tool.cli._output import human_bytes, message, print_json, print_resume
 from ckpt_tool.cli._progress import progress_bar
 from ckpt_tool.errors import plural
 
@@ -79,11 +79,12 @@ def convert(
 
     \b
     Examples:
-      ckpt convert checkpoints/gpt/iter_0001000 gpt-st --to safetensors \\
-          --dtype bf16
-      ckpt convert checkpoints/gpt/iter_0001000 gpt-hf --to hf
-      ckpt convert gpt-hf gpt-mcore --to torch_dist --tp 2
-      ckpt convert checkpoints/gpt/iter_0001000 gpt-fp8 --to hf --hf-dtype fp8
+      ckpt convert fixtures/mcore016_gpt_tp2pp2_fp32 gpt-st \\
+          --to safetensors --dtype bf16
+      ckpt convert fixtures/mcore016_llama_tp2pp2_distopt llama-hf --to hf
+      ckpt convert llama-hf llama-mcore --to torch_dist --tp 2
+      ckpt convert fixtures/mcore016_llama_tp2pp2_distopt llama-fp8 --to hf \\
+          --hf-dtype fp8
     """
     from ckpt_tool.ops.convert import ConvertOptions, parse_rename
     from ckpt_tool.ops.convert import convert as run_convert
@@ -100,7 +101,12 @@ def convert(
                              max_shard_size=parse_size(max_shard_size, "--max-shard-size"),
                              progress=bar, workers=workers)
     for note in result.notes:
-        message(f"note: {note}")
+        # what was dropped or left out is counted in the one line below (--json: the notes)
+        if not (result.left_behind and note.startswith(("dropped ", "left out "))):
+            message(f"note: {note}")
+    if result.left_behind:
+        message("note: left behind (not in the output): " + ", ".join(
+            f"{n} {kind}" for kind, n in result.left_behind.items()) + " (--json lists them)")
     if json_:
         print_json(result.to_dict())
     message(f"converted {result.source} ({result.source_format}) -> {result.target} "
@@ -108,5 +114,4 @@ def convert(
             f"{plural(result.objects, 'object')}, "
             f"{human_bytes(result.nbytes)} in {result.seconds:.1f} s"
             + ("" if result.verified else " (not verified)"))
-    for line in result.resume.lines() if result.resume is not None else ():
-        message(line)
+    print_resume(result.resume)

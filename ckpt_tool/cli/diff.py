@@ -67,10 +67,10 @@ def diff(
 
     \b
     Examples:
-      ckpt diff run1/iter_0000100 export/model.safetensors --json
-      ckpt diff old new --rename module.= --filter 'decoder\\.' --rtol 1e-2
-      ckpt diff checkpoints/gpt/iter_0001000 gpt-hf --plot similarity.png
-      ckpt diff checkpoints/gpt/iter_0001000 gpt-tp4 --resharded
+      ckpt diff fixtures/mcore016_gpt_tp2pp2_fp32 gpt-st --json
+      ckpt diff gpt-st gpt-tp4 --filter 'decoder\\.' --rtol 1e-2
+      ckpt diff fixtures/mcore016_llama_tp2pp2_distopt llama-hf --plot similarity.png
+      ckpt diff fixtures/mcore016_gpt_tp2pp2_fp32 gpt-tp4 --resharded
     """
     from ckpt_tool.cli._progress import progress_bar
     from ckpt_tool.ops.diff import diff as run_diff

@@ -1,5 +1,6 @@
 """``ckpt inspect PATH``: a checkpoint's tensors, objects and common state (metadata only)."""
 
+import sys
 from typing import Annotated, Any, Optional
 
 import typer
@@ -7,8 +8,9 @@ import typer
 from ckpt_tool.cli._errors import handle_errors
 from ckpt_tool.cli._options import (CheckpointPath, DebugFlag, IterationOption, JsonFlag,
                                     TrustFlag, at_iteration)
-from ckpt_tool.cli._output import human_bytes, message, print_json, print_text, stdout
-from ckpt_tool.errors import plural
+from ckpt_tool.cli._output import (human_bytes, message, print_json, print_text, stdout,
+                                   terminal_width)
+from ckpt_tool.errors import NotACheckpointError, plural
 
 # The default view lists objects one per row up to this many, then one row per key.
 _OBJECTS_IN_FULL = 24
@@ -35,15 +37,22 @@ def inspect(
 
     \b
     Examples:
-      ckpt inspect checkpoints/gpt/iter_0000010 --json
-      ckpt inspect checkpoints/gpt --tree --filter 'decoder\\.layers\\.mlp'
+      ckpt inspect fixtures/mcore016_gpt_tp2pp2_fp32 --json
+      ckpt inspect fixtures/mcore016_gpt_tp2pp2_fp32 --tree --filter 'mlp'
+      ckpt inspect fixtures
     """
     from ckpt_tool.ops.inspect import compile_filter
     from ckpt_tool.ops.inspect import inspect as run_inspect
 
     compile_filter(filter_)  # a bad regex is a usage error before any I/O
     path = at_iteration(path, iteration)
-    result = run_inspect(path, trust=trust, pattern=filter_, full_common=common)
+    try:
+        result = run_inspect(path, trust=trust, pattern=filter_, full_common=common)
+    except NotACheckpointError as exc:
+        if not _a_plain_folder(path, exc):  # (a damaged checkpoint: its own error)
+            raise
+        _list_checkpoints(path, json_)  # a folder of checkpoints: what it holds
+        return
     if json_:
         print_json(result.to_dict(tree=tree))
     else:
@@ -54,6 +63,53 @@ def inspect(
     if left:  # e.g. a killed --overwrite run: the old checkpoint is whole, its staging beside
         message(f"note: an interrupted write left {describe_leftovers(left)} beside "
                 f"{path} (a rerun of the command that writes it reclaims it)")
+
+
+# files that make a directory a (perhaps damaged) checkpoint rather than a folder of them
+_CHECKPOINT_FILES = ("metadata.json", ".metadata", "common.pt",
+                     "latest_checkpointed_iteration.txt", "*.distcp")
+
+
+def _a_plain_folder(path: Any, exc: Any) -> bool:
+    """True when ``path`` is a local directory that no format recognised at all and that
+    holds none of a checkpoint's own files: a folder that may hold checkpoints."""
+    from ckpt_tool.formats.save_dir import iteration_dirs
+
+    return (path.is_dir() and exc.message.startswith("not a checkpoint of any known format")
+            and not iteration_dirs(path)
+            and not any(next(path.glob(name), None) for name in _CHECKPOINT_FILES))
+
+
+def _list_checkpoints(path: Any, json_: bool) -> None:
+    """The checkpoints in ``path`` and below, one row each; a short error when there are
+    none."""
+    from ckpt_tool.errors import NotACheckpointError
+    from ckpt_tool.ops.inspect import DEPTH, checkpoints_under
+
+    found = checkpoints_under(path)
+    if not found:
+        raise NotACheckpointError(f"not a checkpoint, and none in it or {DEPTH} levels below",
+                                  path=path,
+                                  hint="pass a checkpoint directory, an iter_* directory or "
+                                  "a training save directory") from None
+    if json_:
+        print_json({"path": str(path), "checkpoints": found})
+        return
+    from ckpt_tool.cli._tables import Column, print_table
+
+    def layout(e: dict[str, Any]) -> str:
+        return " ".join(f"{k}{v}" for k, v in (e["layout"] or {}).items())
+
+    def iterations(e: dict[str, Any]) -> str:
+        its = e["iterations"] or []
+        return ", ".join(its) if len(its) <= 3 else f"{its[0]} ... {its[-1]} ({len(its)})"
+
+    print_table(f"{plural(len(found), 'checkpoint')} in {path}",
+                (Column("path", name=True), Column("format"), Column("iterations"),
+                 Column("layout"), Column("size", "right"), Column("manifest")),
+                [(e["path"], e["format"], iterations(e), layout(e), human_bytes(e["bytes"]),
+                  "yes" if e["manifest"] else "") for e in found])
+    message(f"note: 'ckpt inspect {path}/PATH' shows one of them")
 
 
 def _shape(shape: Any) -> str:
@@ -75,7 +131,10 @@ def render(result: Any, *, tree: bool = False, all_objects: bool = False,
 
     meta, ex = result.meta, result.meta.extras
     title = Text(f"{meta.format}", style="bold cyan")
-    title.append(f"  {meta.root}", style="default")
+    width = terminal_width(sys.stdout)
+    # on a terminal too narrow for both: the path on a line of its own, whole
+    wide = width is None or len(meta.format) + 2 + len(str(meta.root)) <= width
+    title.append(f"  {meta.root}" if wide else f"\n  {meta.root}", style="default")
     stdout.print(title)
     backend = [f"{k}={ex[k]}" for k in ("sharded_backend", "sharded_backend_version",
                                         "common_backend", "common_backend_version",
@@ -146,7 +205,7 @@ def _render_tree(result: Any) -> None:
     root = tensor_tree(result.meta, result.splits)
     top = Tree(label({**root, "name": root["name"] or "tensors"}))
     add(top, root)
-    stdout.print(top, highlight=False)
+    stdout.print(top, highlight=False, soft_wrap=False)  # labels wrapped between words
 
 
 def _render_objects(meta: Any, all_objects: bool) -> None:
@@ -189,10 +248,8 @@ def _render_totals(result: Any) -> None:
 def _render_full_common(common: dict[str, Any]) -> None:
     import json
 
-    from rich.markup import escape
-
-    stdout.print("common state (full):", highlight=False)
-    stdout.print(escape(json.dumps(common, indent=2, default=str)), highlight=False)
+    print_text("common state (full):")
+    print_text(json.dumps(common, indent=2, default=str))
 
 
 def _render_common(common: dict[str, Any]) -> None:

@@ -9,7 +9,7 @@ from ckpt_tool.cli._errors import handle_errors, state
 from ckpt_tool.cli._options import (DebugFlag, IterationOption, JsonFlag, NoProgressFlag,
                                     NoVerifyFlag, OverwriteFlag, QuietFlag, SourcePath,
                                     TrustFlag, VerboseFlag, completer, source_place)
-from ckpt_tool.cli._output import human_bytes, message, print_json, print_text
+from ckpt_tool.cli._output import human_bytes, message, print_json, print_resume, print_text
 from ckpt_tool.cli._progress import progress_bar
 from ckpt_tool.errors import plural
 
@@ -101,8 +101,8 @@ def reshard(
 
     \b
     Examples:
-      ckpt reshard checkpoints/gpt/iter_0001000 gpt-tp4 --tp 4
-      ckpt reshard checkpoints/gpt --tp 1 --pp 4 --check
+      ckpt reshard fixtures/mcore016_gpt_tp2pp2_fp32 gpt-tp4 --tp 4
+      ckpt reshard fixtures/mcore016_gpt_tp2pp2_fp32 --pp 4 --check
     """
     from ckpt_tool.errors import UsageError
     from ckpt_tool.ops.reshard import ReshardRequest
@@ -127,8 +127,12 @@ def reshard(
     problems = result.plan.get("problems") or []
     if json_:
         print_json(result.to_dict())
-    elif check or dry_run or verbose or (not quiet and _to_act_on(problems)):
+    elif dry_run or verbose:
         _render(result.plan, show_ranks=dry_run)
+    elif not result.ok:  # what stops it, each with its fix; what it would change: --verbose
+        _print_problems([p for p in problems if p["severity"] != "note"])
+    elif check or (not quiet and _to_act_on(problems)):
+        _render(result.plan, show_ranks=False)
     else:  # a reshard that went through: what it changed, one message each (none with -q)
         for p in problems:
             message(_problem_line(p), failure=p["severity"] == "error")
@@ -136,8 +140,7 @@ def reshard(
         if note.startswith(("reclaimed", "--no-verify")):  # (the others: the feasibility table)
             message(f"note: {note}")
     message(_verdict(result, check or dry_run), failure=not result.ok)
-    for line in result.resume.lines() if result.resume is not None else ():
-        message(line)
+    print_resume(result.resume)
     if not result.ok:
         raise typer.Exit(1)
 
@@ -146,6 +149,20 @@ def _to_act_on(problems: list[dict[str, Any]]) -> bool:
     """The feasibility table is worth a table when a row asks for something: an error, a
     warning, or a fix to apply; rows that only say what the reshard changes are notes."""
     return any(p["severity"] != "note" or p.get("fix") for p in problems)
+
+
+def _print_problems(problems: list[dict[str, Any]]) -> None:
+    """One line per problem, those with the same fix together and the fix once after them,
+    on a line of its own (errors also with --quiet)."""
+    by_fix: dict[str, list[dict[str, Any]]] = {}
+    for p in problems:
+        by_fix.setdefault(p.get("fix") or "", []).append(p)
+    for fix, group in by_fix.items():
+        for p in group:
+            key = f"{p['key']}: " if p.get("key") else ""
+            message(f"{p['severity']}: {key}{p['reason']}", failure=p["severity"] == "error")
+        if fix:
+            message(f"  fix: {fix}", failure=any(p["severity"] == "error" for p in group))
 
 
 def _problem_line(p: dict[str, Any]) -> str:
@@ -196,9 +213,8 @@ def _verdict(result: Any, planning_only: bool) -> str:
     layout = (" ".join(f"{k}{'?' if k in unknown else src.get(k)}" for k in ("tp", "pp", "ep"))
               + f" -> tp{tgt.get('tp')} pp{tgt.get('pp')} ep{tgt.get('ep')}")
     errors = [p for p in result.plan.get("problems", []) if p["severity"] == "error"]
-    if errors:
-        return (f"cannot reshard {result.source} ({layout}): "
-                f"{plural(len(errors), 'problem')}; first: {errors[0]['reason']}")
+    if errors:  # (the lines above it say which: also with --quiet)
+        return f"cannot reshard {result.source} ({layout}): {plural(len(errors), 'problem')}"
     if planning_only:
         return f"feasible: {result.source} ({result.source_format}, {layout})"
     return (f"resharded {result.source} ({layout}) -> {result.target} ({result.format}): "

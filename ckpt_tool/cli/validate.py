@@ -51,7 +51,7 @@ def validate(
 
     \b
     Example:
-      ckpt validate checkpoints/gpt --expect-tp 2 --expect-pp 2 --json
+      ckpt validate fixtures/mcore016_gpt_tp2pp2_fp32 --expect-tp 2 --json
     """
 
     from ckpt_tool.cli._progress import progress_bar

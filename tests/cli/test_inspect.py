@@ -76,9 +76,11 @@ def test_missing_path(tmp_path):
 
 def test_not_a_checkpoint(tmp_path):
     (tmp_path / "file.txt").write_text("hello")
-    for p in (tmp_path, tmp_path / "file.txt"):
-        line = _one_error_line(runner.invoke(app, ["inspect", str(p)]))
-        assert "not a checkpoint" in line and "torch_dist:" in line and "zarr:" in line
+    line = _one_error_line(runner.invoke(app, ["inspect", str(tmp_path / "file.txt")]))
+    assert "not a checkpoint" in line and "torch_dist:" in line and "zarr:" in line
+    # a directory holding no checkpoint: one short line (tests/cli/test_inspect_folder.py)
+    line = _one_error_line(runner.invoke(app, ["inspect", str(tmp_path)]))
+    assert "none in it" in line and "torch_dist:" not in line
 
 
 @pytest.mark.parametrize("content", [b"", b"\x80\x04garbage", None])

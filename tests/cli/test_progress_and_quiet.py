@@ -6,6 +6,7 @@ from __future__ import annotations
 import fcntl
 import os
 import pty
+import re
 import struct
 import subprocess
 import sys
@@ -25,14 +26,22 @@ REPO = Path(__file__).resolve().parents[2]
 FIX = REPO / "fixtures"
 DCP = FIX / "dcp_plain"
 ZARR = FIX / "mcore015_zarr_gpt_tp2pp2"
+OPTIM = FIX / "mcore016_gpt_tp2pp2_bf16_optim"
 BAR = "━"  # Rich's bar
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 
-def _on_a_terminal(*args: str) -> tuple[int, str, str]:
+def _bar_lines(term: str) -> list[str]:
+    """Every form of the bar the terminal drew (colours dropped)."""
+    return [part for line in ANSI.sub("", term).split("\n") for part in line.split("\r")
+            if BAR in part]
+
+
+def _on_a_terminal(*args: str, columns: int = 120) -> tuple[int, str, str]:
     """``python -m ckpt_tool ARGS`` with stderr on a pseudo-terminal (stdout a pipe): the exit
     code, stdout and what the terminal received."""
     master, slave = pty.openpty()
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
     env = {**os.environ, "TERM": "xterm-256color", "PYTHONPATH": str(REPO)}
     env.pop("COLUMNS", None)
     proc = subprocess.Popen([sys.executable, "-m", "ckpt_tool", *args], cwd=REPO, env=env,
@@ -155,3 +164,35 @@ def test_library_validate_reports_progress_per_pass():
     assert validate(DCP, deep=True, progress=sink).ok
     assert [(p[0], p[2], p[4]) for p in sink.passes] == [("file", 2, 2)]
     assert sink.passes[0][1] == sink.passes[0][3] > 0
+
+
+@pytest.mark.parametrize("to", [None, "legacy"])
+def test_reshard_bar_counts_tensors_to_the_end(tmp_path, to):
+    extra = ["--to", "legacy", "--drop-optimizer"] if to else []
+    code, _, term = _on_a_terminal("reshard", str(OPTIM), str(tmp_path / "o"), "--tp", "1",
+                                   "--pp", "1", *extra)
+    assert code == 0, term
+    last = _bar_lines(term)[-1]
+    total = 16 if to else 64  # (legacy: the model's tensors; dist: the optimizer's too)
+    assert f"{total}/{total} tensors" in last, last
+
+
+@pytest.mark.parametrize("columns", [60, 80, 120])
+@pytest.mark.parametrize("cmd", ["convert", "validate", "reshard", "diff"])
+def test_bars_fit_the_terminal_and_show_a_rate_or_nothing(tmp_path, cmd, columns):
+    argv = {"convert": ["convert", str(OPTIM), str(tmp_path / "o"), "--to", "torch_dist"],
+            "validate": ["validate", str(OPTIM)],
+            "reshard": ["reshard", str(OPTIM), str(tmp_path / "o"), "--tp", "1"],
+            "diff": ["diff", str(OPTIM), str(OPTIM)]}[cmd]
+    code, _, term = _on_a_terminal(*argv, columns=columns)
+    assert code == 0, term
+    bars = _bar_lines(term)
+    assert bars, term
+    for line in bars:
+        assert len(line.rstrip()) <= columns, line
+        assert "?" not in line, line  # a rate, or nothing
+    last = bars[-1]
+    unit = "files" if cmd == "validate" else "tensors"
+    assert re.search(rf"\b(\d+)/\1 {unit}", last), last  # counted to the end
+    if columns >= 80:
+        assert "/s" in last, last

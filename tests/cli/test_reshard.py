@@ -78,12 +78,23 @@ def test_a_reshard_that_works_is_quiet(tmp_path):
     assert "target layout: tp4" in res.stdout and "note: " not in res.stderr
 
 
-def test_an_infeasible_reshard_shows_its_table_and_q_keeps_only_the_errors(tmp_path):
+def test_an_infeasible_reshard_prints_each_error_once_with_its_fix(tmp_path):
+    """What stops the reshard, one line each, the fix they share once, then the verdict; no
+    layouts, no notes, no table (those with --verbose); -q prints the same lines."""
     res = runner.invoke(app, ["reshard", str(DIST), str(tmp_path / "a"), "--tp", "3"])
-    assert res.exit_code == 1
-    assert "feasibility" in res.stdout and "choose tp among 1, 2, 4" in res.stdout
-    res = runner.invoke(app, ["reshard", str(DIST), str(tmp_path / "a"), "--tp", "3", "-q"])
     assert res.exit_code == 1 and res.stdout == ""
     lines = res.stderr.splitlines()
-    assert lines[0].startswith("error: ") and lines[-1].startswith("cannot reshard ")
+    errors = [line for line in lines if line.startswith("error: ")]
+    assert len(errors) == 4 and len(set(errors)) == 4, lines
+    assert lines.count("  fix: choose tp among 1, 2, 4") == 1, lines
+    assert lines[-1].startswith("cannot reshard ") and "4 problems" in lines[-1]
+    assert len(lines) == 6, lines  # 4 errors, their fix, the verdict
     assert not any(line.startswith("note: ") for line in lines)
+    quiet = runner.invoke(app, ["reshard", str(DIST), str(tmp_path / "a"), "--tp", "3", "-q"])
+    assert quiet.exit_code == 1 and quiet.stdout == "" and quiet.stderr == res.stderr
+    res = runner.invoke(app, ["reshard", str(DIST), str(tmp_path / "a"), "--tp", "3", "-v"])
+    assert res.exit_code == 1
+    assert "feasibility" in res.stdout and "rng_state" in res.stdout  # the notes too
+    res = runner.invoke(app, ["reshard", str(DIST), "--pp", "3", "--check"])
+    lines = res.stderr.splitlines()
+    assert res.exit_code == 1 and len(lines) == 3 and lines[1].startswith("  fix: "), lines

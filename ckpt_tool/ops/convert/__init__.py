@@ -26,8 +26,8 @@ from ckpt_tool.formats.writer import WriteRequest, WriterOptions, writer_for
 from ckpt_tool.model import FormatKind, is_optimizer_key
 from ckpt_tool.ops._container import (check_container_target, output_container,
                                       place_container, to_validate)
-from ckpt_tool.ops.convert._plan import (TARGETS, ConvertOptions, ConvertPlan, parse_rename,
-                                         plan_convert)
+from ckpt_tool.ops.convert._plan import (TARGETS, ConvertOptions, ConvertPlan, left_behind,
+                                         parse_rename, plan_convert)
 from ckpt_tool.ops._torch_free_source import TorchFreeSource, torch_free_source_applies
 from ckpt_tool.ops._framework_files import carry_framework_files
 from ckpt_tool.ops._resume import ResumeRecipe, resume_for, written_facts
@@ -75,6 +75,8 @@ class ConvertResult:
     container: Container = field(default_factory=Container)
     resume: ResumeRecipe | None = None
     source_verified: bool = True
+    # what of the source the output does not hold, by kind: {"optimizer tensors": 48, ...}
+    left_behind: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {"source": self.source, "source_format": self.source_format,
@@ -83,7 +85,7 @@ class ConvertResult:
                 "seconds": round(self.seconds, 3), "verified": self.verified,
                 "source_verified": self.source_verified,
                 "largest_piece": self.largest_piece, "notes": self.notes,
-                "container": self.container.to_dict(),
+                "left_behind": self.left_behind, "container": self.container.to_dict(),
                 "resume": None if self.resume is None else self.resume.to_dict()}
 
 
@@ -203,13 +205,36 @@ def convert(src: str | Path | SourcePlace, dst: str | Path, options: ConvertOpti
             resume = None if facts is None else recipe_for(facts)
     tensors, objects = writer.written(plan.target)
     mine = job_progress.local
+    left = _left_behind(meta, plan, writer_cls, tensors, objects, reader.objects_in_common())
     total = r.broadcast(sum(r.gather(mine) or [0])) if r.world > 1 else mine
     return ConvertResult(
         source=str(meta.root), source_format=meta.format, target=str(out), format=options.to,
         tensors=tensors, objects=objects, nbytes=total,
         seconds=time.perf_counter() - start, verified=verify,
         largest_piece=source.largest_piece, notes=notes, container=container, resume=resume,
-        source_verified=verify_source)
+        source_verified=verify_source, left_behind=left)
+
+
+def _left_behind(meta: Any, plan: ConvertPlan, writer_cls: Any, tensors: int, objects: int,
+                 in_common: frozenset[str]) -> dict[str, int]:
+    """What of the source the output does not hold: what the plan left out (--filter,
+    --model-only, ...) and what the target format cannot hold (a writer that writes fewer
+    tensors than planned leaves optimizer state out: a legacy model file)."""
+    used = set(plan.key_map.values())
+    unwritten = len(plan.target.tensors) - tensors
+    if unwritten > 0:
+        dropped = [plan.key_map[k] for k in plan.target.tensors
+                   if is_optimizer_key(plan.key_map[k])][:unwritten]
+        used -= set(dropped)
+    keys = list(meta.common.get("keys") or ())
+    if writer_cls.keeps_common == "full":
+        kept: Any = [k for k in keys if k not in plan.dropped_common]
+        objects += len(in_common & {o.unique_key for o in meta.objects})
+    elif writer_cls.keeps_common == "scalars":
+        kept = list(_scalar_summary(meta.common))
+    else:
+        kept = []
+    return left_behind(meta, used, objects, kept)
 
 
 def _with_resume_of_import(done: ConvertResult) -> ConvertResult:

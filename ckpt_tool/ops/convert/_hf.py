@@ -30,6 +30,7 @@ from ckpt_tool.formats.writer import WriteRequest, WriterOptions, writer_for
 from ckpt_tool.model import CheckpointMeta, ChunkRef, FormatKind, TensorMeta
 from ckpt_tool.ops._extra_state import ExtraStates
 from ckpt_tool.ops._hf_source import HfSource
+from ckpt_tool.ops.convert._plan import left_behind
 from ckpt_tool.ops.validate import UNVERIFIED_NOTE, check_source
 from ckpt_tool.ops.manifest_checks import check_source_manifest
 from ckpt_tool.ops._output_staging import check_output_target, staged_output_ranks, verify_output
@@ -234,8 +235,13 @@ def convert_hf(src: str | Path, dst: str | Path, options: Any, *, trust: bool = 
             if verify:
                 verify_output(staging, trust=trust, what="converted", ranks=r)
     tensors, objects = writer.written(target)
+    used = {s.key for r in recipes for p in r.parts for s in p.sources}
+    # an export keeps the model's weights and a config.json made from the args; an import
+    # keeps everything an HF directory holds
+    left = (left_behind(meta, used, 0, []) if FormatKind(options.to).hf_directory else {})
     return dict(
         source=str(meta.root), source_format=meta.format, target=str(out), format=options.to,
         tensors=tensors, objects=objects, nbytes=target.total_bytes,
         seconds=time.perf_counter() - start, verified=verify,
-        largest_piece=source.largest_piece, notes=notes, source_verified=verify_source)
+        largest_piece=source.largest_piece, notes=notes, source_verified=verify_source,
+        left_behind=left)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from ckpt_tool.errors import UsageError, plural
 from ckpt_tool.formats.writer import WRITERS, Writer, writer_for
@@ -28,7 +29,7 @@ from ckpt_tool.model import (CheckpointMeta, ChunkRef, ObjectMeta, TensorMeta, d
                              is_optimizer_key)
 
 __all__ = ["ConvertOptions", "ConvertPlan", "plan_convert", "parse_rename", "DTYPE_ALIASES",
-           "TARGETS"]
+           "TARGETS", "left_behind"]
 
 TARGETS = tuple(WRITERS)  # what --to names
 DTYPE_ALIASES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16",
@@ -203,3 +204,19 @@ def _split_rows(c: ChunkRef, dtype: str, max_memory: int) -> list[ChunkRef]:
         out.append(ChunkRef(offsets=(c.offsets[0] + start, *c.offsets[1:]),
                             sizes=(n, *c.sizes[1:])))
     return out
+
+
+def left_behind(meta: CheckpointMeta, used: set[str], objects_kept: int,
+                common_kept: Any) -> dict[str, int]:
+    """What of the source a conversion does not carry over, counted by kind (kinds with
+    none left out): ``used``: the source tensors the output holds; ``objects_kept``: how
+    many of its stored objects it holds; ``common_kept``: the top-level common-state keys it
+    holds (``all``: every one)."""
+    left = [k for k in meta.tensors if k not in used]
+    optimizer = sum(1 for k in left if is_optimizer_key(k))
+    keys = list(meta.common.get("keys") or ())
+    common = 0 if common_kept == "all" else sum(1 for k in keys if k not in common_kept)
+    counts = {"model tensors": len(left) - optimizer, "optimizer tensors": optimizer,
+              "objects": max(0, len(meta.objects) - objects_kept),
+              "common-state fields": common}
+    return {kind: n for kind, n in counts.items() if n}

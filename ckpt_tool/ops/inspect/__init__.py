@@ -15,9 +15,11 @@ from typing import Any
 from ckpt_tool.errors import UsageError
 from ckpt_tool.planning.model_parts import model_parts
 from ckpt_tool.model import CheckpointMeta, TensorMeta
+from ckpt_tool.ops.inspect._listing import DEPTH, checkpoints_under
 
 __all__ = ["InspectResult", "inspect", "describe_split", "dtype_totals", "filter_meta",
-           "compile_filter", "tensor_tree", "object_groups", "tp_size"]
+           "compile_filter", "tensor_tree", "object_groups", "tp_size", "checkpoints_under",
+           "DEPTH"]
 
 
 @dataclass(frozen=True)

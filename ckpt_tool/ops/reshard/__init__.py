@@ -166,7 +166,9 @@ def reshard(src: str | Path | SourcePlace, dst: str | Path | None, req: ReshardR
         target = plan.target_meta
         source = reshard_source(reader, target, req.vocab_fill, to)
         job_progress = JobProgress(progress, r)
-        on_bytes = job_progress.update
+
+        def on_bytes(nbytes: int) -> None:
+            job_progress.update(nbytes, source.tensors_done)
 
         if progress is not None:
             progress.start(target.total_bytes, len(target.tensors))
@@ -205,7 +207,7 @@ def reshard(src: str | Path | SourcePlace, dst: str | Path | None, req: ReshardR
                 where = place_container(staging, container, r)
                 result.notes += writer_cls(where, wopts).write(request)
             r.barrier()
-            job_progress.catch_up()
+            job_progress.catch_up(source.tensors_done)
             facts = written_facts(container.checkpoint_in(staging), out, container, src_format,
                                   layout=layout.to_dict(), source_layout=plan.source.to_dict())
             if r.is_main:

@@ -3,6 +3,7 @@ stacked for dist targets: :mod:`ckpt_tool.ops._stacked_view`)."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from ckpt_tool.formats.base import Reader
@@ -33,6 +34,9 @@ class PaddedSource:
         self.raw = raw
         self.raw_bytes = raw is not None
         self.largest_piece = 0
+        # target tensors read whole (a replicated one read by several ranks counts once)
+        self.tensors_done = 0
+        self._left = {k: math.prod(t.shape) for k, t in target.tensors.items()}
 
     def read(self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Any:
         rows = self.rows.get(key)
@@ -46,6 +50,13 @@ class PaddedSource:
             out = self._padded(key, offsets, sizes, rows)
         n = out.nbytes if self.raw is not None else out.numel() * out.element_size()
         self.largest_piece = max(self.largest_piece, n)
+        left = self._left.get(key)
+        if left is not None:
+            left -= math.prod(sizes)
+            self._left[key] = left
+            if left <= 0:
+                del self._left[key]
+                self.tensors_done += 1
         return out
 
     def _padded(self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...],
