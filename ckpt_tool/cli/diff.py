@@ -69,7 +69,8 @@ def diff(
     Examples:
       ckpt diff fixtures/mcore016_gpt_tp2pp2_fp32 gpt-st --json
       ckpt diff gpt-st gpt-tp4 --filter 'decoder\\.' --rtol 1e-2
-      ckpt diff fixtures/mcore016_llama_tp2pp2_distopt llama-hf --plot similarity.png
+      ckpt diff fixtures/mcore016_llama_tp2pp2_distopt llama-hf \\
+          --plot similarity.png
       ckpt diff fixtures/mcore016_gpt_tp2pp2_fp32 gpt-tp4 --resharded
     """
     from ckpt_tool.cli._progress import progress_bar
