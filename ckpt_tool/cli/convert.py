@@ -57,6 +57,11 @@ def convert(
         "--local-spec", help="From an HF directory: norm names of Megatron-Core's local "
         "layer spec (default: the Transformer Engine spec).")] = False,
     hf_dtype: HfDtypeOption = None,
+    hf_experts: Annotated[Optional[str], typer.Option(
+        "--hf-experts", metavar="LAYOUT", help="--to hf: routed experts per-expert (one "
+        "tensor per expert, transformers' save_pretrained default) or fused ([experts, ...] "
+        "gate_up_proj/down_proj, transformers 5's own layout). Default: per-expert.",
+        show_default=False)] = None,
     max_shard_size: Annotated[Optional[str], typer.Option(
         "--max-shard-size", metavar="SIZE", help="safetensors: largest shard, e.g. 5GB.",
         show_default=False)] = None,
@@ -94,7 +99,8 @@ def convert(
                              rename=parse_rename(rename or []), model_only=model_only,
                              max_memory=parse_size(max_memory, "--max-memory"),
                              hf_config=str(hf_config) if hf_config else None,
-                             hf_arch=hf_arch, local_spec=local_spec, hf_dtype=hf_dtype)
+                             hf_arch=hf_arch, local_spec=local_spec, hf_dtype=hf_dtype,
+                             hf_experts=hf_experts)
     with progress_bar(f"convert -> {to}", enabled=not (quiet or no_progress)) as bar:
         result = run_convert(place, dst, options, trust=trust, overwrite=overwrite,
                              verify=not no_verify, verify_source=not no_verify, tp=tp, pp=pp,

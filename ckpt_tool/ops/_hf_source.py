@@ -45,6 +45,20 @@ def _rows(t: Any, rows: int) -> Any:
     return torch.cat([t, pad], dim=0)
 
 
+def _rope_rows(t: Any, p: Part) -> Any:
+    """Rotary rows in halves ``[x0 .. x_{d/2-1} | x_{d/2} ..]`` (HF ``rope_interleave:
+    false``) -> interleaved pairs ``x0, x_{d/2}, x1, ...`` (Megatron-Core's MLA), in each of
+    ``blocks`` blocks of ``keep`` rows then ``rot`` rotary rows."""
+    import torch
+
+    blocks, keep, rot = p.param("blocks"), p.param("keep"), p.param("rot")
+    v = t.reshape(blocks, keep + rot, *t.shape[1:])
+    r = v[:, keep:]
+    half = rot // 2
+    inter = torch.stack([r[:, :half], r[:, half:]], dim=2).reshape(blocks, rot, *t.shape[1:])
+    return torch.cat([v[:, :keep], inter], dim=1).reshape(t.shape)
+
+
 def apply_part(p: Part, tensors: list[Any]) -> Any:
     """The value of part ``p`` from its source tensors (in ``p.sources`` order)."""
     import torch
@@ -73,6 +87,10 @@ def apply_part(p: Part, tensors: list[Any]) -> Any:
         return torch.cat(tensors, dim=0)
     if p.op == "rows":
         return _rows(tensors[0], p.param("rows"))
+    if p.op == "rope_rows":
+        return _rope_rows(tensors[0], p)
+    if p.op == "zeros_rows":  # a router without expert bias: a zero correction bias
+        return torch.zeros(tensors[0].shape[0], dtype=torch.float32)
     raise ValueError(f"unknown transform {p.op!r}")
 
 

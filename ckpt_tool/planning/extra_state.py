@@ -51,16 +51,17 @@ SPECS = (LOCAL, TE)
 EXTRA_STATE = "_extra_state"
 NONE, EMPTY_UINT8 = "none", "empty_uint8"  # payload kinds: see payload_kind
 
-# Megatron-Core's linear modules of a GPT layer (dense, experts, shared experts, MLA).
+# Megatron-Core's linear modules of a GPT layer (dense, experts, shared experts, MLA, the
+# MTP layers' eh_proj).
 _LINEARS = {"linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "linear_q_proj",
             "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj",
-            "linear_kv_up_proj"}
+            "linear_kv_up_proj", "eh_proj"}
 # The norm modules that are TENorm in the Transformer-Engine spec.
 _NORMS = {"final_layernorm", "input_layernorm", "pre_mlp_layernorm", "q_layernorm",
-          "k_layernorm"}
+          "k_layernorm", "enorm", "hnorm"}
 _OUTPUT_LAYER = "output_layer"  # a ColumnParallelLinear in both specs
 _FINAL_NORM = "decoder.final_layernorm"
-_MODEL_PREFIX = re.compile(r"^(?:decoder|encoder)\.")
+_MODEL_PREFIX = re.compile(r"^(?:decoder|encoder|mtp)\.")
 _LAYER_NORM = re.compile(r"(?:^|\.)(?:decoder|encoder)\.layers\.(?:\d+\.)?input_layernorm\.")
 
 

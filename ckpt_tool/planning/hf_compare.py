@@ -25,6 +25,7 @@ from typing import Any
 from ckpt_tool.errors import CkptError
 from ckpt_tool.model import CheckpointMeta, is_optimizer_key
 from ckpt_tool.planning.hf_plan import Part, Recipe, Src, plan_export
+from ckpt_tool.planning.hf_families import Family
 from ckpt_tool.planning.hf_rules import (GPT2_CONFIG_NAMES, ArchRule, args_from_hf_config,
                                          rule_for_config)
 
@@ -86,6 +87,11 @@ def plan_hf_view(meta: CheckpointMeta, args: dict[str, Any], hf: CheckpointMeta,
     (``"a"``/``"b"``). Raises what ``plan_export`` raises when the names cannot be mapped."""
     me, other = side.upper(), "B" if side == "a" else "A"
     rule = rule_for_config(config)
+    if isinstance(rule, Family):  # layers that differ (DeepSeek-V3): not mapped here yet
+        from ckpt_tool.errors import UnsupportedError
+
+        raise UnsupportedError(f"diff does not map {rule.architecture} names yet",
+                               hint="convert the HF side with --to torch_dist and diff those")
     config_diffs = config_differences(args, config, rule)
     if not args.get("num_layers"):
         args = {**args_from_hf_config(config, rule),

@@ -156,10 +156,12 @@ def _layer_items(rule: ArchRule, features: set[str], layers: int, experts: int):
 
 
 def plan_export(meta: CheckpointMeta, args: dict[str, Any], rule: ArchRule, *, vocab: int,
-                settings: str | None = None) -> list[Recipe]:
+                settings: str | None = None, experts_layout: str = "per-expert"
+                ) -> list[Recipe]:
     """HF tensors (names, shapes, dtypes, recipes) for Megatron-Core checkpoint ``meta``.
     ``settings``: where ``args`` came from, for the errors (``"the checkpoint's args"``);
-    None: from an HF config.json (``diff`` against an HF directory)."""
+    None: from an HF config.json (``diff`` against an HF directory). ``experts_layout``:
+    ``per-expert`` or ``fused`` (where the rule has a fused name)."""
     where = {} if settings is None else {"settings": settings,
                                          "architecture": rule.architecture}
     layers = int(args["num_layers"])
@@ -185,6 +187,10 @@ def plan_export(meta: CheckpointMeta, args: dict[str, Any], rule: ArchRule, *, v
     experts = int(args.get("num_experts") or 0)
     for i, m, e in _layer_items(rule, features, layers, experts):
         prefix = rule.layer_prefix.format(i=i)
+        if m.expert and m.fused and experts_layout == "fused":
+            if e == 0:
+                _export_fused(meta, m, i, layers, experts, prefix, add, where)
+            continue
         if m.expert:
             name, src = m.mcore, _expert_src(meta, m, i, e, layers)
         else:
@@ -243,6 +249,17 @@ def plan_export(meta: CheckpointMeta, args: dict[str, Any], rule: ArchRule, *, v
     return out
 
 
+def _export_fused(meta: CheckpointMeta, m: LayerMap, i: int, layers: int, experts: int,
+                  prefix: str, add, where: dict[str, Any]) -> None:
+    """The experts of layer ``i`` as one HF ``[experts, ...]`` tensor (``m.fused``)."""
+    key = EXPERTS_STACKED + m.mcore.removeprefix("mlp.experts.")
+    t = meta.tensors.get(key)
+    if t is None or len(t.shape) < 3 or t.shape[0] != layers or t.shape[1] != experts:
+        raise _contradiction(f"no {key} [{layers}, {experts}, ...] to write fused experts "
+                             "from", meta.root, **where)
+    add(prefix + m.fused, Src(key, (i,)), "copy", tuple(t.shape[1:]))
+
+
 def plan_import(meta: CheckpointMeta, config: dict[str, Any], rule: ArchRule,
                 args: dict[str, Any], *, spec: str = "te") -> list[Recipe]:
     """Megatron-Core tensors (stacked ``decoder.layers.*`` keys, global shapes, the names
@@ -273,6 +290,19 @@ def plan_import(meta: CheckpointMeta, config: dict[str, Any], rule: ArchRule,
             if mm is not m:
                 continue
             prefix = rule.layer_prefix.format(i=i)
+            if m.expert and m.fused and prefix + m.fused in meta.tensors:
+                if e == 0:  # transformers 5's fused layout: the layer's experts at once
+                    t = hf_tensor(prefix + m.fused)
+                    if not t.shape or t.shape[0] != experts:
+                        raise _contradiction(f"{t.key} is {list(t.shape)}: not {experts} "
+                                             "experts", meta.root)
+                    dtype, shape = t.dtype, tuple(t.shape[1:])
+                    if per_layer is not None and shape != per_layer:
+                        raise _contradiction(f"layer {i} {m.mcore} is {list(shape)}, layer "
+                                             f"0's is {list(per_layer)}", meta.root)
+                    per_layer = shape
+                    parts.append(Part((i,), "copy", (Src(t.key),)))
+                continue
             ts = [hf_tensor(prefix + h.format(e=e)) for h in m.hf]
             dtype = ts[0].dtype
             if m.transform == "qkv":
@@ -304,6 +334,9 @@ def plan_import(meta: CheckpointMeta, config: dict[str, Any], rule: ArchRule,
             per_layer = shape
             parts.append(Part((i, e) if m.expert else (i,), op, tuple(Src(t.key) for t in ts),
                               params))
+        if len({len(p.index) for p in parts}) > 1:
+            raise _contradiction(f"{m.fused} is fused in some layers, per expert in others",
+                                 meta.root)
         if m.expert:
             key = EXPERTS_STACKED + m.mcore.removeprefix("mlp.experts.")
             lead: tuple[int, ...] = (layers, experts)

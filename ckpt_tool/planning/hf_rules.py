@@ -24,8 +24,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckpt_tool.planning.hf_extras import WINDOW_ARCHS, sliding_window_of, window_from_hf
+from ckpt_tool.planning.hf_families import Family
+from ckpt_tool.planning.hf_families.deepseek_v3 import FAMILY as DEEPSEEK_V3
 
-__all__ = ["ArchRule", "LayerMap", "ARCHS", "rule_for_config", "rule_named", "guess_arch",
+__all__ = ["ArchRule", "LayerMap", "ARCHS", "FAMILIES", "rule_for_config", "rule_named", "guess_arch",
            "args_from_hf_config", "hf_config_from_args", "padded_vocab", "TE_NORMS",
            "GPT2_CONFIG_NAMES"]
 
@@ -45,6 +47,7 @@ class LayerMap:
     transform: str = "copy"  # copy | qkv | glu | norm
     when: str = ""  # a config feature the tensor exists under (see ``features_of_config``)
     expert: bool = False  # one per routed expert: HF names hold ``{e}``
+    fused: str = ""  # the experts as one HF ``[experts, ...]`` tensor (transformers 5's layout)
 
 
 @dataclass(frozen=True)
@@ -101,11 +104,13 @@ _MIXTRAL_MOE = (
 )
 _QWEN_MOE = (
     LayerMap("mlp.router.weight", ("mlp.gate.weight",)),
+    # transformers 5 (save_pretrained(save_original_format=False)): gate_up_proj [experts,
+    # 2 x ffn, hidden], each expert [gate; up]; down_proj [experts, hidden, ffn]
     LayerMap("mlp.experts.linear_fc1.weight", ("mlp.experts.{e}.gate_proj.weight",
                                                "mlp.experts.{e}.up_proj.weight"),
-             "glu", expert=True),
+             "glu", expert=True, fused="mlp.experts.gate_up_proj"),
     LayerMap("mlp.experts.linear_fc2.weight", ("mlp.experts.{e}.down_proj.weight",),
-             expert=True),
+             expert=True, fused="mlp.experts.down_proj"),
     LayerMap("mlp.shared_experts.linear_fc1.weight", ("mlp.shared_expert.gate_proj.weight",
                                                       "mlp.shared_expert.up_proj.weight"),
              "glu", when="shared"),
@@ -148,33 +153,36 @@ ARCHS: dict[str, ArchRule] = {
     "qwen3_moe": ArchRule("qwen3_moe", "Qwen3MoeForCausalLM", "qwen3_moe", _ATTN + _QWEN_MOE,
                           qk_norm=True, moe="qwen"),
 }
-_BY_ARCHITECTURE = {r.architecture: r for r in ARCHS.values()}
+# architectures whose layers differ (dense then MoE, MTP): planning.hf_layered plans them
+FAMILIES: dict[str, Family] = {"deepseek_v3": DEEPSEEK_V3}
+_BY_ARCHITECTURE: dict[str, ArchRule | Family] = {
+    r.architecture: r for r in (*ARCHS.values(), *FAMILIES.values())}
+_ALL: dict[str, ArchRule | Family] = {**ARCHS, **FAMILIES}
 
 
-def rule_named(name: str) -> ArchRule:
+def rule_named(name: str) -> ArchRule | Family:
     """The rule for ``--hf-arch NAME`` (a rule name or an HF architecture class name)."""
     from ckpt_tool.errors import UsageError
 
-    rule = ARCHS.get(name.lower()) or _BY_ARCHITECTURE.get(name)
+    rule = _ALL.get(name.lower()) or _BY_ARCHITECTURE.get(name)
     if rule is None:
         raise UsageError(f"no conversion rule for architecture {name!r}",
-                         hint="supported: " + ", ".join(sorted(ARCHS)))
+                         hint="supported: " + ", ".join(sorted(_ALL)))
     return rule
 
 
-def rule_for_config(config: dict[str, Any]) -> ArchRule:
+def rule_for_config(config: dict[str, Any]) -> ArchRule | Family:
     """The rule of an HF ``config.json`` (by ``architectures``, then ``model_type``)."""
     from ckpt_tool.errors import UnsupportedError
 
     for arch in config.get("architectures") or ():
         if arch in _BY_ARCHITECTURE:
             return _BY_ARCHITECTURE[arch]
-    if config.get("model_type") in ARCHS:
-        return ARCHS[config["model_type"]]
+    if config.get("model_type") in _ALL:
+        return _ALL[config["model_type"]]
     named = ", ".join(config.get("architectures") or ()) or config.get("model_type") or "none"
     raise UnsupportedError(f"no conversion rule for HF architecture {named}",
-                           hint="supported: " + ", ".join(sorted(
-                               r.architecture for r in ARCHS.values())))
+                           hint="supported: " + ", ".join(sorted(_BY_ARCHITECTURE)))
 
 
 def features_of_config(rule: ArchRule, config: dict[str, Any]) -> set[str]:
@@ -205,6 +213,8 @@ def guess_arch(args: dict[str, Any]) -> str:
     if args.get("position_embedding_type") == "learned_absolute" \
             and args.get("normalization", "LayerNorm") == "LayerNorm" and not args.get("swiglu"):
         return "gpt2"
+    if args.get("multi_latent_attention"):
+        return "deepseek_v3"
     window = args.get("window_size") is not None and int(args["window_size"][0]) >= 0
     if args.get("num_experts"):
         if args.get("moe_shared_expert_intermediate_size"):

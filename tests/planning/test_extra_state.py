@@ -26,7 +26,8 @@ def _real(name: str):
     return meta, {o.unique_key: o for o in meta.objects if o.key.endswith("._extra_state")}
 
 
-@pytest.mark.parametrize("name", ["mcore016_gpt_tp2pp2_fp32", "mcore016_moe_ep2_distopt_buckets"])
+@pytest.mark.parametrize("name", ["mcore016_gpt_tp2pp2_fp32", "mcore016_moe_ep2_distopt_buckets",
+                                  "mcore016_deepseek_tp2ep2_distopt"])
 def test_local_spec_objects_are_megatron_cores(name):
     """Every object the real library saved, with its global shape and offset (the layer
     axis, then the global expert axis); a dense model's final norm in addition (a ``TENorm``

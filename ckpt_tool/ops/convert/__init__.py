@@ -105,6 +105,9 @@ def convert(src: str | Path | SourcePlace, dst: str | Path, options: ConvertOpti
     if options.hf_dtype is not None and not FormatKind(options.to).hf_directory:
         raise UsageError(f"--hf-dtype applies with --to hf, not --to {options.to}",
                          hint="use --dtype to cast the tensors of other formats")
+    if options.hf_experts is not None and not FormatKind(options.to).hf_directory:
+        raise UsageError(f"--hf-experts applies with --to hf, not --to {options.to}",
+                         hint="imports read either expert layout")
     if FormatKind(options.to).hf_directory or writer_cls.megatron_resume_target:
         from ckpt_tool.formats.base import detect
         from ckpt_tool.ops.convert._hf import convert_hf, is_hf_conversion

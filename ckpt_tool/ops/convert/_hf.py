@@ -37,7 +37,10 @@ from ckpt_tool.ops._output_staging import check_output_target, staged_output_ran
 from ckpt_tool.parallel import JobProgress
 from ckpt_tool.parallel import ranks as current_ranks
 from ckpt_tool.planning.extra_state import LOCAL, TE
+from ckpt_tool.ops.convert._hf_layered import export_layered, import_layered, namespace
 from ckpt_tool.planning.hf_extras import gpt2_token_ids
+from ckpt_tool.planning.hf_families import Family
+from ckpt_tool.planning.hf_layered import EXPERT_LAYOUTS
 from ckpt_tool.planning.hf_plan import Recipe, plan_export, plan_import
 from ckpt_tool.planning.hf_rules import (args_from_hf_config, guess_arch, hf_config_from_args,
                                          moe_layers_check, rule_for_config, rule_named)
@@ -84,8 +87,28 @@ def _export(reader: Reader, meta: CheckpointMeta, options: Any
                                                        if v is not None}}
     vocab = int(base.get("vocab_size") or args.get("vocab_size")
                 or args.get("padded_vocab_size"))
-    recipes = plan_export(meta, args, rule, vocab=vocab, settings=(
-        "--hf-config and the checkpoint's args" if base else "the checkpoint's args"))
+    settings = "--hf-config and the checkpoint's args" if base else "the checkpoint's args"
+    if isinstance(rule, Family):
+        recipes, config = export_layered(meta, args, rule, base, options, vocab=vocab,
+                                         settings=settings)
+        gen = {k: base[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+               if base.get(k) is not None}
+        return recipes, {}, {"hf_config": config, "notes": [],
+                             "generation_config": gen and {**gen, "_from_model_config": True}}
+    if options.hf_experts is not None and not rule.moe:
+        raise UsageError(f"--hf-experts: {rule.architecture} has no routed experts",
+                         hint="leave --hf-experts out")
+    layout = options.hf_experts or args.get("hf_experts") or "per-expert"
+    if layout not in EXPERT_LAYOUTS:
+        raise UsageError(f"--hf-experts {layout!r} is not one of {', '.join(EXPERT_LAYOUTS)}",
+                         hint="per-expert (transformers' save_pretrained default) or fused")
+    if layout == "fused" and not any(m.fused for m in rule.layers):
+        if options.hf_experts:
+            raise UsageError(f"--hf-experts fused: the {rule.name} rule writes its experts "
+                             "per expert only", hint="leave --hf-experts out")
+        layout = "per-expert"
+    recipes = plan_export(meta, args, rule, vocab=vocab, settings=settings,
+                          experts_layout=layout)
     dtype = next((r.dtype for r in recipes if r.key == rule.embed), recipes[0].dtype)
     notes = []
     if rule.name == "gpt2" and not {"bos_token_id", "eos_token_id"} & base.keys():
@@ -110,6 +133,12 @@ def _import(reader: Reader, meta: CheckpointMeta, options: Any, tp: int, pp: int
     config = dict(reader.common()["config"])
     config.update(load_hf_config(options.hf_config))
     rule = rule_named(options.hf_arch) if options.hf_arch else rule_for_config(config)
+    if isinstance(rule, Family):
+        recipes, args, notes = import_layered(meta, config, rule, options, tp, pp)
+        common = {"args": namespace(args, tp, pp), "checkpoint_version": 3.0, "iteration": 0}
+        return recipes, common, {"source_common_summary": {"parallel": {
+            "tp": tp, "pp": pp, "ep": 1, "dp": 1}}, "local_spec": options.local_spec,
+            "notes": notes}
     moe_layers_check(config, rule)
     args = args_from_hf_config(config, rule, tp=tp, pp=pp, local_spec=options.local_spec)
     heads = args["num_attention_heads"]
@@ -124,6 +153,8 @@ def _import(reader: Reader, meta: CheckpointMeta, options: Any, tp: int, pp: int
     # maps them); the legacy writer renames them back for --local-spec
     recipes = plan_import(meta, config, rule, args,
                           spec="local" if options.local_spec else "te")
+    if any(k.endswith(".mlp.experts.gate_up_proj") for k in meta.tensors):
+        args["hf_experts"] = "fused"  # an export writes the experts as the source had them
     ns = argparse.Namespace(**{**args, "params_dtype": torch_dtype(args["params_dtype"]),
                                "world_size": tp * pp, "data_parallel_size": 1})
     common = {"args": ns, "checkpoint_version": 3.0, "iteration": 0}

@@ -54,6 +54,7 @@ class ConvertOptions:
     hf_arch: str | None = None  # --hf-arch: the architecture rule to use
     local_spec: bool = False  # --local-spec: local layer spec norm names (default TE)
     hf_dtype: str | None = None  # --hf-dtype: bf16 | fp8 (block-scaled) for --to hf
+    hf_experts: str | None = None  # --hf-experts: per-expert | fused (routed experts, --to hf)
 
 
 @dataclass(frozen=True)
