@@ -141,8 +141,8 @@ def reshard(
             message(f"note: {note}")
     message(_verdict(result, check or dry_run), failure=not result.ok)
     print_resume(result.resume)
-    if not result.ok:
-        raise typer.Exit(1)
+    if not result.ok:  # a part no rule places: exit 2 (input not handled), else a finding
+        raise typer.Exit(2 if any(p.get("unsupported") for p in problems) else 1)
 
 
 def _to_act_on(problems: list[dict[str, Any]]) -> bool:

@@ -36,10 +36,16 @@ class Problem:
     reason: str
     fix: str | None = None
     key: str | None = None
+    #: the input holds something this tool does not know (a model part no rule places):
+    #: the command exits 2, as for any input it cannot handle, not 1 (a plan's finding)
+    unsupported: bool = False
 
     def to_dict(self) -> dict[str, Any]:
-        return {"severity": self.severity, "reason": self.reason, "fix": self.fix,
-                "key": self.key}
+        d = {"severity": self.severity, "reason": self.reason, "fix": self.fix,
+             "key": self.key}
+        if self.unsupported:
+            d["unsupported"] = True
+        return d
 
     def to_finding(self) -> Finding:
         msg = self.reason if not self.fix else f"{self.reason} — fix: {self.fix}"

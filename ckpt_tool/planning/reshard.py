@@ -156,16 +156,24 @@ def target_file(fmt: str, target: Layout, tp: int, pp: int, ep: int) -> tuple[in
 
 
 def _resolve_rules(meta: CheckpointMeta, rules: RuleSet, source: Layout, skip: set[str],
-                   problems: list[Problem]) -> dict[str, Rule]:
-    """The rule of every key not in ``skip``; an error problem for each key without one."""
+                   problems: list[Problem], per_rank_target: bool = False) -> dict[str, Rule]:
+    """The rule of every key not in ``skip``; an error problem for each key without one.
+
+    A key no rule knows takes the split its source chunk grid shows only for a dist target
+    (the global tensor is what a dist checkpoint stores: its chunking moves no value); a
+    per-rank target (legacy files) needs what each rank's module holds, which a grid cannot
+    tell of a part we do not know (a fused or per-component layout looks like a plain split):
+    refused by name."""
     out: dict[str, Rule] = {}
     unknown: list[str] = []
     for key, t in meta.tensors.items():
         if key in skip:
             continue
         rule = rules.find(key)
-        if (rule is None or rule.grid_first) and meta.format not in ("legacy",):
+        if rule is not None and rule.grid_first and meta.format not in ("legacy",):
             rule = infer_rule_from_grid(t, source.tp) or rule
+        elif rule is None and meta.format not in ("legacy",) and not per_rank_target:
+            rule = infer_rule_from_grid(t, source.tp)
         if rule is None:
             unknown.append(key)
             continue
@@ -178,13 +186,13 @@ def _resolve_rules(meta: CheckpointMeta, rules: RuleSet, source: Layout, skip: s
             f"ranks, and their chunk grids cannot tell ({shown}, ...): is this a "
             "Megatron-Core GPT-family checkpoint?",
             "add rules to the --rules TOML file, e.g.\n" + example_rule(unknown[0]),
-            key=unknown[0]))
+            key=unknown[0], unsupported=True))
         return out
     for key in unknown:
         problems.append(Problem(ERROR, f"no layout rule knows how {key!r} splits across "
                                 "tensor-parallel ranks, and its chunk grid cannot tell",
                                 "add a rule to the --rules TOML file, e.g.\n"
-                                + example_rule(key), key=key))
+                                + example_rule(key), key=key, unsupported=True))
     return out
 
 
@@ -228,7 +236,8 @@ def plan_reshard(meta: CheckpointMeta, target: Layout, rules: RuleSet | None = N
     opt_keys = set(opt.keys)
     skip = opt_keys if drop_opt else {k for k in opt_keys
                                       if split_chained(k)[1].startswith("optimizer.distributed.")}
-    rule_of = _resolve_rules(meta, rules, source, skip, problems)
+    rule_of = _resolve_rules(meta, rules, source, skip, problems,
+                             per_rank_target=options.target_format == "legacy")
     if not plan.ok or sizes.num_layers is None:
         return plan
     lm = LayerMap(sizes.num_layers, target)

@@ -41,18 +41,14 @@ def test_pp_and_ep_default_to_the_source_and_check_says_so(tmp_path):
 BUCKETED = FIX / "mcore016_gpt_tp2dp2_distopt_buckets"
 
 
-def test_bucketed_optimizer_check_reports_the_proof_and_a_mismatch_is_one_line(tmp_path,
-                                                                               monkeypatch):
+def test_bucketed_optimizer_check_reports_the_proof_and_a_mismatch_is_one_line(tmp_path):
     res = runner.invoke(app, ["reshard", str(BUCKETED), "--tp", "1", "--check", "--json"])
     assert res.exit_code == 0, res.output
     notes = " ".join(p["reason"] for p in json.loads(res.stdout)["problems"])
     assert "unflattened from dp_reshardable: 8 buckets in 2" in notes
-    import ckpt_tool.ops._optim_unflatten as U
-
-    real = U.optimizer_bucket_layout
-    monkeypatch.setattr(U, "optimizer_bucket_layout",
-                        lambda *a, **k: real(*a, **{**k, "spec": "transformer_engine"}))
-    res = runner.invoke(app, ["reshard", str(BUCKETED), str(tmp_path / "o"), "--tp", "1"])
+    # the wrong layer spec given (a local-spec model): the flag decides, the proof refuses it
+    res = runner.invoke(app, ["reshard", str(BUCKETED), str(tmp_path / "o"), "--tp", "1",
+                              "--te-spec"])
     assert res.exit_code == 2
     lines = [line for line in res.stderr.splitlines() if line.strip()]
     assert len(lines) <= 2 and "does not match the checkpoint" in lines[0], res.stderr
