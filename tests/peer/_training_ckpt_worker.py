@@ -80,15 +80,16 @@ def patch_streams() -> None:
     torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
 
 
-def initialize(seed: int, extra: list[str]):
+def initialize(seed: int, extra: list[str], argv: list[str] | None = None):
     """``megatron.training.initialize.initialize_megatron`` on CPU/gloo (the args, the global
     variables, torch.distributed and the model-parallel state, the seeds, the rerun state
-    machine); its last step compiles GPU kernels and the dataset helpers, which a CPU run has
+    machine) with this GPT's command line plus ``extra`` (``argv``: another model's whole command
+    line); its last step compiles GPU kernels and the dataset helpers, which a CPU run has
     no use for, so that step is skipped."""
     import megatron.training.arguments as arguments
     import megatron.training.initialize as init
 
-    sys.argv = megatron_argv(seed, extra)
+    sys.argv = megatron_argv(seed, extra) if argv is None else argv
     init._compile_dependencies = lambda: None
     # the GPU's compute capability, which validate_args asks for with tensor parallelism (to
     # require CUDA_DEVICE_MAX_CONNECTIONS=1 before Blackwell): a CPU host stands in for a
@@ -125,9 +126,10 @@ def gpt_provider(*, tied: bool | None, position_embedding_type: str):
 model_provider = gpt_provider(tied=None, position_embedding_type="rope")
 
 
-def setup(seed: int):
+def setup(seed: int, provider=None):
     """Model, optimizer and scheduler as ``megatron.training.training.pretrain`` builds them
-    (``setup_model_and_optimizer`` without ``--load``)."""
+    (``setup_model_and_optimizer`` without ``--load``) from ``provider`` (default: this GPT's
+    ``model_provider``)."""
     import megatron.training.initialize as init
     from megatron.core.enums import ModelType
     from megatron.training import get_args
@@ -136,7 +138,7 @@ def setup(seed: int):
     args = get_args()
     args.seed, args.load = seed, None
     init._set_random_seed(seed)
-    return setup_model_and_optimizer(model_provider, ModelType.encoder_or_decoder)
+    return setup_model_and_optimizer(provider or model_provider, ModelType.encoder_or_decoder)
 
 
 def fresh_optimizer_states(optimizer) -> None:
