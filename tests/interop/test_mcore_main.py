@@ -63,3 +63,40 @@ def test_the_sources_themselves_are_refused_by_that_load():
         done = _load_as_main(root, next(src.glob("iter_*")))
         assert done.returncode != 0 and "numpy" in done.stderr and "scalar" in done.stderr, \
             done.stdout + done.stderr[-2000:]
+
+
+@pytest.mark.multiproc
+def test_main_resumes_a_dropped_extra_state_checkpoint_resharded(tmp_path, monkeypatch):
+    """``--ckpt-drop-redundant-extra-state`` (``megatron/training/checkpointing.py``
+    ``_localize_redundant_extra_states``): every ``_extra_state`` ShardedObject whose payload
+    holds no delayed-scaling FP8 state (the local spec's are all ``None``) is saved as nothing;
+    on disk the checkpoint is the same without those objects (here: 0.19's fixture converted
+    without them, as main's save leaves them out: ``megatron.training`` of main needs Python
+    3.12). Every command reads it; the reshard keeps that form; main resumes from it with the
+    flag (the same localization on its load request) bit-identically, and refuses it without
+    the flag (the objects it asks for are missing)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dist_checkpointing"
+                           / "_workers"))
+    from launch import torchrun, torchrun_outcome
+
+    from ckpt_tool.ops.inspect import inspect
+    from ckpt_tool.ops.validate import validate
+
+    source_or_skip(monkeypatch)
+    dropped = tmp_path / "dropped"
+    convert(MCORE019, dropped, ConvertOptions(to="torch_dist", exclude="_extra_state"))
+    assert not [o for o in inspect(dropped).meta.objects if o.key.endswith("_extra_state")]
+    assert not validate(dropped).findings
+    out = tmp_path / "out"
+    reshard(dropped, out, ReshardRequest(tp=1, pp=2))
+    assert not validate(out).findings
+    assert not [o for o in inspect(out).meta.objects if "_extra_state" in o.key]
+    convert(dropped, tmp_path / "legacy", ConvertOptions(to="legacy"))
+    ckpt = str(locate_source(out).checkpoint)
+    worker = str(Path(__file__).resolve().parent / "_moe_resume_worker.py")
+    log = torchrun(worker, 2, "1", "2", "1", ckpt, MCORE019.name,
+                   "--drop-redundant-extra-state", timeout=900)
+    assert log.count(": OK ") == 2 and "(megatron-core 0.20" in log, log[-3000:]
+    code, log, _cmd = torchrun_outcome(worker, 2, "1", "2", "1", ckpt, MCORE019.name,
+                                       timeout=900)
+    assert code != 0 and "Missing key in checkpoint state_dict" in log and "_extra_state" in log
