@@ -270,7 +270,10 @@ def check_manifest(path: str | Path, *, deep: bool = False, prefix: str = "",
                     name[len(prefix):]))
     scope = base / prefix if prefix else base
     listed = {n[len(prefix):] for n in names}
-    extra = [n for n in _files(scope) if n not in listed]
+    # Megatron-Core's own integrity.json (no sizes) lists the directory's top-level files only
+    # (``save_integrity_manifest``): what sits in a subdirectory (Megatron-LM's tokenizer/
+    # assets, written after it) was never meant to be listed
+    extra = [n for n in _files(scope) if n not in listed and (sizes is not None or "/" not in n)]
     for name in extra[:5]:
         out.append(_finding("warning", f"not listed in {mpath.name} (added after it was "
                             "written?)", name))

@@ -147,6 +147,10 @@ def render(result: Any, *, tree: bool = False, all_objects: bool = False,
              if ex.get(k) is not None]
     if files:
         print_text("files: " + ", ".join(files))
+    if ex.get("tokenizer_assets"):  # Megatron-LM's tokenizer/ in the iteration directory
+        names = [a["name"] for a in ex["tokenizer_assets"]]
+        print_text(f"tokenizer: tokenizer/ ({len(names)} files: {', '.join(names[:6])}"
+                   f"{', ...' if len(names) > 6 else ''})")
     if full_common and result.full_common is not None:
         _render_full_common(result.full_common)
     else:

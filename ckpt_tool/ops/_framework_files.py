@@ -16,6 +16,13 @@ and ``convert`` write in the source's container (docs/resume.md), saying what th
   given and reads only the tokenizer from the context; ``io.json``'s strategy sizes are
   updated all the same, so that the context describes the checkpoint (``nemo_io_for``).
 
+- **Megatron-LM** (main, after 0.19): the ``tokenizer/`` assets its ``save_tokenizer_assets``
+  writes into a torch_dist iteration directory (``formats/mcore_dist/tokenizer_assets.py``),
+  copied into the output checkpoint's directory when that is a dist checkpoint, and beside
+  ``config.json`` by ``convert --to hf`` when they are an HF tokenizer's files
+  (:func:`carry_tokenizer_to_hf`). The output's manifest (``integrity.json``) records their
+  sizes and digests; each copy is checked against the source file's size.
+
 Anything else the source's checkpoint directory holds that depends on the data-parallel or
 model-parallel layout (per-rank dataloader states, ModelOpt state) is left out, with a note.
 """
@@ -27,16 +34,19 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from ckpt_tool.errors import InputError
+from ckpt_tool.formats.mcore_dist.tokenizer_assets import (TOKENIZER_DIR, is_hf_tokenizer,
+                                                           tokenizer_assets)
 from ckpt_tool.formats.mcore_dist.training_config import (bridge_run_config_for, load_json,
                                                           load_yaml, nemo_io_for)
 from ckpt_tool.formats.save_dir import (BRIDGE_RUN_CONFIG, NEMO_CONTEXT, Container,
                                         SourcePlace)
 
-__all__ = ["carry_framework_files", "BRIDGE_TRAIN_STATE", "BRIDGE_LATEST_TRAIN_STATE"]
+__all__ = ["carry_framework_files", "carry_tokenizer_to_hf", "BRIDGE_TRAIN_STATE",
+           "BRIDGE_LATEST_TRAIN_STATE"]
 
 BRIDGE_TRAIN_STATE = "train_state.pt"
 BRIDGE_LATEST_TRAIN_STATE = "latest_train_state.pt"
-_BRIDGE_TOKENIZER = "tokenizer"
 # a dist checkpoint's own files (what the writer made anew)
 _CHECKPOINT_FILES = {"metadata.json", ".metadata", "common.pt", "integrity.json"}
 
@@ -53,7 +63,44 @@ def carry_framework_files(source: SourcePlace, staging: Path, container: Contain
             source.container.framework == "megatron_bridge":
         return _carry_bridge(source.checkpoint, staging, container, layout, has_rng,
                              has_optimizer)
+    where = container.checkpoint_in(staging)
+    if (where / "metadata.json").is_file():  # a dist checkpoint: as Megatron-LM keeps them
+        return _carry_tokenizer(source.checkpoint, where / TOKENIZER_DIR, "")
     return []
+
+
+def carry_tokenizer_to_hf(checkpoint: Path, hf_dir: Path) -> list[str]:
+    """Copy the HF tokenizer files Megatron-LM kept in ``checkpoint/tokenizer/`` beside the
+    ``config.json`` in ``hf_dir``; notes for people (what was copied, or why not)."""
+    assets = tokenizer_assets(checkpoint)
+    if not assets:
+        return []
+    names = [n for n, _ in assets]
+    if not is_hf_tokenizer(names):
+        return [f"left out {TOKENIZER_DIR}/ ({', '.join(names[:4])}): not an HF tokenizer's "
+                "files (no tokenizer_config.json); HF's AutoTokenizer would not load them"]
+    taken = [n for n in names if "/" not in n and (hf_dir / n).exists()]
+    if taken:
+        return [f"left out {TOKENIZER_DIR}/: {', '.join(taken)} would replace the converted "
+                "model's own file"]
+    return _carry_tokenizer(checkpoint, hf_dir, "beside config.json ")
+
+
+def _carry_tokenizer(checkpoint: Path, dest: Path, where: str) -> list[str]:
+    assets = tokenizer_assets(checkpoint)
+    if not assets:
+        return []
+    src = checkpoint / TOKENIZER_DIR
+    for name, size in assets:
+        target = dest / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src / name, target)
+        if target.stat().st_size != size:
+            raise InputError(f"{TOKENIZER_DIR}/{name} changed while it was copied "
+                             f"({size} bytes, then {target.stat().st_size})", path=checkpoint,
+                             hint="rerun once nothing writes the source")
+    shown = ", ".join(n for n, _ in assets[:4]) + (", ..." if len(assets) > 4 else "")
+    return [f"carried the {TOKENIZER_DIR}/ assets {where}({len(assets)} files: {shown})"]
 
 
 def _carry_bridge(src: Path, staging: Path, container: Container,
@@ -75,12 +122,10 @@ def _carry_bridge(src: Path, staging: Path, container: Container,
     else:
         notes.append(f"no {BRIDGE_TRAIN_STATE} in the source: Megatron-Bridge rebuilds its "
                      "train state from the checkpoint's iteration (consumed samples start at 0)")
-    if (src / _BRIDGE_TOKENIZER).is_dir():
-        shutil.copytree(src / _BRIDGE_TOKENIZER, where / _BRIDGE_TOKENIZER)
-        notes.append(f"carried the {_BRIDGE_TOKENIZER}/ assets")
+    notes += _carry_tokenizer(src, where / TOKENIZER_DIR, "")
     left = sorted(p.name for p in src.iterdir() if p.name not in _CHECKPOINT_FILES
                   and p.suffix != ".distcp" and p.name not in (
-                      BRIDGE_RUN_CONFIG, BRIDGE_TRAIN_STATE, _BRIDGE_TOKENIZER))
+                      BRIDGE_RUN_CONFIG, BRIDGE_TRAIN_STATE, TOKENIZER_DIR))
     if left:
         notes.append(f"left out {', '.join(left)} from {src.name}/ (state of the old layout, "
                      "e.g. per-rank dataloader or ModelOpt state)")

@@ -7,7 +7,7 @@ be bit-identical to the fixture's expected per-parameter state, and every bf16 m
 must equal its expected main parameter rounded to bf16.
 
     torchrun --nproc-per-node N _moe_resume_worker.py TP PP EP CKPT [FIXTURE] [--verify-integrity]
-        [--model-only]
+        [--model-only] [--drop-redundant-extra-state]
 
 FIXTURE's ``generate.py`` provides ``init(tp, pp, ep)`` and ``build(tp, pp, ep)`` (no virtual
 pipeline at the target), optionally ``load(ckpt, gpt, model, optimizer)`` (a framework's own
@@ -19,6 +19,8 @@ source tree it names (0.19's: ``fixtures/_mcore_cpu.megatron_core_from_source``)
 ``--verify-integrity`` loads as Megatron-LM 0.18+'s ``--verify-integrity`` does (``integrity.json``
 checked first). ``--model-only``: CKPT holds no optimizer state (``reshard --drop-optimizer``);
 the model loads alone (Megatron-LM's ``--no-load-optim``) and only its parameters are compared.
+``--drop-redundant-extra-state``: the load request as Megatron-LM main's
+``--ckpt-drop-redundant-extra-state`` makes it (``$CKPT_MEGATRON_SRC``: main's source).
 A generate.py with ``buffer_names(gpt)`` ({TP1 name: buffer}, e.g. the routers' ``expert_bias``)
 has its saved buffers compared with ``expected/buffers.safetensors`` too.
 """
@@ -34,7 +36,9 @@ os.environ.setdefault("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VERIFY_INTEGRITY = "--verify-integrity" in sys.argv
 MODEL_ONLY = "--model-only" in sys.argv
-ARGS = [a for a in sys.argv if a not in ("--verify-integrity", "--model-only")]
+DROP_EXTRA_STATE = "--drop-redundant-extra-state" in sys.argv
+ARGS = [a for a in sys.argv if a not in ("--verify-integrity", "--model-only",
+                                         "--drop-redundant-extra-state")]
 FIXTURE = os.path.join(REPO, "fixtures", ARGS[5] if len(ARGS) > 5
                        else "mcore016_moe_ep2_distopt_buckets")
 sys.path.insert(0, os.path.join(REPO, "fixtures"))
@@ -68,6 +72,28 @@ def tp_local(p, full):
     return full.narrow(dim, r * n, n)
 
 
+def _drop_redundant_extra_state():
+    """Megatron-LM main's ``--ckpt-drop-redundant-extra-state`` on the load request: its
+    ``_localize_redundant_extra_states`` from ``megatron/training/checkpointing.py`` of
+    ``$CKPT_MEGATRON_SRC`` (``_mcore_main.training_functions``)."""
+    from pathlib import Path
+
+    import torch
+    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+    from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedObject
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from _mcore_main import training_functions
+
+    names = ("_FP8_PERSISTENT_EXTRA_STATE_MARKERS", "_fp8_extra_state_is_persistent",
+             "_localize_redundant_extra_states")
+    found = training_functions(Path(os.environ["CKPT_MEGATRON_SRC"]), names, {
+        "torch": torch, "ShardedObject": ShardedObject,
+        "LocalNonpersistentObject": LocalNonpersistentObject,
+        "dict_list_map_inplace": dict_list_map_inplace})
+    return found["_localize_redundant_extra_states"]
+
+
 def main() -> int:
     import _mcore_cpu as H
 
@@ -88,13 +114,16 @@ def main() -> int:
             p.fill_(float("nan"))
         for b in buffers.values():
             b.fill_(float("nan"))
+    hook = _drop_redundant_extra_state() if DROP_EXTRA_STATE else None
     if MODEL_ONLY:
         optimizer = None
-        R.load_as_megatron_lm(ckpt, gpt, None, verify_integrity=VERIFY_INTEGRITY)
+        R.load_as_megatron_lm(ckpt, gpt, None, verify_integrity=VERIFY_INTEGRITY,
+                              request_hook=hook)
     elif hasattr(gen, "load"):  # the framework's own resume (NeMo 2: the wrapped model's keys)
         gen.load(ckpt, gpt, _model, optimizer)
     else:
-        R.load_as_megatron_lm(ckpt, gpt, optimizer, verify_integrity=VERIFY_INTEGRITY)
+        R.load_as_megatron_lm(ckpt, gpt, optimizer, verify_integrity=VERIFY_INTEGRITY,
+                              request_hook=hook)
     from megatron.core import parallel_state as ps
 
     for p, name in names.items():

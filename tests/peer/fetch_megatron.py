@@ -5,12 +5,15 @@
 through it ``megatron.legacy``, ``megatron.rl``, ``megatron.post_training``), which the
 megatron-core wheel does not ship. ``core_v0.19.0``: ``megatron/core`` itself (the package index
 serves megatron-core up to 0.16.1), which the version tests run from source on PYTHONPATH
-(``tests/interop/_mcore019.py``). This script puts exactly these paths of the tag into a cache
-directory, unchanged::
+(``tests/interop/_mcore019.py``). A commit of the main branch (the next release, as read for
+docs/formats.md "Megatron-LM main"): its ``megatron/core`` and
+``megatron/training/checkpointing.py`` (``tests/interop/_mcore_main.py``). This script puts
+exactly these paths of the tag into a cache directory, unchanged::
 
     python tests/peer/fetch_megatron.py                        # prints the cache directory
     python tests/peer/fetch_megatron.py --check                # exit 1 when it is not there yet
     python tests/peer/fetch_megatron.py --tag core_v0.19.0     # megatron/core of 0.19.0
+    python tests/peer/fetch_megatron.py --tag d98e8a64ddf34856e74b24714e3bedb2f5a39553  # main
 
 Where from, first that works: the cache directory itself (``~/.cache/ckpt/megatron-lm-<tag>``;
 ``$CKPT_PEER_CACHE`` overrides it for ``core_v0.16.1``); a local git repository holding the tag
@@ -47,12 +50,18 @@ PATHS = {
         "megatron/rl",
     ),
     "core_v0.19.0": ("megatron/core",),
+    # Megatron-LM's main branch as read for the next release's forms (tests/interop/_mcore_main.py)
+    "d98e8a64ddf34856e74b24714e3bedb2f5a39553": ("megatron/core",
+                                                 "megatron/training/checkpointing.py"),
 }
 _MARKER = ".complete"
 
 
 def tarball_url(tag: str) -> str:
-    return f"https://codeload.github.com/NVIDIA/Megatron-LM/tar.gz/refs/tags/{tag}"
+    """GitHub's tarball of a tag, or of a commit (40 hex digits)."""
+    commit = len(tag) == 40 and all(c in "0123456789abcdef" for c in tag)
+    ref = tag if commit else f"refs/tags/{tag}"
+    return f"https://codeload.github.com/NVIDIA/Megatron-LM/tar.gz/{ref}"
 
 
 class FetchError(RuntimeError):

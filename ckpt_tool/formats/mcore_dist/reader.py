@@ -20,6 +20,7 @@ from typing import Any
 from ckpt_tool.errors import CorruptCheckpointError, InputError
 from ckpt_tool.formats.save_dir import resolve_checkpoint_dir
 from ckpt_tool.formats.base import Format, Reader, register
+from ckpt_tool.formats.mcore_dist.tokenizer_assets import tokenizer_assets
 from ckpt_tool.formats.mcore_dist.forms import COMMON_FILE, COMMON_STATE_KEY, where_common
 from ckpt_tool.formats.mcore_dist.training_config import training_config
 from ckpt_tool.model import CheckpointMeta, ObjectMeta, TensorMeta
@@ -231,6 +232,9 @@ class TorchDistReader(McoreDistReader):
             "has_mcore_data": bool(mcore_data),
             "has_integrity_json": (self.root / "integrity.json").is_file(),
         }
+        tokenizer = tokenizer_assets(self.root)  # Megatron-LM's tokenizer/ (tokenizer_assets.py)
+        if tokenizer:
+            extras["tokenizer_assets"] = [{"name": n, "size": size} for n, size in tokenizer]
         return tensors, objects, extras
 
     def _object_payload_torch_free(self, obj: ObjectMeta) -> Any:

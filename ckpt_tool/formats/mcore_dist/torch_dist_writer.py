@@ -30,7 +30,9 @@ source reader's metadata extras): a Megatron-Core 0.19 source's is written as 0.
 the ``common_state`` object (bytes item ``common_state/shard_0_1``, ``torch.save([state])``)
 with no ``common.pt`` and a ``metadata.json`` without ``common_backend*``; every other source's
 as ``common.pt`` (the form every version reads). A ``common_state`` object among the target's
-objects is never written as one: the common state given is the only one.
+objects is never written as one: the common state given is the only one. A common state
+written here (not a ``common.pt`` copied as it is) holds numpy scalars as Python scalars
+(:mod:`.weights_only`: Megatron-Core loads it with ``torch.load(weights_only=True)``).
 
 Options (``WriterOptions.extra``): ``raw_save`` (False: always DCP's save), ``files`` (number of data files; default
 ``max(2, total bytes / max_shard_size, threads)``), ``threads`` (files written at once; default 1;
@@ -55,6 +57,7 @@ from ckpt_tool.formats.containers.dcp.dcp_torch_free_save import (
 from ckpt_tool.formats.mcore_dist.config import CheckpointingConfig, save_config
 from ckpt_tool.formats.mcore_dist.forms import (COMMON_FILE, COMMON_STATE_ITEM, COMMON_STATE_KEY,
                                                 DistForm, form_of)
+from ckpt_tool.formats.mcore_dist.weights_only import weights_only_common
 from ckpt_tool.formats.containers.torch_zip.torch_save_object import object_item, save_object
 from ckpt_tool.formats.writer import WriteRequest, Writer, WriterOptions
 from ckpt_tool.model import CheckpointMeta
@@ -200,6 +203,14 @@ def _common_with_objects(request: WriteRequest, others: list[str], notes: list[s
         note = (f"stored {len(moved)} object{'s' * (len(moved) != 1)} that are not "
                 f"Megatron-Core ShardedObjects (key not '<key>/shard_<offset>_<shape>') in "
                 f"{form.common_where}: {', '.join(moved[:3])}{more}")
+        if note not in notes:
+            notes.append(note)
+    common, scalars = weights_only_common(common)  # (.weights_only)
+    if scalars:
+        more = ", ..." if len(scalars) > 3 else ""
+        note = (f"{form.common_where}: numpy scalars stored as Python scalars of the same "
+                f"value ({', '.join(scalars[:3])}{more}), as Megatron-Core's "
+                "torch.load(weights_only=True) of it needs")
         if note not in notes:
             notes.append(note)
     return common

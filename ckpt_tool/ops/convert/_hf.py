@@ -29,6 +29,7 @@ from ckpt_tool.formats.base import Reader, open_checkpoint
 from ckpt_tool.formats.writer import WriteRequest, WriterOptions, writer_for
 from ckpt_tool.model import CheckpointMeta, ChunkRef, FormatKind, TensorMeta
 from ckpt_tool.ops._extra_state import ExtraStates
+from ckpt_tool.ops._framework_files import carry_tokenizer_to_hf
 from ckpt_tool.ops._hf_source import HfSource
 from ckpt_tool.ops.convert._plan import left_behind
 from ckpt_tool.ops.validate import UNVERIFIED_NOTE, check_source
@@ -261,6 +262,8 @@ def convert_hf(src: str | Path, dst: str | Path, options: Any, *, trust: bool = 
             writer = writer_cls(staging, wopts)
             if r.is_main or writer_cls.supports_ranks:
                 notes += writer.write(request)
+            if r.is_main and FormatKind(options.to).hf_directory:  # Megatron-LM's tokenizer/
+                notes += carry_tokenizer_to_hf(as_path(meta.root), staging)
             r.barrier()
             job.catch_up(source.tensors_done)
             if verify:
