@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from ckpt_tool.errors import InputError, UnsupportedError
+from ckpt_tool.errors import InputError
 from ckpt_tool.model import CheckpointMeta, TensorMeta
 from ckpt_tool.planning.hf_families import Entry, Family
-from ckpt_tool.planning.hf_plan import Part, Recipe, Src, _contradiction, _model_keys
+from ckpt_tool.planning.hf_plan import Part, Recipe, Src, _contradiction, refuse_unplaced
 
 __all__ = ["plan_layered_import", "plan_layered_export", "mtp_layers_in", "EXPERT_LAYOUTS"]
 
@@ -104,13 +104,7 @@ def plan_layered_import(meta: CheckpointMeta, config: dict[str, Any], family: Fa
                     notes.append(f"{hp + leaf} not imported: Megatron-Core's MTP layer uses the "
                                  "model's own embedding and output layer")
     out.extend(_import_ends(meta, family, args, hf, used))
-    left = sorted(_model_keys(meta) - used)
-    if left:
-        raise UnsupportedError(
-            f"{len(left)} HF tensor(s) have no place in the Megatron-Core model of "
-            f"{family.architecture}: " + ", ".join(left[:3]) + (", ..." if len(left) > 3
-                                                                 else ""),
-            path=meta.root, hint="check config.json (architecture, layer count, features)")
+    refuse_unplaced(meta, used, family.architecture, export=False)
     return out, notes
 
 
@@ -234,12 +228,7 @@ def plan_layered_export(meta: CheckpointMeta, args: dict[str, Any], family: Fami
     if key not in meta.tensors:
         raise _contradiction("no decoder.final_layernorm.weight", meta.root, **where)
     add(family.final_norm, Src(key), "copy", meta.tensors[key].shape)
-    left = sorted(_model_keys(meta) - used)
-    if left:
-        raise UnsupportedError(
-            f"{len(left)} model tensor(s) have no place in {family.architecture}: "
-            + ", ".join(left[:3]) + (", ..." if len(left) > 3 else ""), path=meta.root,
-            hint="pick the matching architecture (--hf-arch) or use --to safetensors")
+    refuse_unplaced(meta, used, family.architecture, export=True)
     return out
 
 

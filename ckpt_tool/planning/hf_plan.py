@@ -70,6 +70,23 @@ class Geometry:
                 ("head_dim", self.head_dim))
 
 
+def refuse_unplaced(meta: CheckpointMeta, used: set[str], architecture: str, *,
+                    export: bool) -> None:
+    """UnsupportedError naming the source's model tensors no rule placed (``used``: those
+    placed): a part no rule knows is refused by name, never dropped."""
+    left = sorted(_model_keys(meta) - used)
+    if not left:
+        return
+    shown = ", ".join(left[:3]) + (", ..." if len(left) > 3 else "")
+    if export:
+        raise UnsupportedError(f"{len(left)} model tensor(s) have no place in {architecture}: "
+                               + shown, path=meta.root, hint="pick the matching architecture "
+                               "(--hf-arch) or use --to safetensors")
+    raise UnsupportedError(f"{len(left)} HF tensor(s) have no place in the Megatron-Core model "
+                           f"of {architecture}: " + shown, path=meta.root,
+                           hint="check config.json (architecture, layer count, features)")
+
+
 def _model_keys(meta: CheckpointMeta) -> set[str]:
     return {k for k in meta.tensors if not is_optimizer_key(k) and "_extra_state" not in k
             and not k.endswith("rotary_emb.inv_freq")}
@@ -240,12 +257,7 @@ def plan_export(meta: CheckpointMeta, args: dict[str, Any], rule: ArchRule, *, v
         key = f"decoder.final_layernorm.{leaf}"
         if key in meta.tensors:
             add(f"{rule.final_norm}.{leaf}", Src(key), "copy", meta.tensors[key].shape)
-    left = sorted(_model_keys(meta) - used)
-    if left:
-        raise UnsupportedError(
-            f"{len(left)} model tensor(s) have no place in {rule.architecture}: "
-            + ", ".join(left[:3]) + (", ..." if len(left) > 3 else ""), path=meta.root,
-            hint="pick the matching architecture (--hf-arch) or use --to safetensors")
+    refuse_unplaced(meta, used, rule.architecture, export=True)
     return out
 
 
@@ -369,10 +381,5 @@ def plan_import(meta: CheckpointMeta, config: dict[str, Any], rule: ArchRule,
             t = hf_tensor(hf_key)
             out.append(Recipe(f"decoder.final_layernorm.{leaf}", t.dtype, t.shape,
                               (Part((), "copy", (Src(hf_key),)),)))
-    left = sorted(_model_keys(meta) - used)
-    if left:
-        raise UnsupportedError(
-            f"{len(left)} HF tensor(s) have no place in the Megatron-Core model of "
-            f"{rule.architecture}: " + ", ".join(left[:3]) + (", ..." if len(left) > 3 else ""),
-            path=meta.root, hint="check config.json (architecture, layer count, features)")
+    refuse_unplaced(meta, used, rule.architecture, export=False)
     return out

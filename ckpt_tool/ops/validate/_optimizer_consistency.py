@@ -89,8 +89,6 @@ def _numel(shape: Any) -> int:
 
 def _mismatches(view: Any, main_key: str, model_key: str,
                 vmeta: CheckpointMeta) -> tuple[int, int]:
-    import torch
-
     bad = 0
     shape = tuple(vmeta.tensors[model_key].shape)
     if tuple(vmeta.tensors[main_key].shape) != shape:
