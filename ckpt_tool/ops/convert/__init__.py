@@ -199,7 +199,8 @@ def convert(src: str | Path | SourcePlace, dst: str | Path, options: ConvertOpti
             if verify:
                 single = file_name or writer_cls.default_file_name
                 verify_output(staging / single if single else to_validate(staging, container),
-                              trust=trust, what="converted", ranks=r)
+                              trust=trust, what="converted", ranks=r,
+                              level=verify)
             resume = None if facts is None else recipe_for(facts)
     tensors, objects = writer.written(plan.target)
     mine = job_progress.local
@@ -207,7 +208,7 @@ def convert(src: str | Path | SourcePlace, dst: str | Path, options: ConvertOpti
     return ConvertResult(
         source=str(meta.root), source_format=meta.format, target=str(out), format=options.to,
         tensors=tensors, objects=objects, nbytes=total,
-        seconds=time.perf_counter() - start, verified=verify,
+        seconds=time.perf_counter() - start, verified=bool(verify),
         largest_piece=source.largest_piece, notes=notes, container=container, resume=resume,
         source_verified=verify_source)
 

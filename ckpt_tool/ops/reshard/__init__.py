@@ -214,7 +214,7 @@ def reshard(src: str | Path | SourcePlace, dst: str | Path | None, req: ReshardR
             r.barrier()
             if verify:
                 verify_output(to_validate(staging, container), trust=trust, what="resharded",
-                              ranks=r)
+                              ranks=r, level=verify)
             result.resume = recipe_for(facts)
     result.written = True
     mine = job_progress.local
