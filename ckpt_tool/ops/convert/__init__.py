@@ -94,7 +94,8 @@ def convert(src: str | Path | SourcePlace, dst: str | Path, options: ConvertOpti
             verify_source: bool = True) -> ConvertResult:
     """Convert checkpoint ``src`` into ``dst`` in format ``options.to``; see the module doc.
     ``src``: a path or ``formats.save_dir.locate_source``'s answer (``--iteration``).
-    ``verify``: validate the output before it is moved into place; ``verify_source``: check
+    ``verify``: validate the output before it is moved into place (True: data files
+    proven as written are not read back; ``"full"``: every byte read back); ``verify_source``: check
     every byte read against the CRC-32 its record carries and the source's manifest
     (IntegrityError, exit 1, on a mismatch: nothing is written)."""
     start = time.perf_counter()
