@@ -20,7 +20,14 @@ pages of mapped checkpoint files excluded), with ``uptime`` before and after:
 * ``peers`` (each under ``RLIMIT_DATA`` = ``--peer-cap-gb``, so a peer that materialises the
   checkpoint dies alone instead of taking the machine): Megatron-Core ``load_plain_tensors`` +
   ``torch.save``, PyTorch DCP ``dcp_to_torch_save``;
-* ``curve``: ``convert --to safetensors``, ``--to torch_dist`` and ``reshard`` only.
+* ``curve``: ``convert --to safetensors``, ``--to torch_dist`` and ``reshard`` only;
+* ``dist``: ``convert --to torch_dist`` and ``reshard`` only.
+
+``--cold``: before every job, the page cache is emptied (``sync``, then
+``/proc/sys/vm/drop_caches``) where the process may; where it may not, each file of the
+source is evicted with ``posix_fadvise(DONTNEED)`` instead; each record says which
+(``"cold"``). ``--code DIR``: run ``ckpt`` from that checkout (``PYTHONPATH``), to time
+another version of the code in the same session (``"code"`` in each record).
 
 Outputs go to ``--work`` and are deleted after each job (the disk holds the input and one
 output). ``--out`` writes the records as JSON; ``--plot`` draws time per GB and peak memory
@@ -53,6 +60,27 @@ NUMPY_OK = ("import numpy as np; torch.serialization.add_safe_globals([np._core.
             "np.dtype, type(np.dtype(np.float64))]); ")
 
 
+COLD: list[Path] | None = None  # the files to evict before each job (``--cold``)
+CODE: Path | None = None  # ``--code``
+
+
+def make_cold(files: list[Path]) -> str:
+    """Empty the page cache (see the module docstring); how it was done."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1\n")
+        return "drop_caches"
+    except OSError:
+        for p in files:
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+        return "fadvise DONTNEED of the source (drop_caches not permitted)"
+
+
 def uptime() -> str:
     return os.popen("uptime").read().strip()
 
@@ -80,11 +108,14 @@ def measure(label: str, argv: list[str], *, cap: int | None = None,
         if cap:
             resource.setrlimit(resource.RLIMIT_DATA, (cap, cap))
 
+    cold = make_cold(COLD) if COLD is not None else None
     before = uptime()
     t0 = time.perf_counter()
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    if CODE is not None:
+        env["PYTHONPATH"] = str(CODE)
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            preexec_fn=limit, start_new_session=True,
-                            env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"})
+                            preexec_fn=limit, start_new_session=True, env=env)
     err = bytearray()
     fd = proc.stderr.fileno()
     os.set_blocking(fd, False)
@@ -118,7 +149,8 @@ def measure(label: str, argv: list[str], *, cap: int | None = None,
            "cpu_s": round(usage.ru_utime + usage.ru_stime, 2),
            "peak_rss_mb": round(usage.ru_maxrss / 1024), "peak_anon_mb": round(anon / 1024),
            "cap_gb": cap / 1e9 if cap else None, "timed_out": killed,
-           "uptime_before": before, "uptime_after": uptime()}
+           "uptime_before": before, "uptime_after": uptime(), "cold": cold,
+           "code": str(CODE) if CODE else None}
     if rc != 0:
         rec["error"] = err.decode(errors="replace").strip().splitlines()[-3:]
     print(f"{label:44s} rc={rc:<3d} {wall:8.1f} s wall {rec['cpu_s']:8.1f} s CPU "
@@ -146,7 +178,7 @@ def run_floor(src: Path, work: Path, nbytes: int, log: list) -> None:
 
 
 def run_ours(src: Path, work: Path, log: list, *, curve_only: bool = False,
-             workers: int = 1) -> None:
+             workers: int = 1, dist_only: bool = False) -> None:
     c = ckpt()
     out = work / "out"
     w = ["--workers", str(workers)] if workers > 1 else []
@@ -161,8 +193,9 @@ def run_ours(src: Path, work: Path, log: list, *, curve_only: bool = False,
     if not curve_only:
         job("ckpt inspect --json", ["inspect", "--json", str(src)])
         job("ckpt validate --deep", ["validate", "--deep", str(src)])
-    job("ckpt convert --to safetensors", ["convert", str(src), str(out), "--to", "safetensors",
-                                          *w])
+    if not dist_only:
+        job("ckpt convert --to safetensors", ["convert", str(src), str(out), "--to",
+                                              "safetensors", *w])
     if not curve_only:
         job("ckpt convert --to hf", ["convert", str(src), str(out), "--to", "hf"])
     job("ckpt convert --to torch_dist", ["convert", str(src), str(out), "--to", "torch_dist",
@@ -233,7 +266,9 @@ def main() -> None:
     ap.add_argument("--dir", type=Path, help="an existing checkpoint instead of building one")
     ap.add_argument("--build-ranks", type=int, default=8)
     ap.add_argument("--jobs", nargs="+", default=["floor", "ours", "peers"],
-                    choices=["floor", "ours", "peers", "curve"])
+                    choices=["floor", "ours", "peers", "curve", "dist"])
+    ap.add_argument("--cold", action="store_true", help="empty the page cache before each job")
+    ap.add_argument("--code", type=Path, help="run ckpt from this checkout")
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--peer-cap-gb", type=float, default=8.0)
     ap.add_argument("--peer-timeout", type=float)
@@ -245,7 +280,11 @@ def main() -> None:
     if a.plot:
         plot(a.plot, a.results)
         return
+    global COLD, CODE
     src = a.dir or build(a.size_gb, a.build_ranks)
+    CODE = a.code.resolve() if a.code else None
+    if a.cold:
+        COLD = files_of(src)
     nbytes = sum(p.stat().st_size for p in files_of(src))
     meta = json.loads(subprocess.run(ckpt() + ["inspect", "--json", str(src)], check=True,
                                      capture_output=True, text=True).stdout)
@@ -259,8 +298,9 @@ def main() -> None:
     log: list[dict] = []
     if "floor" in a.jobs:
         run_floor(src, a.work, nbytes, log)
-    if "ours" in a.jobs or "curve" in a.jobs:
-        run_ours(src, a.work, log, curve_only="ours" not in a.jobs, workers=a.workers)
+    if "ours" in a.jobs or "curve" in a.jobs or "dist" in a.jobs:
+        run_ours(src, a.work, log, curve_only="ours" not in a.jobs, workers=a.workers,
+                 dist_only=not {"ours", "curve"} & set(a.jobs))
     if "peers" in a.jobs:
         run_peers(src, a.work, log, int(a.peer_cap_gb * 1e9), a.peer_timeout)
     shutil.rmtree(a.work, ignore_errors=True)

@@ -6,6 +6,13 @@ what the writer says is on disk: the page cache, 8 MiB at a time) and hashes it,
 overlaps writing instead of following it; what it hashes is what the file holds. The writer
 :func:`note` s the result; ``build_manifest`` uses a noted digest when the file still has
 the size and modification time it had when noted (:func:`noted`), else reads the file.
+
+The same thread also computes the CRC-32 of what the file holds, and :class:`DigestedFile`
+the CRC-32 of the bytes its writer handed it (combined from the CRCs the writer computed of
+its buffers anyway: no second pass). :func:`digested_file` compares the two once the file is
+complete: a difference is an :class:`~ckpt_tool.errors.IntegrityError` (the write fails and
+nothing is published); equal, the file is *proven* (:func:`proven_files`): it held exactly
+the bytes written, as long as its size, modification time and inode are unchanged.
 Nothing here imports torch.
 """
 
@@ -17,16 +24,19 @@ import os
 import threading
 from typing import Any, Iterator
 
-from ckpt_tool._crc import crc32
+from ckpt_tool._crc import crc32, crc32_combine
 from ckpt_tool.writeback import Writeback
 
-__all__ = ["FollowingDigest", "DigestedFile", "digested_file", "note", "noted", "take", "give"]
+__all__ = ["FollowingDigest", "DigestedFile", "digested_file", "note", "noted", "take", "give",
+           "proven_files"]
 
 _BLOCK = 8 << 20
 _SLICE = 32 << 20  # big buffers are written in slices: the digest follows each
 _LOCK = threading.Lock()
 # absolute path -> (algorithm, size, mtime_ns, hex digest)
 _NOTED: dict[str, tuple[str, int, int, str]] = {}
+# absolute path -> (size, mtime_ns, ctime_ns, inode) when its bytes were proven
+_PROVEN: dict[str, tuple[int, int, int, int]] = {}
 
 
 class FollowingDigest:
@@ -72,15 +82,15 @@ class FollowingDigest:
                     raise OSError(f"{self.path} is shorter than {target} bytes")
                 if self._hash is not None:
                     self._hash.update(view[:n])
-                else:
-                    self._crc = crc32(view[:n], self._crc)
+                self._crc = crc32(view[:n], self._crc)  # (also for the writer's comparison)
                 self._done += n
         except BaseException as exc:  # noqa: BLE001 - reported by finish()
             self._error = exc
 
-    def finish(self, size: int) -> tuple[int, str]:
+    def finish(self, size: int, written_crc: int | None = None) -> tuple[int, str]:
         """Hash up to ``size`` (the file's final length), note the digest (:func:`note`) and
-        return ``(size, hex digest)``."""
+        return ``(size, hex digest)``. ``written_crc``: the CRC-32 of the bytes the writer
+        wrote; the file's must equal it (else IntegrityError), and the file is then proven."""
         self.advance(size)
         with self._cond:
             self._closed = True
@@ -89,6 +99,17 @@ class FollowingDigest:
         os.close(self._fd)
         if self._error is not None:
             raise self._error
+        if written_crc is not None:
+            held = self._crc & 0xFFFFFFFF
+            if held != written_crc & 0xFFFFFFFF:
+                from ckpt_tool.errors import IntegrityError
+
+                raise IntegrityError(
+                    f"{self.path}: the file does not hold the bytes written (CRC-32 of the "
+                    f"file {held:08x}, of the bytes written {written_crc & 0xFFFFFFFF:08x})",
+                    hint="the disk or another process changed the output while it was "
+                    "written: nothing was published; check the disk and run again")
+            _prove(self.path, size)
         digest = self._hash.hexdigest() if self._hash is not None else \
             f"{self._crc & 0xFFFFFFFF:08x}"
         note(self.path, self.algorithm, size, digest)
@@ -116,10 +137,17 @@ class DigestedFile:
         self.writeback = writeback
         self.position = 0  # bytes written through :meth:`write` (the file is new)
         self._told = 0
+        # the CRC-32 of the bytes written through this object, in order (None once bytes
+        # reached the file another way: see :meth:`bypassed`)
+        self.crc: int | None = 0
 
-    def write(self, buf: Any) -> int:
-        """Write ``buf`` (any buffer); returns its length."""
+    def write(self, buf: Any, crc: int | None = None) -> int:
+        """Write ``buf`` (any buffer); returns its length. ``crc``: its CRC-32 if the caller
+        has it (else computed here when the file is followed)."""
         view = memoryview(buf)
+        if view.ndim != 1 or view.format != "B":
+            view = view.cast("B")
+        self._account(view, crc)
         if (self.follower is None and self.writeback is None) or view.nbytes <= _SLICE:
             n = self.file.write(view)
             self.position += view.nbytes
@@ -130,16 +158,19 @@ class DigestedFile:
             self.advanced()
         return view.nbytes
 
-    def writev(self, buffers: Any) -> int:
+    def writev(self, buffers: Any, crcs: Any = None) -> int:
         """Write ``buffers`` one after the other in one system call (the small ones are not
         copied into the stream's buffer first); returns their total length. Big ones go
-        through :meth:`write` (in slices the digest follows)."""
+        through :meth:`write` (in slices the digest follows). ``crcs``: their CRC-32s, if
+        the caller has them."""
         views = [memoryview(b).cast("B") for b in buffers]
         total = sum(v.nbytes for v in views)
         if total > _SLICE:
-            for v in views:
-                self.write(v)
+            for n, v in enumerate(views):
+                self.write(v, None if crcs is None else crcs[n])
             return total
+        for n, v in enumerate(views):
+            self._account(v, None if crcs is None else crcs[n])
         self.file.flush()  # what the stream holds goes first
         fd = self.file.fileno()
         while views:
@@ -151,6 +182,18 @@ class DigestedFile:
                 views[0] = views[0][n:]
         self.position += total
         return total
+
+    def _account(self, view: memoryview, crc: int | None) -> None:
+        if self.follower is None or self.crc is None:
+            return
+        if crc is None:
+            crc = crc32(view)
+        self.crc = crc32_combine(self.crc, crc & 0xFFFFFFFF, view.nbytes)
+
+    def bypassed(self) -> None:
+        """Bytes reached the file without :meth:`write`/:meth:`writev` (e.g. a library
+        writing into :attr:`file`): the file cannot be proven, only digested."""
+        self.crc = None
 
     def advanced(self) -> None:
         """What the file holds so far (its OS position) may be hashed, and its write-back
@@ -175,7 +218,8 @@ def digested_file(path: str | os.PathLike, algorithm: str | None, *,
     with open(path, "wb") as f:
         follower = FollowingDigest(path, algorithm) if algorithm else None
         try:
-            yield DigestedFile(f, follower, Writeback(f.fileno()) if sync else None)
+            out = DigestedFile(f, follower, Writeback(f.fileno()) if sync else None)
+            yield out
             f.flush()
             if sync:
                 os.fsync(f.fileno())
@@ -184,7 +228,9 @@ def digested_file(path: str | os.PathLike, algorithm: str | None, *,
                 follower.abandon()
             raise
     if follower is not None:
-        follower.finish(os.path.getsize(path))
+        size = os.path.getsize(path)
+        written = out.crc if out.position == size else None
+        follower.finish(size, written)
 
 
 def note(path: str | os.PathLike, algorithm: str, size: int, digest: str) -> None:
@@ -220,7 +266,37 @@ def take(root: str | os.PathLike) -> dict[str, Any]:
         mine = {p: e for p, e in _NOTED.items() if p.startswith(root)}
         for p in mine:
             del _NOTED[p]
+        for p in [p for p in _PROVEN if p.startswith(root)]:
+            del _PROVEN[p]
     return mine
+
+
+def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    return st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino
+
+
+def _prove(path: str, size: int) -> None:
+    st = os.stat(path)
+    if st.st_size == size:
+        with _LOCK:
+            _PROVEN[path] = _identity(st)
+
+
+def proven_files(root: str | os.PathLike) -> set[str]:
+    """The files under the directory ``root`` (paths relative to it, ``/``-separated) whose
+    bytes this process proved equal to those written (see the module docstring) and which
+    are unchanged since: same size, modification and change time, inode."""
+    base = os.path.abspath(os.fspath(root)) + os.sep
+    with _LOCK:
+        mine = {p: e for p, e in _PROVEN.items() if p.startswith(base)}
+    out = set()
+    for p, ident in mine.items():
+        try:
+            if _identity(os.stat(p)) == ident:
+                out.add(p[len(base):].replace(os.sep, "/"))
+        except OSError:
+            pass
+    return out
 
 
 def give(entries: dict[str, Any]) -> None:

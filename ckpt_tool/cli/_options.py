@@ -8,6 +8,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 __all__ = ["CheckpointPath", "SourcePath", "JsonFlag", "TrustFlag", "OverwriteFlag", "NoVerifyFlag",
+           "VerifyOption", "verify_level",
            "MaxMemoryOption", "DebugFlag", "QuietFlag", "VerboseFlag", "NoProgressFlag",
            "IterationOption", "at_iteration", "source_place", "parse_size", "completer",
            "HfDtypeOption", "PlotOption"]
@@ -107,6 +108,24 @@ OverwriteFlag = Annotated[bool, typer.Option("--overwrite", help="Replace DST if
 NoVerifyFlag = Annotated[bool, typer.Option(
     "--no-verify", help="Skip the integrity checks: every byte read against its CRC-32, and "
     "validating the output before it is moved into place (a note says so).")]
+VerifyOption = Annotated[str, typer.Option(
+    "--verify", metavar="LEVEL",
+    help="How the output is checked before it is moved into place: 'written' (default: the "
+    "bytes are proven as they are written, not read back) or 'full' (every byte read back "
+    "from disk and checked against its CRC-32). docs/reliability.md says what each proves.")]
+
+
+def verify_level(verify: str, no_verify: bool) -> bool | str:
+    """The ``verify`` argument of the ops for ``--verify LEVEL`` / ``--no-verify``."""
+    from ckpt_tool.errors import UsageError
+
+    if verify not in ("written", "full"):
+        raise UsageError(f"bad --verify {verify!r}", hint="use written or full")
+    if no_verify:
+        return False
+    return "full" if verify == "full" else True
+
+
 MaxMemoryOption = Annotated[Optional[str], typer.Option(
     "--max-memory", metavar="SIZE",
     help="Memory budget for tensor data, e.g. 2GiB (default: the largest "

@@ -8,8 +8,8 @@ import typer
 from ckpt_tool.cli._errors import handle_errors
 from ckpt_tool.cli._options import (DebugFlag, HfDtypeOption, IterationOption, JsonFlag, MaxMemoryOption,
                                     NoProgressFlag, NoVerifyFlag, OverwriteFlag, QuietFlag,
-                                    SourcePath, TrustFlag, completer, parse_size,
-                                    source_place)
+                                    SourcePath, TrustFlag, VerifyOption, completer, parse_size,
+                                    source_place, verify_level)
 from ckpt_tool.cli._output import human_bytes, message, print_json, print_resume
 from ckpt_tool.cli._progress import progress_bar
 from ckpt_tool.errors import plural
@@ -72,6 +72,7 @@ def convert(
         "memory grows to about this many chunks.")] = 1,
     overwrite: OverwriteFlag = False,
     no_verify: NoVerifyFlag = False,
+    verify: VerifyOption = "written",
     json_: JsonFlag = False,
     trust: TrustFlag = False,
     iteration: IterationOption = None,
@@ -103,7 +104,7 @@ def convert(
                              hf_experts=hf_experts)
     with progress_bar(f"convert -> {to}", enabled=not (quiet or no_progress)) as bar:
         result = run_convert(place, dst, options, trust=trust, overwrite=overwrite,
-                             verify=not no_verify, verify_source=not no_verify, tp=tp, pp=pp,
+                             verify=verify_level(verify, no_verify), verify_source=not no_verify, tp=tp, pp=pp,
                              max_shard_size=parse_size(max_shard_size, "--max-shard-size"),
                              progress=bar, workers=workers)
     for note in result.notes:

@@ -8,7 +8,8 @@ import typer
 from ckpt_tool.cli._errors import handle_errors, state
 from ckpt_tool.cli._options import (DebugFlag, IterationOption, JsonFlag, NoProgressFlag,
                                     NoVerifyFlag, OverwriteFlag, QuietFlag, SourcePath,
-                                    TrustFlag, VerboseFlag, completer, source_place)
+                                    TrustFlag, VerboseFlag, VerifyOption, completer,
+                                    source_place, verify_level)
 from ckpt_tool.cli._output import human_bytes, message, print_json, print_resume, print_text
 from ckpt_tool.cli._progress import progress_bar
 from ckpt_tool.errors import plural
@@ -86,6 +87,7 @@ def reshard(
         "(torch_dist targets).")] = 1,
     overwrite: OverwriteFlag = False,
     no_verify: NoVerifyFlag = False,
+    verify: VerifyOption = "written",
     json_: JsonFlag = False,
     trust: TrustFlag = False,
     iteration: IterationOption = None,
@@ -120,7 +122,7 @@ def reshard(
                          ddp_bucket_size=ddp_bucket_size)
     with progress_bar("reshard", enabled=not (check or dry_run or quiet or no_progress)) as bar:
         result = run_reshard(place, dst, req, check=check, dry_run=dry_run, trust=trust,
-                             overwrite=overwrite, verify=not no_verify,
+                             overwrite=overwrite, verify=verify_level(verify, no_verify),
                              verify_source=not no_verify, progress=bar,
                              workers=workers)
     state.verdict = 0 if result.ok else 1  # kept if stdout's reader goes away

@@ -391,17 +391,34 @@ def staged_output_ranks(dst: str | Path, ranks: Any, *, overwrite: bool = False,
                              hint="see that rank's error above")
 
 
-def verify_output(path: Path, *, trust: bool, what: str, ranks: Any = None) -> None:
+def verify_output(path: Path, *, trust: bool, what: str, ranks: Any = None,
+                  level: Any = "written") -> None:
     """Validate what was written into the staging directory; a FindingsError (so nothing is
     renamed into place) when it has error findings. ``what``: "converted", "resharded".
 
+    ``level`` (docs/reliability.md): ``"written"`` (also ``True``) does not read again the
+    data files whose bytes were proven as they were written and are unchanged since
+    (``ckpt_tool.digests.proven_files``: the CRC-32 of what each file holds, read behind the
+    writer from the page cache, equals that of the bytes written, whose records' CRCs came
+    from the same buffers); every other file, and every check but that byte scan, as
+    ``"full"``, which reads every byte of the output back.
+
     ``ranks``: under torchrun every rank calls this; the byte scan is split over them and every
     rank raises on the same findings."""
+    from ckpt_tool.digests import proven_files
     from ckpt_tool.errors import FindingsError
     from ckpt_tool.ops.validate import validate
 
-    result = validate(path, trust=trust,
-                      ranks=ranks if ranks is not None and ranks.world > 1 else None)
+    job = ranks if ranks is not None and ranks.world > 1 else None
+    proven: frozenset[str] = frozenset()
+    if level != "full" and Path(path).is_dir():
+        mine = proven_files(path)
+        if job is not None:  # every rank proved its own files: the same set on every rank
+            parts = job.gather(sorted(mine))
+            mine = set(job.broadcast(sorted({f for part in parts for f in part})
+                                     if parts is not None else None) or ())
+        proven = frozenset(mine)
+    result = validate(path, trust=trust, ranks=job, proven=proven)
     if not result.ok:
         first = result.errors[0]
         raise FindingsError(

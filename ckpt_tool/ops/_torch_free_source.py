@@ -67,6 +67,10 @@ class TorchFreeSource:
         self._chunks: dict[str, dict[tuple, ChunkRef]] = {}
         self._lock = threading.Lock()
         self._files: dict[str, tuple[int, int]] = {}  # name -> (descriptor, size)
+        # (file, byte offset) -> (dtype, shape, stride, storage offset, data start, size):
+        # what an item's zip records and pickle said, for the next request of the same item
+        # (a reshard splitting a chunk reads it once per piece); bounded
+        self._layouts: dict[tuple[str, int], tuple] = {}
         self._closer = weakref.finalize(self, _close_all, self._files)
 
     def close(self) -> None:
@@ -187,7 +191,17 @@ class TorchFreeSource:
             if self.reader.verify:  # every record's CRC-32 before a byte is used
                 records = check_item(fd, chunk.byte_offset, chunk.byte_length, item, what,
                                      path=path)
-        raw = raw_item(item, records)
+        where = (str(chunk.file), chunk.byte_offset)
+        known = self._layouts.get(where)
+        if known is None:
+            raw = raw_item(item, records)
+            known = (raw.dtype, raw.shape, raw.stride, raw.storage_offset,
+                     raw.record.start, raw.record.size)
+            if len(self._layouts) >= _LAYOUTS:
+                self._layouts.clear()
+            self._layouts[where] = known
+        r_dtype, r_shape, r_stride, r_offset, start, nbytes = known
+        raw = _Raw(r_dtype, r_shape, r_stride, r_offset, item[start:start + nbytes])
         if raw.dtype != dtype or raw.numel != math.prod(chunk.sizes):
             raise IntegrityError(
                 f"the stored item of chunk at {list(chunk.offsets)} ({chunk.file}) holds "
@@ -201,6 +215,24 @@ class TorchFreeSource:
         if data.shape != tuple(chunk.sizes):
             data = data.reshape(chunk.sizes)
         return data
+
+
+_LAYOUTS = 1 << 15  # items whose layout is kept (~150 bytes each)
+
+
+class _Raw:
+    """The fields of a ``RawItem`` this module uses."""
+
+    __slots__ = ("dtype", "shape", "stride", "storage_offset", "data")
+
+    def __init__(self, dtype: str, shape: tuple, stride: tuple, storage_offset: int,
+                 data: Any) -> None:
+        self.dtype, self.shape, self.stride = dtype, shape, stride
+        self.storage_offset, self.data = storage_offset, data
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
 
 
 def _close_all(files: dict[str, tuple[int, int]]) -> None:

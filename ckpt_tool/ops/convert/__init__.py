@@ -96,7 +96,8 @@ def convert(src: str | Path | SourcePlace, dst: str | Path, options: ConvertOpti
             verify_source: bool = True) -> ConvertResult:
     """Convert checkpoint ``src`` into ``dst`` in format ``options.to``; see the module doc.
     ``src``: a path or ``formats.save_dir.locate_source``'s answer (``--iteration``).
-    ``verify``: validate the output before it is moved into place; ``verify_source``: check
+    ``verify``: validate the output before it is moved into place (True: data files
+    proven as written are not read back; ``"full"``: every byte read back); ``verify_source``: check
     every byte read against the CRC-32 its record carries and the source's manifest
     (IntegrityError, exit 1, on a mismatch: nothing is written)."""
     start = time.perf_counter()
@@ -204,7 +205,8 @@ def convert(src: str | Path | SourcePlace, dst: str | Path, options: ConvertOpti
             if verify:
                 single = file_name or writer_cls.default_file_name
                 verify_output(staging / single if single else to_validate(staging, container),
-                              trust=trust, what="converted", ranks=r)
+                              trust=trust, what="converted", ranks=r,
+                              level=verify)
             resume = None if facts is None else recipe_for(facts)
     tensors, objects = writer.written(plan.target)
     mine = job_progress.local
@@ -213,7 +215,7 @@ def convert(src: str | Path | SourcePlace, dst: str | Path, options: ConvertOpti
     return ConvertResult(
         source=str(meta.root), source_format=meta.format, target=str(out), format=options.to,
         tensors=tensors, objects=objects, nbytes=total,
-        seconds=time.perf_counter() - start, verified=verify,
+        seconds=time.perf_counter() - start, verified=bool(verify),
         largest_piece=source.largest_piece, notes=notes, container=container, resume=resume,
         source_verified=verify_source, left_behind=left)
 

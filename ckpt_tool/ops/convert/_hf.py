@@ -267,7 +267,8 @@ def convert_hf(src: str | Path, dst: str | Path, options: Any, *, trust: bool = 
             r.barrier()
             job.catch_up(source.tensors_done)
             if verify:
-                verify_output(staging, trust=trust, what="converted", ranks=r)
+                verify_output(staging, trust=trust, what="converted", ranks=r,
+                              level=verify)
     tensors, objects = writer.written(target)
     used = {s.key for r in recipes for p in r.parts for s in p.sources}
     # an export keeps the model's weights and a config.json made from the args; an import
@@ -276,6 +277,6 @@ def convert_hf(src: str | Path, dst: str | Path, options: Any, *, trust: bool = 
     return dict(
         source=str(meta.root), source_format=meta.format, target=str(out), format=options.to,
         tensors=tensors, objects=objects, nbytes=target.total_bytes,
-        seconds=time.perf_counter() - start, verified=verify,
+        seconds=time.perf_counter() - start, verified=bool(verify),
         largest_piece=source.largest_piece, notes=notes, source_verified=verify_source,
         left_behind=left)

@@ -105,7 +105,8 @@ def reshard(src: str | Path | SourcePlace, dst: str | Path | None, req: ReshardR
     """Plan (always) and, unless ``check``/``dry_run``, write the resharded checkpoint.
     ``src``: a path (a save directory is read at its tracker's iteration) or
     ``formats.save_dir.locate_source``'s answer (``--iteration``). ``verify``: validate the
-    output before it is moved into place; ``verify_source``: check every byte read against the
+    output before it is moved into place (True: data files proven as written are not read
+    back; ``"full"``: every byte read back; ``ops._output_staging.verify_output``); ``verify_source``: check every byte read against the
     CRC-32 its record carries and the source's manifest (IntegrityError, exit 1)."""
     from ckpt_tool.planning.layout import load_rules
     from ckpt_tool.planning.reshard import ReshardOptions, plan_reshard
@@ -216,7 +217,7 @@ def reshard(src: str | Path | SourcePlace, dst: str | Path | None, req: ReshardR
             r.barrier()
             if verify:
                 verify_output(to_validate(staging, container), trust=trust, what="resharded",
-                              ranks=r)
+                              ranks=r, level=verify)
             result.resume = recipe_for(facts)
     result.written = True
     mine = job_progress.local

@@ -125,7 +125,7 @@ def validate(path: str | Path, *, trust: bool = False, deep: bool = False,
              expect_tp: int | None = None, expect_pp: int | None = None,
              expect_keys: Iterable[str] | None = None,
              expect_iteration: int | None = None, ranks: Any = None,
-             progress: Any = None) -> ValidateResult:
+             progress: Any = None, proven: frozenset[str] = frozenset()) -> ValidateResult:
     """Check the checkpoint at ``path`` and return every finding (see the module docstring).
 
     ``progress``: a sink with ``start(total_bytes, total_count, unit)`` and ``update(nbytes,
@@ -133,7 +133,11 @@ def validate(path: str | Path, *, trust: bool = False, deep: bool = False,
     place), then, with ``deep``, the tensors read through the reader.
 
     ``ranks`` (a ``ckpt_tool.parallel.Ranks`` under torchrun): every rank of the job calls
-    this, the byte scan is split over them and every rank gets every finding."""
+    this, the byte scan is split over them and every rank gets every finding.
+
+    ``proven``: data files (names relative to the checkpoint) whose bytes the writer of this
+    process proved as it wrote them (``ckpt_tool.digests.proven_files``): their CRC-32 scan
+    is not repeated (ignored with ``deep``)."""
     from ckpt_tool.formats.base import check_readable
     from ckpt_tool.formats.regular_files import check_tree
     from ckpt_tool.formats.save_dir import resolve_checkpoint_dir
@@ -196,7 +200,8 @@ def validate(path: str | Path, *, trust: bool = False, deep: bool = False,
         if meta.kind.torch_save_archives and (deep or not is_remote(base)):
             skip = set(reader.objects_with_transforms())
             crc_findings, counted = scan_archives(base, meta, sizes, stats, skip, deep=deep,
-                                                  ranks=ranks, progress=progress)
+                                                  ranks=ranks, progress=progress,
+                                                  proven=proven)
             findings.extend(crc_findings)
         findings.extend(check_loose_archives(base, meta))
         if meta.kind.dcp_files:

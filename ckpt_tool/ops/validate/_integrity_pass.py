@@ -296,20 +296,26 @@ def _in_turn(base: Path, units: list[Unit], jobs: list[list[int]],
 
 def scan_archives(base: Path, meta: CheckpointMeta, sizes: dict[str, int | None],
                   stats: dict[str, int], skip_objects: set[str], *, deep: bool = False,
-                  ranks: Any = None,
-                  progress: Any = None) -> tuple[list[Finding], dict[str, tuple[int, int]]]:
+                  ranks: Any = None, progress: Any = None,
+                  proven: frozenset[str] = frozenset(),
+                  ) -> tuple[list[Finding], dict[str, tuple[int, int]]]:
     """CRC32 findings of every torch.save archive of a DCP-based or legacy/torch.save
     checkpoint and, with ``deep``, ``{key: (NaN, Inf)}`` for every tensor whose chunks were
     all counted in place (the others are for the reader). Sets ``stats["zip_items_checked"]``.
     ``ranks``: every rank of a torchrun job calls this; each scans its share of the bytes and
     all get every result (collectives: never pass it when only one rank runs the scan).
     ``progress``: told the bytes scanned and the files finished (this rank's share).
+    ``proven``: data files (relative names) whose bytes were proven as they were written
+    (``ckpt_tool.digests.proven_files``): not read again (``stats["files_proven_written"]``).
     """
     from ckpt_tool.parallel import Ranks, split_by_bytes
 
     # (the helper unmaps the last batch while the results are gathered)
     with ThreadPoolExecutor(1, thread_name_prefix="ckpt-map") as helper, _gc_paused():
         units = _plan(base, meta, sizes, skip_objects, deep)
+        if proven and not deep:
+            stats["files_proven_written"] = len({u.file for u in units if u.file in proven})
+            units = [u for u in units if u.file not in proven]
         job = ranks or Ranks()  # only when every rank of the job runs this scan
         if job.world > 1:  # under torchrun each rank scans its share of the bytes
             share = set(split_by_bytes([(i, max(1, u.nbytes)) for i, u in enumerate(units)],

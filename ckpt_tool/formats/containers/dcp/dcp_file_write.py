@@ -86,16 +86,17 @@ def _write_items(out: DigestedFile, path: str, storage_key: str, items: Sequence
         data = resolve(item)
         offset = f.tell()
         if item.type == WriteItemType.BYTE_IO and plain:
-            length = f.write(data.getbuffer())
+            length = out.write(data.getbuffer())
             result = WriteResult(index=item.index, size_in_bytes=length,
                                  storage_data=_storage_info(storage_key, offset, length))
         elif item.type != WriteItemType.BYTE_IO and plain and _raw_ok(item, data):
             chunk = item.tensor_data.chunk
             archive = TensorArchive(_dtype_name(item), tuple(chunk.sizes), _nbytes(data))
-            length = archive.write(out.write, raw_buffer(data))
+            length = archive.write(out.write, raw_buffer(data), with_crcs=True)
             result = WriteResult(index=item.index, size_in_bytes=length,
                                  storage_data=_storage_info(storage_key, offset, length))
         else:
+            out.bypassed()  # torch.save writes into the stream: the file is digested only
             result = _through_torch(f, path, data, item, storage_key, transforms,
                                     serialization_format)
         results.append(result)

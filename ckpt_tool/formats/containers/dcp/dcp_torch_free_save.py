@@ -89,7 +89,7 @@ def _write_file(path: Path, items: Sequence[PlannedItem], tensor: Callable[[Plan
             else:
                 data = chunk_buffer(item, tensor(item))
                 archive = TensorArchive(item.dtype, item.sizes, data.nbytes)
-                length = archive.write(f.write, data, writev=f.writev)
+                length = archive.write(f.write, data, writev=f.writev, with_crcs=True)
                 del data  # on disk: let it go before resolving the next item
                 on_written(item.nbytes)
             out.append((offset, length))

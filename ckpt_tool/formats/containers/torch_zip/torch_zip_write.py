@@ -247,24 +247,36 @@ class TensorArchive:
         _U32.pack_into(out, t.cd_sid, sid_crc)
         return bytes(out)
 
-    def write(self, write: Callable[[Any], Any], data: Any, *,
-              writev: Callable[[list], Any] | None = None) -> int:
+    def write(self, write: Callable[..., Any], data: Any, *,
+              writev: Callable[..., Any] | None = None, with_crcs: bool = False) -> int:
         """Write the archive of ``data`` (a buffer of ``nbytes`` bytes) through ``write``
-        (or in one call of ``writev`` with the three parts); returns the archive's length."""
+        (or in one call of ``writev`` with the three parts); returns the archive's length.
+        ``with_crcs``: each call also gets the CRC-32 of what it writes (``write(buf, crc)``,
+        ``writev(bufs, crcs)``: ``ckpt_tool.digests.DigestedFile``), computed once here."""
         view = memoryview(data)
         if view.ndim != 1 or view.format != "B":
             view = view.cast("B")
         if view.nbytes != self.nbytes:
             raise ValueError(f"{view.nbytes} bytes of data for an archive of {self.nbytes}")
         head = self._t.head
-        tail = self.tail(crc32(view) & 0xFFFFFFFF)
+        crc = crc32(view) & 0xFFFFFFFF
+        tail = self.tail(crc)
+        crcs = (self._t.head_crc, crc, crc32(tail) & 0xFFFFFFFF) if with_crcs else None
         if writev is not None:
-            writev([head, view, tail])
-        else:
+            if crcs is None:
+                writev([head, view, tail])
+            else:
+                writev([head, view, tail], crcs)
+        elif crcs is None:
             write(head)
             if view.nbytes:
                 write(view)
             write(tail)
+        else:
+            write(head, crcs[0])
+            if view.nbytes:
+                write(view, crcs[1])
+            write(tail, crcs[2])
         return len(head) + view.nbytes + len(tail)
 
 
@@ -280,6 +292,7 @@ class _Template(NamedTuple):
     sid_crc: int  # its descriptor's CRC,
     cd_data: int  # the CRC of data/0's central directory entry,
     cd_sid: int  # the CRC of the serialization id's entry
+    head_crc: int  # the CRC-32 of ``head``
 
 
 @lru_cache(maxsize=1024)
@@ -299,4 +312,5 @@ def _template(dtype: str, shape: tuple[int, ...], nbytes: int) -> _Template:
     at = zf.finish(tail, len(head) + nbytes, _NAMES_ID)
     n_data = len(head_records)
     return _Template(bytes(head), bytes(tail), seed, crc32(_VERSION) & 0xFFFFFFFF, at["id"],
-                     at["id_crc"], at[f"cd_{n_data}"], at[f"cd_{n_data + 2}"])
+                     at["id_crc"], at[f"cd_{n_data}"], at[f"cd_{n_data + 2}"],
+                     crc32(bytes(head)) & 0xFFFFFFFF)
