@@ -187,8 +187,9 @@ class UnflattenedOptimizerView(Reader):
                 failed.append((choice, problems))
             else:
                 proven.append((choice, buckets))
-        if not proven and self.derivable and per_bucket and not hints.spec:
-            # no known layer spec's order fits: the order the stored data gives
+        if not proven and self.derivable and per_bucket and hints == BucketLayoutHints():
+            # no known layer spec's order fits, and no flag says otherwise: the order the
+            # stored data gives (a flag that contradicts the stored data fails its proof)
             return self._derived_layout(meta, sizes, source, args, rules, per_bucket, dps,
                                         where, failed)
         if not proven:
