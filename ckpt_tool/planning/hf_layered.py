@@ -14,7 +14,8 @@ from typing import Any
 from ckpt_tool.errors import InputError, UnsupportedError
 from ckpt_tool.model import CheckpointMeta, TensorMeta
 from ckpt_tool.planning.hf_families import Entry, Family
-from ckpt_tool.planning.hf_plan import Part, Recipe, Src, _contradiction, _model_keys
+from ckpt_tool.planning.hf_plan import (Geometry, Part, Recipe, Src, _contradiction,
+                                        _model_keys)
 
 __all__ = ["plan_layered_import", "plan_layered_export", "mtp_layers_in", "EXPERT_LAYOUTS"]
 
@@ -44,6 +45,15 @@ def kinds_of(args: dict[str, Any]) -> list[str]:
     if isinstance(freq, (list, tuple)):
         return ["moe" if f else "dense" for f in freq]
     return ["moe" if freq and i % int(freq) == 0 else "dense" for i in range(layers)]
+
+
+def _geometry(args: dict[str, Any]) -> Geometry:
+    """The query groups of a ``qkv`` entry (Megatron-Core's ``linear_qkv`` rows per group)."""
+    heads = int(args["num_attention_heads"])
+    groups = int(args.get("num_query_groups") or heads) if args.get(
+        "group_query_attention", True) else heads
+    hd = int(args.get("kv_channels") or int(args["hidden_size"]) // heads)
+    return Geometry(groups, heads // groups, hd)
 
 
 def _entries(family: Family, kind: str, features: set[str]) -> list[Entry]:
@@ -89,6 +99,9 @@ def plan_layered_import(meta: CheckpointMeta, config: dict[str, Any], family: Fa
                                          f"{list(want)}", meta.root)
             if e.op == "glu":
                 add(mp + e.name(spec), ts, "glu_fuse")
+            elif e.op == "qkv":
+                add(mp + e.name(spec), ts, "qkv_fuse", _geometry(args).params,
+                    (sum(t.shape[0] for t in ts), *ts[0].shape[1:]))
             elif e.op in ("rope_q", "rope_kv") and family.rope_params(config, e.op):
                 add(mp + e.name(spec), ts, "rope_rows", family.rope_params(config, e.op))
             else:
@@ -206,6 +219,16 @@ def plan_layered_export(meta: CheckpointMeta, args: dict[str, Any], family: Fami
                 for half, h in enumerate(e.hf):
                     add(hp + h, Src(key), "glu_split", (shape[0] // 2, *shape[1:]),
                         (("half", half),))
+            elif e.op == "qkv":
+                geo = _geometry(args)
+                if shape[0] != geo.groups * (geo.q_per_group + 2) * geo.head_dim:
+                    raise _contradiction(f"{key} has {shape[0]} rows, {geo.groups} query "
+                                         f"groups of {geo.q_per_group} heads x {geo.head_dim} "
+                                         "need another count", meta.root, **where)
+                for part, h in enumerate(e.hf):
+                    n = geo.groups * (geo.q_per_group if part == 0 else 1) * geo.head_dim
+                    add(hp + h, Src(key), "qkv_split", (n, *shape[1:]),
+                        (("part", part),) + geo.params)
             else:
                 add(hp + e.hf[0], Src(key), "copy", shape)
         if kind == "moe":

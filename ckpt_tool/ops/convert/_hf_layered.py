@@ -71,9 +71,10 @@ def import_layered(meta: CheckpointMeta, config: dict[str, Any], family: Family,
             "params_dtype": dtype, "bf16": dtype == "bfloat16", "fp16": dtype == "float16",
             "ckpt_format": "torch_dist", "tokenizer_type": "HuggingFaceTokenizer",
             "hf_architecture": family.architecture}
-    if args["num_attention_heads"] % tp:
-        raise UsageError(f"--tp {tp} does not divide the {args['num_attention_heads']} "
-                         "attention heads", hint="pick a TP size that divides the heads")
+    for what in ("num_attention_heads", "num_query_groups"):
+        if int(args.get(what) or 1) % tp:
+            raise UsageError(f"--tp {tp} does not divide {what} {args[what]}",
+                             hint="pick a TP size that divides the heads and query groups")
     if layers % pp:
         raise UsageError(f"--pp {pp} does not divide the {layers} layers",
                          hint="pick a PP size that divides the layer count")
