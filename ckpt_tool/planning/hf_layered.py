@@ -20,6 +20,13 @@ from ckpt_tool.planning.hf_plan import (Geometry, Part, Recipe, Src, _contradict
 __all__ = ["plan_layered_import", "plan_layered_export", "mtp_layers_in", "EXPERT_LAYOUTS"]
 
 EXPERT_LAYOUTS = ("per-expert", "fused")
+# a fused-experts entry's op -> (the import's transform, params); the export's inverse
+FUSED_IMPORT = {"copy": ("copy", ()), "swap_last": ("swap_last", ()),
+                "glu_interleaved": ("glu_deinterleave", (("t", 0),)),
+                "glu_interleaved_t": ("glu_deinterleave", (("t", 1),))}
+FUSED_EXPORT = {"copy": ("copy", ()), "swap_last": ("swap_last", ()),
+                "glu_interleaved": ("glu_interleave", (("t", 0),)),
+                "glu_interleaved_t": ("glu_interleave", (("t", 1),))}
 _SPECS = ("local", "te")
 
 
@@ -129,7 +136,8 @@ def plan_layered_import(meta: CheckpointMeta, config: dict[str, Any], family: Fa
 
 def _import_experts(meta: CheckpointMeta, family: Family, hp: str, mp: str, experts: int,
                     hf) -> list[Recipe]:
-    fused = all(hp + e.hf[0] in meta.tensors for e in family.experts_fused)
+    fused = not family.experts or all(hp + e.hf[0] in meta.tensors
+                                      for e in family.experts_fused)
     out = []
     if fused:
         for e in family.experts_fused:
@@ -137,8 +145,12 @@ def _import_experts(meta: CheckpointMeta, family: Family, hp: str, mp: str, expe
             if not t.shape or t.shape[0] != experts:
                 raise _contradiction(f"{t.key} is {list(t.shape)}: not {experts} experts",
                                      meta.root)
-            out.append(Recipe(mp + e.mcore, t.dtype, tuple(t.shape),
-                              (Part((), "copy", (Src(t.key),)),)))
+            op, params = FUSED_IMPORT[e.op]
+            shape = tuple(t.shape)
+            if op == "swap_last" or dict(params).get("t"):
+                shape = (*shape[:-2], shape[-1], shape[-2])
+            out.append(Recipe(mp + e.mcore, t.dtype, shape,
+                              (Part((), op, (Src(t.key),), params),)))
         return out
     for e in family.experts:
         parts, shape, dtype = [], None, None
@@ -232,7 +244,8 @@ def plan_layered_export(meta: CheckpointMeta, args: dict[str, Any], family: Fami
             else:
                 add(hp + e.hf[0], Src(key), "copy", shape)
         if kind == "moe":
-            if "expert_bias" not in present:  # no expert bias: routing on the scores alone
+            if "expert_bias" not in present and any(e.when == "expert_bias" for e in
+                                                    family.moe):  # no expert bias: routing on the scores alone
                 key = mp + "mlp.router.weight"
                 out.append(Recipe(hp + "mlp.gate.e_score_correction_bias", "float32",
                                   (meta.tensors[key].shape[0],),
@@ -270,13 +283,18 @@ def _export_experts(meta: CheckpointMeta, family: Family, hp: str, mp: str, layo
                     add, where: dict[str, Any]) -> None:
     if layout not in EXPERT_LAYOUTS:
         raise InputError(f"unknown expert layout {layout!r}", hint="per-expert or fused")
-    for e, fused in zip(family.experts, family.experts_fused):
+    if not family.experts:  # the family's HF experts are fused only
+        layout = "fused"
+    for e, fused in zip(family.experts or family.experts_fused, family.experts_fused):
         key = mp + e.mcore
         if key not in meta.tensors:
             raise _contradiction(f"no {key}", meta.root, **where)
         shape = tuple(meta.tensors[key].shape)
         if layout == "fused":
-            add(hp + fused.hf[0], Src(key), "copy", shape)
+            op, params = FUSED_EXPORT[fused.op]
+            if op == "swap_last" or dict(params).get("t"):
+                shape = (*shape[:-2], shape[-1], shape[-2])
+            add(hp + fused.hf[0], Src(key), op, shape, params)
             continue
         for x in range(shape[0]):
             if e.op == "glu":

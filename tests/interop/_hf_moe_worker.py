@@ -7,7 +7,7 @@ model is built here.
     torchrun --nproc-per-node 4 _hf_moe_worker.py SPEC.json
 
 A job's ``config`` holds ``TransformerConfig`` fields (JSON: ``activation`` ``silu`` or
-``quick_gelu`` for ``activation_func``; ``window_size`` a list), ``gpt`` the ``GPTModel``
+``quick_gelu`` for ``activation_func``; ``window_size`` a list; ``yarn_*`` set as attributes), ``gpt`` the ``GPTModel``
 arguments (``rotary_percent``, ``rotary_base``, ``position_embedding_type``), ``args`` (save)
 the Megatron-LM ``args`` saved with it. Built from Megatron-Core 0.16.1's own specs:
 ``get_gpt_decoder_block_spec(config, use_transformer_engine=False)`` (non-homogeneous layers
@@ -63,6 +63,9 @@ def build(tp, pp, ep, dtype, parallel_output=True, mtp=False, vocab=128, seq=16,
     if fields.get("window_size"):
         fields["window_size"] = tuple(fields["window_size"])
         _cpu_window_mask()
+    # YaRN: 0.16.1's TransformerConfig has no yarn_* fields; GPTModel and the attention read
+    # them as attributes (Megatron-Bridge's GPT-OSS config subclass declares them)
+    yarn = {k: fields.pop(k) for k in list(fields) if k.startswith("yarn_")}
     cfg = TransformerConfig(**{
         **dict(normalization="RMSNorm", gated_linear_unit=True, activation_func=act,
                add_bias_linear=False, moe_router_load_balancing_type="none",
@@ -76,6 +79,8 @@ def build(tp, pp, ep, dtype, parallel_output=True, mtp=False, vocab=128, seq=16,
                bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
                gradient_accumulation_fusion=False),
         **fields, "mtp_num_layers": 1 if mtp else None})
+    for k, v in yarn.items():
+        setattr(cfg, k, v)
     spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization="RMSNorm")
     mtp_spec = get_gpt_mtp_block_spec(cfg, spec, use_transformer_engine=False) if mtp else None
     for s in (spec, mtp_spec):

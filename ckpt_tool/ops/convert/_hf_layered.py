@@ -50,7 +50,7 @@ def import_layered(meta: CheckpointMeta, config: dict[str, Any], family: Family,
     from ckpt_tool.errors import InputError
 
     layers = int(config["num_hidden_layers"])
-    for need in ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size"):
+    for need in family.config_needs:
         if config.get(need) is None:
             raise InputError(f"{family.architecture} config.json names no {need}",
                              hint="fix config.json or pass --hf-config")
