@@ -89,6 +89,16 @@ def apply_part(p: Part, tensors: list[Any]) -> Any:
         return _rows(tensors[0], p.param("rows"))
     if p.op == "rope_rows":
         return _rope_rows(tensors[0], p)
+    if p.op == "swap_last":
+        return tensors[0].transpose(-1, -2)
+    if p.op == "glu_deinterleave":  # [..., 2F] gate/up interleaved -> [gate | up] (then t)
+        x = tensors[0]
+        x = torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
+        return x.transpose(-1, -2) if p.param("t") else x
+    if p.op == "glu_interleave":  # the inverse
+        x = tensors[0].transpose(-1, -2) if p.param("t") else tensors[0]
+        g, u = torch.chunk(x, 2, dim=-1)
+        return torch.stack([g, u], dim=-1).reshape(x.shape)
     if p.op == "zeros_rows":  # a router without expert bias: a zero correction bias
         return torch.zeros(tensors[0].shape[0], dtype=torch.float32)
     raise ValueError(f"unknown transform {p.op!r}")

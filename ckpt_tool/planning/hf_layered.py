@@ -14,11 +14,19 @@ from typing import Any
 from ckpt_tool.errors import InputError
 from ckpt_tool.model import CheckpointMeta, TensorMeta
 from ckpt_tool.planning.hf_families import Entry, Family
-from ckpt_tool.planning.hf_plan import Part, Recipe, Src, _contradiction, refuse_unplaced
+from ckpt_tool.planning.hf_plan import (Geometry, Part, Recipe, Src, _contradiction,
+                                        refuse_unplaced)
 
 __all__ = ["plan_layered_import", "plan_layered_export", "mtp_layers_in", "EXPERT_LAYOUTS"]
 
 EXPERT_LAYOUTS = ("per-expert", "fused")
+# a fused-experts entry's op -> (the import's transform, params); the export's inverse
+FUSED_IMPORT = {"copy": ("copy", ()), "swap_last": ("swap_last", ()),
+                "glu_interleaved": ("glu_deinterleave", (("t", 0),)),
+                "glu_interleaved_t": ("glu_deinterleave", (("t", 1),))}
+FUSED_EXPORT = {"copy": ("copy", ()), "swap_last": ("swap_last", ()),
+                "glu_interleaved": ("glu_interleave", (("t", 0),)),
+                "glu_interleaved_t": ("glu_interleave", (("t", 1),))}
 _SPECS = ("local", "te")
 
 
@@ -44,6 +52,15 @@ def kinds_of(args: dict[str, Any]) -> list[str]:
     if isinstance(freq, (list, tuple)):
         return ["moe" if f else "dense" for f in freq]
     return ["moe" if freq and i % int(freq) == 0 else "dense" for i in range(layers)]
+
+
+def _geometry(args: dict[str, Any]) -> Geometry:
+    """The query groups of a ``qkv`` entry (Megatron-Core's ``linear_qkv`` rows per group)."""
+    heads = int(args["num_attention_heads"])
+    groups = int(args.get("num_query_groups") or heads) if args.get(
+        "group_query_attention", True) else heads
+    hd = int(args.get("kv_channels") or int(args["hidden_size"]) // heads)
+    return Geometry(groups, heads // groups, hd)
 
 
 def _entries(family: Family, kind: str, features: set[str]) -> list[Entry]:
@@ -89,6 +106,9 @@ def plan_layered_import(meta: CheckpointMeta, config: dict[str, Any], family: Fa
                                          f"{list(want)}", meta.root)
             if e.op == "glu":
                 add(mp + e.name(spec), ts, "glu_fuse")
+            elif e.op == "qkv":
+                add(mp + e.name(spec), ts, "qkv_fuse", _geometry(args).params,
+                    (sum(t.shape[0] for t in ts), *ts[0].shape[1:]))
             elif e.op in ("rope_q", "rope_kv") and family.rope_params(config, e.op):
                 add(mp + e.name(spec), ts, "rope_rows", family.rope_params(config, e.op))
             else:
@@ -110,7 +130,8 @@ def plan_layered_import(meta: CheckpointMeta, config: dict[str, Any], family: Fa
 
 def _import_experts(meta: CheckpointMeta, family: Family, hp: str, mp: str, experts: int,
                     hf) -> list[Recipe]:
-    fused = all(hp + e.hf[0] in meta.tensors for e in family.experts_fused)
+    fused = not family.experts or all(hp + e.hf[0] in meta.tensors
+                                      for e in family.experts_fused)
     out = []
     if fused:
         for e in family.experts_fused:
@@ -118,8 +139,12 @@ def _import_experts(meta: CheckpointMeta, family: Family, hp: str, mp: str, expe
             if not t.shape or t.shape[0] != experts:
                 raise _contradiction(f"{t.key} is {list(t.shape)}: not {experts} experts",
                                      meta.root)
-            out.append(Recipe(mp + e.mcore, t.dtype, tuple(t.shape),
-                              (Part((), "copy", (Src(t.key),)),)))
+            op, params = FUSED_IMPORT[e.op]
+            shape = tuple(t.shape)
+            if op == "swap_last" or dict(params).get("t"):
+                shape = (*shape[:-2], shape[-1], shape[-2])
+            out.append(Recipe(mp + e.mcore, t.dtype, shape,
+                              (Part((), op, (Src(t.key),), params),)))
         return out
     for e in family.experts:
         parts, shape, dtype = [], None, None
@@ -200,10 +225,21 @@ def plan_layered_export(meta: CheckpointMeta, args: dict[str, Any], family: Fami
                 for half, h in enumerate(e.hf):
                     add(hp + h, Src(key), "glu_split", (shape[0] // 2, *shape[1:]),
                         (("half", half),))
+            elif e.op == "qkv":
+                geo = _geometry(args)
+                if shape[0] != geo.groups * (geo.q_per_group + 2) * geo.head_dim:
+                    raise _contradiction(f"{key} has {shape[0]} rows, {geo.groups} query "
+                                         f"groups of {geo.q_per_group} heads x {geo.head_dim} "
+                                         "need another count", meta.root, **where)
+                for part, h in enumerate(e.hf):
+                    n = geo.groups * (geo.q_per_group if part == 0 else 1) * geo.head_dim
+                    add(hp + h, Src(key), "qkv_split", (n, *shape[1:]),
+                        (("part", part),) + geo.params)
             else:
                 add(hp + e.hf[0], Src(key), "copy", shape)
         if kind == "moe":
-            if "expert_bias" not in present:  # no expert bias: routing on the scores alone
+            if "expert_bias" not in present and any(e.when == "expert_bias" for e in
+                                                    family.moe):  # no expert bias: routing on the scores alone
                 key = mp + "mlp.router.weight"
                 out.append(Recipe(hp + "mlp.gate.e_score_correction_bias", "float32",
                                   (meta.tensors[key].shape[0],),
@@ -236,13 +272,18 @@ def _export_experts(meta: CheckpointMeta, family: Family, hp: str, mp: str, layo
                     add, where: dict[str, Any]) -> None:
     if layout not in EXPERT_LAYOUTS:
         raise InputError(f"unknown expert layout {layout!r}", hint="per-expert or fused")
-    for e, fused in zip(family.experts, family.experts_fused):
+    if not family.experts:  # the family's HF experts are fused only
+        layout = "fused"
+    for e, fused in zip(family.experts or family.experts_fused, family.experts_fused):
         key = mp + e.mcore
         if key not in meta.tensors:
             raise _contradiction(f"no {key}", meta.root, **where)
         shape = tuple(meta.tensors[key].shape)
         if layout == "fused":
-            add(hp + fused.hf[0], Src(key), "copy", shape)
+            op, params = FUSED_EXPORT[fused.op]
+            if op == "swap_last" or dict(params).get("t"):
+                shape = (*shape[:-2], shape[-1], shape[-2])
+            add(hp + fused.hf[0], Src(key), op, shape, params)
             continue
         for x in range(shape[0]):
             if e.op == "glu":

@@ -26,6 +26,8 @@ from typing import Any
 from ckpt_tool.planning.hf_extras import WINDOW_ARCHS, sliding_window_of, window_from_hf
 from ckpt_tool.planning.hf_families import Family
 from ckpt_tool.planning.hf_families.deepseek_v3 import FAMILY as DEEPSEEK_V3
+from ckpt_tool.planning.hf_families.glm4_moe import FAMILY as GLM4_MOE
+from ckpt_tool.planning.hf_families.gpt_oss import FAMILY as GPT_OSS
 
 __all__ = ["ArchRule", "LayerMap", "ARCHS", "FAMILIES", "rule_for_config", "rule_named", "guess_arch",
            "args_from_hf_config", "hf_config_from_args", "padded_vocab", "TE_NORMS",
@@ -154,7 +156,8 @@ ARCHS: dict[str, ArchRule] = {
                           qk_norm=True, moe="qwen"),
 }
 # architectures whose layers differ (dense then MoE, MTP): planning.hf_layered plans them
-FAMILIES: dict[str, Family] = {"deepseek_v3": DEEPSEEK_V3}
+FAMILIES: dict[str, Family] = {f.name: f for f in (DEEPSEEK_V3, GLM4_MOE,
+                                                               GPT_OSS)}
 _BY_ARCHITECTURE: dict[str, ArchRule | Family] = {
     r.architecture: r for r in (*ARCHS.values(), *FAMILIES.values())}
 _ALL: dict[str, ArchRule | Family] = {**ARCHS, **FAMILIES}
@@ -215,6 +218,10 @@ def guess_arch(args: dict[str, Any]) -> str:
         return "gpt2"
     if args.get("multi_latent_attention"):
         return "deepseek_v3"
+    if args.get("softmax_type") == "learnable":
+        return "gpt_oss"  # attention sinks
+    if args.get("num_experts") and args.get("moe_router_score_function") == "sigmoid":
+        return "glm4_moe"  # DeepSeek-V3's router, grouped-query attention
     window = args.get("window_size") is not None and int(args["window_size"][0]) >= 0
     if args.get("num_experts"):
         if args.get("moe_shared_expert_intermediate_size"):

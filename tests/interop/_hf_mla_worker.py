@@ -31,6 +31,7 @@ import sys
 os.environ.setdefault("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(REPO, "fixtures"))
+BUILD = ARGS = None  # another model's build and args (``_hf_moe_worker.py``); else MLA's
 
 
 def run_job(job: dict) -> None:
@@ -41,13 +42,14 @@ def run_job(job: dict) -> None:
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
+    build = BUILD or M.build
     tp, ep = job["tp"], job["ep"]
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
                                  expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
     torch.manual_seed(1234)
     model_parallel_cuda_manual_seed(1234)
-    model = M.build(tp, 1, ep, torch.float32, parallel_output=False, mtp=job["mtp"],
+    model = build(tp, 1, ep, torch.float32, parallel_output=False, mtp=job["mtp"],
                     vocab=job["vocab"], seq=job["seq"], **job["config"])
     if job["mode"] == "save":
         M.fill(model, seed=job.get("seed", 0))
@@ -57,7 +59,7 @@ def run_job(job: dict) -> None:
                     g = torch.Generator().manual_seed(len(name) + 7)
                     b.copy_(torch.randn(b.shape, generator=g) * 0.3)
         world = torch.distributed.get_world_size()
-        args = M.args(tp, 1, world // tp, ep, torch.float32, **job["args"])
+        args = (ARGS or M.args)(tp, 1, world // tp, ep, torch.float32, **job["args"])
         state = {"args": args, "checkpoint_version": 3.0, "iteration": 10,
                  "model": model.sharded_state_dict()}
         if torch.distributed.get_rank() == 0:
@@ -76,7 +78,7 @@ def run_job(job: dict) -> None:
             raise RuntimeError(f"{job['name']}: not loaded: {bad}")
     if job["mtp"]:  # Megatron-Core 0.16.1 runs MTP layers only with labels (then returning
         # losses), as _mcore_mla.logits: the same values in a model without them
-        ref = M.build(tp, 1, ep, torch.float32, parallel_output=False, mtp=False,
+        ref = build(tp, 1, ep, torch.float32, parallel_output=False, mtp=False,
                       vocab=job["vocab"], seq=job["seq"], **job["config"])
         with torch.no_grad():
             got = dict(model.named_parameters())

@@ -50,7 +50,7 @@ def import_layered(meta: CheckpointMeta, config: dict[str, Any], family: Family,
     from ckpt_tool.errors import InputError
 
     layers = int(config["num_hidden_layers"])
-    for need in ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size"):
+    for need in family.config_needs:
         if config.get(need) is None:
             raise InputError(f"{family.architecture} config.json names no {need}",
                              hint="fix config.json or pass --hf-config")
@@ -71,9 +71,10 @@ def import_layered(meta: CheckpointMeta, config: dict[str, Any], family: Family,
             "params_dtype": dtype, "bf16": dtype == "bfloat16", "fp16": dtype == "float16",
             "ckpt_format": "torch_dist", "tokenizer_type": "HuggingFaceTokenizer",
             "hf_architecture": family.architecture}
-    if args["num_attention_heads"] % tp:
-        raise UsageError(f"--tp {tp} does not divide the {args['num_attention_heads']} "
-                         "attention heads", hint="pick a TP size that divides the heads")
+    for what in ("num_attention_heads", "num_query_groups"):
+        if int(args.get(what) or 1) % tp:
+            raise UsageError(f"--tp {tp} does not divide {what} {args[what]}",
+                             hint="pick a TP size that divides the heads and query groups")
     if layers % pp:
         raise UsageError(f"--pp {pp} does not divide the {layers} layers",
                          hint="pick a PP size that divides the layer count")

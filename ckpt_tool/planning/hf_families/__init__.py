@@ -13,7 +13,9 @@ Each table row (:class:`Entry`) maps one Megatron-Core tensor (its name in the l
 and in the Transformer-Engine spec where that differs) to the HF tensor(s) it is made of, with
 one transform: ``copy``, ``glu`` (HF gate, up <-> ``[gate; up]``), ``rope_q``/``rope_kv`` (the
 rotary rows of an MLA projection, reordered when the HF checkpoint's rotary dimensions are not
-interleaved; see the DeepSeek-V3 module), ``glu_interleaved_t`` (GPT-OSS' fused experts).
+interleaved; see the DeepSeek-V3 module), ``qkv`` (q/k/v <-> ``linear_qkv`` per query group);
+fused experts: ``glu_interleaved`` / ``glu_interleaved_t`` (GPT-OSS: gate and up interleaved
+along the last dimension; ``_t``: then the last two dimensions swapped), ``swap_last``.
 """
 
 from __future__ import annotations
@@ -62,3 +64,6 @@ class Family:
     final_norm: str = "model.norm.weight"
     lm_head: str = "lm_head.weight"
     layer_prefix: str = "model.layers.{i}."
+    # config.json fields an import cannot do without
+    config_needs: tuple[str, ...] = ("n_routed_experts", "num_experts_per_tok",
+                                     "moe_intermediate_size")

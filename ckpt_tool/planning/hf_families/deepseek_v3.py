@@ -196,9 +196,10 @@ def args_from_config(config: dict[str, Any], mtp_layers: int) -> dict[str, Any]:
     }
 
 
-def config_from_args(args: dict[str, Any]) -> dict[str, Any]:
-    """DeepseekV3 config.json fields for Megatron-LM ``args`` (UnsupportedError where the
-    checkpoint computes what DeepSeek-V3 cannot)."""
+def moe_config_from_args(args: dict[str, Any], architecture: str) -> dict[str, Any]:
+    """The MoE, norm and length fields of a DeepSeek-V3-style config.json (dense layers
+    first, sigmoid router, ungated shared experts) for Megatron-LM ``args``; UnsupportedError
+    naming ``architecture`` where the checkpoint computes otherwise."""
     layers = int(args["num_layers"])
     freq = args.get("moe_layer_freq", 1)
     kinds = list(freq) if isinstance(freq, (list, tuple)) else [
@@ -206,12 +207,12 @@ def config_from_args(args: dict[str, Any]) -> dict[str, Any]:
     dense = next((i for i, k in enumerate(kinds) if k), layers)
     bad = []
     if kinds != [0] * dense + [1] * (layers - dense):
-        bad.append(f"moe_layer_freq {freq} (DeepSeek-V3: dense layers first, then MoE)")
+        bad.append(f"moe_layer_freq {freq} (dense layers first, then MoE)")
     if args.get("moe_router_score_function", "softmax") != "sigmoid":
         bad.append(f"router score function {args.get('moe_router_score_function', 'softmax')}"
-                   " (DeepSeek-V3's router is sigmoid)")
+                   " (the router is sigmoid)")
     if args.get("moe_shared_expert_gate"):
-        bad.append("a gated shared expert (DeepSeek-V3's shared experts have no gate)")
+        bad.append("a gated shared expert (the shared experts have no gate)")
     moe_ffn = int(args.get("moe_ffn_hidden_size") or args["ffn_hidden_size"])
     shared = int(args.get("moe_shared_expert_intermediate_size") or 0)
     if shared % moe_ffn:
@@ -224,8 +225,27 @@ def config_from_args(args: dict[str, Any]) -> dict[str, Any]:
         bad.append(f"moe_router_topk {topk} / moe_router_group_topk {gtopk} != 2 (transformers "
                    "ranks groups by their top-2 scores)")
     if bad:
-        raise _err("UnsupportedError", "this checkpoint does not fit DeepseekV3ForCausalLM: "
+        raise _err("UnsupportedError", f"this checkpoint does not fit {architecture}: "
                    + "; ".join(bad), "export with --to safetensors")
+    return {
+        "hidden_size": int(args["hidden_size"]), "intermediate_size": int(args["ffn_hidden_size"]),
+        "moe_intermediate_size": moe_ffn, "num_hidden_layers": layers,
+        "num_attention_heads": int(args["num_attention_heads"]),
+        "n_routed_experts": int(args["num_experts"]), "num_experts_per_tok": topk,
+        "n_shared_experts": shared // moe_ffn, "first_k_dense_replace": dense,
+        "n_group": groups, "topk_group": gtopk, "norm_topk_prob": True,
+        "routed_scaling_factor": float(args.get("moe_router_topk_scaling_factor") or 1.0),
+        "num_nextn_predict_layers": int(args.get("mtp_num_layers") or 0),
+        "rms_norm_eps": float(args.get("norm_epsilon") or 1e-6), "hidden_act": "silu",
+        "max_position_embeddings": int(args.get("max_position_embeddings")
+                                       or args.get("seq_length") or 4096),
+    }
+
+
+def config_from_args(args: dict[str, Any]) -> dict[str, Any]:
+    """DeepseekV3 config.json fields for Megatron-LM ``args`` (UnsupportedError where the
+    checkpoint computes what DeepSeek-V3 cannot)."""
+    moe = moe_config_from_args(args, "DeepseekV3ForCausalLM")
     rope: dict[str, Any] = {"rope_type": "default",
                             "rope_theta": float(args.get("rotary_base") or 10000.0)}
     if args.get("rope_type") == "yarn":
@@ -238,24 +258,13 @@ def config_from_args(args: dict[str, Any]) -> dict[str, Any]:
                         args.get("original_max_position_embeddings") or 4096))
     heads = int(args["num_attention_heads"])
     return {
-        "hidden_size": int(args["hidden_size"]), "intermediate_size": int(args["ffn_hidden_size"]),
-        "moe_intermediate_size": moe_ffn, "num_hidden_layers": layers,
-        "num_attention_heads": heads, "num_key_value_heads": heads,
+        **moe, "num_key_value_heads": heads,
         "q_lora_rank": args.get("q_lora_rank"), "kv_lora_rank": int(args["kv_lora_rank"]),
         "qk_nope_head_dim": int(args["qk_head_dim"]),
         "qk_rope_head_dim": int(args["qk_pos_emb_head_dim"]),
         "v_head_dim": int(args["v_head_dim"]), "rope_interleave": True,
         "rope_parameters": rope, "rope_theta": rope["rope_theta"],
-        "n_routed_experts": int(args["num_experts"]), "num_experts_per_tok": topk,
-        "n_shared_experts": shared // moe_ffn, "first_k_dense_replace": dense,
-        "n_group": groups, "topk_group": gtopk, "norm_topk_prob": True,
-        "routed_scaling_factor": float(args.get("moe_router_topk_scaling_factor") or 1.0),
-        "scoring_func": "sigmoid", "topk_method": "noaux_tc",
-        "num_nextn_predict_layers": int(args.get("mtp_num_layers") or 0),
-        "rms_norm_eps": float(args.get("norm_epsilon") or 1e-6), "hidden_act": "silu",
-        "attention_bias": False,
-        "max_position_embeddings": int(args.get("max_position_embeddings")
-                                       or args.get("seq_length") or 4096),
+        "scoring_func": "sigmoid", "topk_method": "noaux_tc", "attention_bias": False,
     }
 
 
