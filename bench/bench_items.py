@@ -376,6 +376,42 @@ def load() -> float:
     return os.getloadavg()[0]
 
 
+#: The job the per-item costs are weighed against: 8 TB (a 671B-class checkpoint with its fp32
+#: optimizer state) read and written at the floor of docs/performance.md's 20 GB rows (``cat``
+#: 53.6 s + ``dd conv=fsync`` 40.6 s for 20.3 GB: 0.216 GB/s of checkpoint moved).
+FLOOR_GB_PER_S, JOB_BYTES = 20.3 / (53.6 + 40.6), 8e12
+
+
+def table(path: Path) -> None:
+    """The markdown rows of a results file: CPU s, peak RSS and share of the job per job."""
+    job_s = JOB_BYTES / 1e9 / FLOOR_GB_PER_S
+    print(f"job at the floor: {job_s:,.0f} s")
+    print("| source items (layers) | output items | `inspect` | `validate` | `reshard --check` "
+          "(`plan_reshard`) | `.metadata` write | load |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for r in json.loads(path.read_text()):
+        c = r["checkpoint"]
+        cell = {}
+        for j in ("inspect", "validate", "plan", "write"):
+            x = r.get(j)
+            if x is None:
+                cell[j] = "–"
+                continue
+            ph = x.get("phases") or {}
+            if j == "write":
+                w = ph.get("write_metadata", {})
+                cpu, rss = w.get("cpu_s", 0), w.get("peak_rss_mb", 0) - w.get("peak_rss_mb_before", 0)
+                cell[j] = f"{cpu:.1f} s, +{rss:.0f} MB, {100 * cpu / job_s:.2f}%"
+                cell["out"] = f"{ph.get('output_items', 0):,}"
+                cell["plan_reshard"] = ph.get("plan_reshard", {}).get("cpu_s")
+                continue
+            cell[j] = f"{x['cpu_s']:.1f} s, {x['peak_rss_mb']:.0f} MB, {100 * x['cpu_s'] / job_s:.2f}%"
+        loads = "/".join(str(r[j]["load"]) for j in ("inspect", "validate", "plan", "write") if j in r)
+        print(f"| {c['items']:,} ({c['layers']}) | {cell.get('out', '–')} | {cell['inspect']} | "
+              f"{cell['validate']} | {cell['plan']} ({cell.get('plan_reshard')} s) | "
+              f"{cell['write']} | {loads} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--items", type=int, nargs="+", default=[30000, 60000, 120000, 240000])
@@ -388,7 +424,11 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=HERE / "out" / "items.json")
     ap.add_argument("--job", nargs=2, metavar=("NAME", "DIR"), help=argparse.SUPPRESS)
     ap.add_argument("--build", nargs=2, metavar=("LAYERS", "DIR"), help=argparse.SUPPRESS)
+    ap.add_argument("--table", type=Path, help="print a results file as markdown rows")
     a = ap.parse_args()
+    if a.table:
+        table(a.table)
+        return
     if a.job:
         print(json.dumps(job(a.job[0], a.job[1], a.to_tp, a.to_ep)))
         return
