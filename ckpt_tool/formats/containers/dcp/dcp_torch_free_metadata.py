@@ -162,10 +162,17 @@ class _Builder:
 
     def __init__(self) -> None:
         self._props: dict[str, Any] = {}
+        self._sizes: dict[tuple[int, ...], Call] = {}
+        self._chunks: dict[tuple[str, tuple[int, ...]], Any] = {}
 
-    @staticmethod
-    def size(values: Sequence[int]) -> Call:
-        return Call(_ref("torch", "Size"), (tuple(values),))
+    def size(self, values: Sequence[int]) -> Call:
+        """``torch.Size(values)``, one object per value (immutable: pickled once, then
+        memo references; a layer's chunks repeat their sizes across tensors and states)."""
+        key = tuple(values)
+        found = self._sizes.get(key)
+        if found is None:
+            found = self._sizes[key] = Call(_ref("torch", "Size"), (key,))
+        return found
 
     def properties(self, dtype: str) -> Any:
         if dtype not in self._props:  # TensorProperties.__getstate__: a tuple
@@ -176,8 +183,15 @@ class _Builder:
         return self._props[dtype]
 
     def chunk(self, item: PlannedItem) -> Any:
-        return instance(_ref(_MD, "ChunkStorageMetadata"), {
-            "offsets": self.size(item.offsets or ()), "sizes": self.size(item.sizes)})
+        """The item's ``ChunkStorageMetadata``, one per chunk: the tensor's entry in
+        ``state_dict_metadata`` and its ``WriteItem`` share it (as in DCP, whose global
+        plan appends each write item's chunk)."""
+        key = (item.fqn, item.offsets or ())
+        found = self._chunks.get(key)
+        if found is None:
+            found = self._chunks[key] = instance(_ref(_MD, "ChunkStorageMetadata"), {
+                "offsets": self.size(item.offsets or ()), "sizes": self.size(item.sizes)})
+        return found
 
     def index(self, item: PlannedItem, index: int | None) -> Any:
         state: dict[str, Any] = {"fqn": item.fqn, "index": index}
