@@ -125,6 +125,10 @@ def same(a, b) -> bool:
         return type(a) is type(b) and len(a) == len(b) and all(map(same, a, b))
     if hasattr(a, "__dict__") and not isinstance(a, type):
         return type(a).__name__ == type(b).__name__ and same(vars(a), vars(b))
+    if isinstance(b, np.generic) and not isinstance(a, np.generic):
+        # a common state we write stores numpy scalars as Python scalars of the same value
+        # (formats/mcore_dist/weights_only.py: what torch.load(weights_only=True) reads)
+        return type(a) is type(b.item()) and a == b.item()
     return type(a) is type(b) and a == b
 
 
@@ -161,6 +165,7 @@ def test_torch_dist_round_trip(name, tmp_path):
     common = src.common()
     moved = [k for k in others if k not in common]
     assert same(out.common(), {**common, **{k: src.read_object(k) for k in moved}})
+    notes = [n for n in notes if "numpy scalars stored as Python scalars" not in n]
     assert notes == ([f"stored {len(moved)} objects that are not Megatron-Core ShardedObjects "
                       f"(key not '<key>/shard_<offset>_<shape>') in common.pt: "
                       f"{', '.join(moved[:3])}{', ...' if len(moved) > 3 else ''}"]
