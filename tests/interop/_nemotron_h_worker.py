@@ -121,7 +121,8 @@ def main() -> int:
     weights = megatron_weights(dict(hf.state_dict()), sys.argv[2] if len(sys.argv) > 2 else "")
     own = {k for k, _ in model.named_parameters()}
     assert own == set(weights), (sorted(own ^ set(weights)))
-    model.load_state_dict(weights, strict=False)  # the rest: _extra_state only
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    assert not unexpected and all(k.endswith("_extra_state") for k in missing), missing
     tokens = torch.tensor(TOKENS)
     seq = tokens.shape[1]
     with torch.no_grad():
