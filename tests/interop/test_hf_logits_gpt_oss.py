@@ -10,7 +10,13 @@ ranks at TP2 x EP2 (``_hf_moe_worker.py``: the real model from Megatron-Core's o
   ``convert --to hf`` -> transformers gives Megatron's logits; the same export with
   ``down_proj`` written un-transposed (the orientation trap) does not;
 * an HF config that contradicts the weights (``head_dim``) is refused: one line, exit 2,
-  nothing written.
+  nothing written;
+* the same model in the releases' MXFP4 form (``_mxfp4_release.py``: experts as
+  ``_blocks``/``_scales``, ``quant_method mxfp4``) imports to the very Megatron tensors its
+  bf16 dequantization (transformers' ``convert_moe_packed_tensors``) imports to, and the real
+  Megatron-Core gives the logits transformers computes from the MXFP4 directory on CPU
+  (``Mxfp4Config(dequantize=True)``: without it transformers 5.25 fetches the triton kernels
+  from the Hub).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import pytest
 import torch
 
 from _hf_jobs import ckpt, tensors
+from _mxfp4_release import write_release
 from test_hf_logits_deepseek import TOKENS, _logits, _refused
 from ckpt_tool.formats.base import open_checkpoint
 
@@ -108,11 +115,16 @@ def runs(tmp_path_factory):
     _model(51).save_pretrained(tmp / "oss_src")
     ckpt("convert", tmp / "oss_src", tmp / "oss", "--to", "torch_dist", "--tp", "2",
          "--local-spec")
+    _model(52).to(torch.bfloat16).save_pretrained(tmp / "mx_bf16")
+    write_release(tmp / "mx_bf16", tmp / "mx_src", tmp / "mx_dequantized")
+    ckpt("convert", tmp / "mx_src", tmp / "mx", "--to", "torch_dist", "--tp", "2",
+         "--local-spec", "--dtype", "fp32")
     args = open_checkpoint(tmp / "oss").common()["args"]
-    jobs = [dict(name="oss", mode="load", ckpt=str(tmp / "oss"), out=str(tmp / "oss.pt"),
-                 tp=2, ep=2, config=_config(args), vocab=args.padded_vocab_size,
-                 vocab_out=args.vocab_size, seq=args.seq_length, mtp=False, tokens=TOKENS),
-            dict(SAVE, ckpt=str(tmp / "oss_save"), out=str(tmp / "oss_save.pt"))]
+    load = dict(mode="load", tp=2, ep=2, config=_config(args), vocab=args.padded_vocab_size,
+                vocab_out=args.vocab_size, seq=args.seq_length, mtp=False, tokens=TOKENS)
+    jobs = [dict(load, name="oss", ckpt=str(tmp / "oss"), out=str(tmp / "oss.pt")),
+            dict(SAVE, ckpt=str(tmp / "oss_save"), out=str(tmp / "oss_save.pt")),
+            dict(load, name="mx", ckpt=str(tmp / "mx"), out=str(tmp / "mx.pt"))]
     (tmp / "spec.json").write_text(json.dumps({"jobs": jobs}))
     torchrun(str(WORKER), 4, str(tmp / "spec.json"), timeout=900)
     return tmp
@@ -186,3 +198,37 @@ def test_config_contradicting_the_weights_is_refused(runs, tmp_path):
     out = _refused(runs / "oss_src", tmp_path / "mc", "--to", "torch_dist", "--hf-config",
                    str(bad))
     assert "q_proj" in out
+
+
+def test_mxfp4_release_imports_as_its_dequantized_bf16_model_bit_exact(runs):
+    from safetensors.torch import load_file
+
+    stored = load_file(str(runs / "mx_src" / "model.safetensors"))
+    assert stored["model.layers.0.mlp.experts.gate_up_proj_blocks"].shape == (4, 64, 2, 16)
+    assert stored["model.layers.0.mlp.experts.down_proj_scales"].shape == (4, 64, 1)
+    plain = tensors(runs / "mx_bf16")
+    deq = tensors(runs / "mx_dequantized")
+    key = "model.layers.0.mlp.experts.gate_up_proj"
+    assert not torch.equal(deq[key], plain[key])  # the experts really went through MXFP4
+    for name in ("mx_src", "mx_dequantized"):
+        ckpt("convert", runs / name, runs / f"{name}_bf16", "--to", "torch_dist", "--tp", "2",
+             "--local-spec")
+    got, want = tensors(runs / "mx_src_bf16"), tensors(runs / "mx_dequantized_bf16")
+    assert got.keys() == want.keys() and len(got) == 29
+    for k in want:
+        assert got[k].dtype == want[k].dtype == torch.bfloat16, k
+        assert torch.equal(got[k].view(torch.int16), want[k].view(torch.int16)), k
+    a, b = (open_checkpoint(runs / n).common()["args"] for n in ("mx_src_bf16",
+                                                                  "mx_dequantized_bf16"))
+    assert vars(a) == vars(b)
+
+
+def test_mxfp4_release_gives_transformers_logits(runs):
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        runs / "mx_src", dtype=torch.float32,
+        quantization_config=transformers.Mxfp4Config(dequantize=True)).eval()
+    with torch.no_grad():
+        want = model(torch.tensor(TOKENS)).logits
+    torch.testing.assert_close(torch.load(runs / "mx.pt"), want, rtol=1e-4, atol=1e-5)
+    # not the unquantized model's logits: the MXFP4 values are what was computed
+    assert (want - _logits(runs / "mx_bf16")).abs().max() > 1e-2
