@@ -603,6 +603,41 @@ def _robustness_corpus() -> list[Case]:
     ]
 
 
-CASES = _corpus() + _robustness_corpus()
+# -- hostile inputs: reads outside through links, guesses, hostile sizes and fields ------------
+# (a tar torch.save member that is a symlink: torch.load extracts it and opens its target; the
+# real loaders are not asked about links out of the checkpoint: must_reject)
+
+def tar_with_link(rel, target="secret"):
+    """``rel`` replaced by a torch.save file in its tar form whose ``storages`` member is a
+    symlink to ``outside/<target>`` beside the copy: a regular file holding what torch.load
+    would read there, or (``target="fifo"``) a FIFO, whose open blocks."""
+    def fn(p):
+        outside = _marker(p).parent / "outside"
+        outside.mkdir(exist_ok=True)
+        dst = outside / target
+        if target == "fifo":
+            os.mkfifo(dst)
+        else:
+            import pickle
+
+            dst.write_bytes(pickle.dumps(0, protocol=2) + pickle.dumps([], protocol=2))
+        p.write_bytes(m.tar_torch_save(str(dst)))
+    return _f(rel, fn)
+
+
+def _hostile_corpus() -> list[Case]:
+    C = Case
+    outside = dict(must_reject=True, oracle=False, tags=("outside",))
+    hang = dict(outside, isolate=True)
+    return [
+        C("common-tar-link-outside", "torch_dist", tar_with_link("common.pt"), **outside),
+        C("common-tar-link-fifo", "torch_dist", tar_with_link("common.pt", "fifo"), **hang),
+        C("rank-file-tar-link-outside", "legacy", tar_with_link(LEG), **outside),
+        C("rank-file-tar-link-fifo", "legacy", tar_with_link(LEG, "fifo"), **hang),
+        C("tar-link-outside", "torch", tar_with_link(ST), **outside),
+    ]
+
+
+CASES = _corpus() + _robustness_corpus() + _hostile_corpus()
 BY_ID = {f"{c.base}/{c.name}": c for c in CASES}
 assert len(BY_ID) == len(CASES), "case names must be unique per base"

@@ -192,3 +192,24 @@ def flip_item_data(ck: Path, fqn: str, at: int = 5, mask: int = 0x10,
 def flip_record_data(path: Path, record: str = "/data/", at: int = 5, mask: int = 0x10) -> None:
     """The same in a whole ``torch.save`` file (a legacy rank file, a torch.save file)."""
     xor(path, record_start(path.read_bytes(), record) + at, mask)
+
+
+# -- the oldest torch.save form: a tar archive ---------------------------------------------------
+
+def tar_torch_save(link_target: str) -> bytes:
+    """A torch.save file in its tar form (``storages``, ``tensors``, ``pickle``, ``sys_info``
+    members, as PyTorch < 0.4 wrote it and ``torch.load`` still reads it) whose ``storages``
+    member is a symlink to ``link_target``: ``torch.load`` extracts it and opens the target."""
+    import tarfile
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        link = tarfile.TarInfo("storages")
+        link.type, link.linkname = tarfile.SYMTYPE, link_target
+        tar.addfile(link)
+        for name, obj in (("tensors", 0), ("pickle", {"args": None}), ("sys_info", {})):
+            data = pickle.dumps(obj, protocol=2)
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()

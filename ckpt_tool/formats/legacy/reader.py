@@ -42,6 +42,7 @@ from typing import Any, Callable
 
 from ckpt_tool.errors import CorruptCheckpointError, InputError
 from ckpt_tool.formats.base import Format, Reader, register
+from ckpt_tool.formats.containers.torch_zip.torch_save_files import refuse_tar_form
 from ckpt_tool.formats.legacy import layout as L
 from ckpt_tool.formats.legacy import optim as _O
 from ckpt_tool.formats.legacy import pieces as P
@@ -129,6 +130,7 @@ class LegacyReader(Reader):
         path = self.root / rel
         if not path.is_file():
             raise CorruptCheckpointError(f"rank file {rel} is missing", path=self.root)
+        refuse_tar_form(path, f"rank file {rel}")
         if self.verify:  # torch.load does not check the CRCs: every record's first
             from ckpt_tool.formats.containers.torch_zip.archive_check import check_file
 

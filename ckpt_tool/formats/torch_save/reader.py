@@ -28,6 +28,7 @@ from ckpt_tool.formats.containers.torch_zip.torch_save_files import (
     ZIP_MAGIC,
     flatten_state,
     placeholder_chunk,
+    refuse_tar_form,
     zip_storages,
 )
 from ckpt_tool.integrity_manifest import is_manifest
@@ -83,6 +84,7 @@ class TorchSaveReader(Reader):
         super().__init__(_in_dir(Path(path)), trust=trust)
         if not self.path.is_file():
             raise InputError("no such file", path=self.path, hint="check the path")
+        refuse_tar_form(self.path)
         with open(self.path, "rb") as f:
             if f.read(len(LEGACY_MAGIC)) == LEGACY_MAGIC:
                 raise UnsupportedError(

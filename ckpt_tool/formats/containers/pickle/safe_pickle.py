@@ -390,6 +390,10 @@ def load_torch_file(path_or_fileobj: str | os.PathLike | IO[bytes], *, trust: bo
         from ckpt_tool.errors import InputError
 
         raise InputError("no such file", path=where, hint="check the path")
+    if where is not None and not is_remote(where):
+        from ckpt_tool.formats.containers.torch_zip.torch_save_files import refuse_tar_form
+
+        refuse_tar_form(where)
     if verify:
         _check_zip(path_or_fileobj, where)
     if where is not None and is_remote(where):
