@@ -67,9 +67,12 @@ def check_regular(path: str | Path) -> None:
 
 
 def check_tree(root: str | Path, depth: int = MAX_DEPTH) -> None:
-    """InputError naming the first entry under the directory ``root`` (``depth`` levels down,
-    symlinks followed) that is neither a regular file nor a directory. Entries that cannot be
-    stat'ed (broken links, loops, no permission) are left to the reads that report them."""
+    """InputError naming the first entry under the directory ``root`` (``depth`` levels down)
+    that is neither a regular file nor a directory, a symlink judged by what it resolves to.
+    A symlink to a directory is not descended: nothing a checkpoint references lies behind
+    one (a stray ``rootfs -> /`` must not make the scan walk ``/dev``); the reads that follow
+    a link check what they open. Entries that cannot be stat'ed (broken links, loops, no
+    permission) are left to the reads that report them."""
     if is_remote(root):
         return
     try:
@@ -79,7 +82,7 @@ def check_tree(root: str | Path, depth: int = MAX_DEPTH) -> None:
     for entry in entries:
         try:
             if entry.is_dir():  # follows a symlink (its d_type: no system call otherwise)
-                if depth > 1:
+                if depth > 1 and not entry.is_symlink():
                     check_tree(entry.path, depth - 1)
                 continue
             if entry.is_file():

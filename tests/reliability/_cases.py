@@ -635,6 +635,9 @@ def _hostile_corpus() -> list[Case]:
         C("rank-file-tar-link-outside", "legacy", tar_with_link(LEG), **outside),
         C("rank-file-tar-link-fifo", "legacy", tar_with_link(LEG, "fifo"), **hang),
         C("tar-link-outside", "torch", tar_with_link(ST), **outside),
+        # a symlink nothing references, to a directory full of devices: not a damage at all
+        C("stray-link-to-root", "torch_dist", lambda ck: os.symlink("/", ck / "rootfs"),
+          tags=("intact",)),
     ]
 
 

@@ -80,3 +80,24 @@ def test_every_command_on_a_path_that_is_not_utf8(tmp_path):
     assert r.returncode == 0, r.stderr[-4000:]
     verdicts = json.loads((tmp_path / "out.json").read_text())
     assert verdicts == {k: "ok" for k, _, _ in todo}, verdicts
+
+
+@pytest.mark.parametrize("argv", [["inspect"], ["validate"], ["validate", "--deep"],
+                                  ["convert", "--to", "safetensors"], ["diff"]])
+def test_intact_cases_succeed(corpus, argv, tmp_path):
+    """The corpus's intact cases (``tags=("intact",)``: a symlink to ``/`` nothing references
+    beside the files) are what they were: every command succeeds on them."""
+    from typer.testing import CliRunner
+
+    from _cases import BY_ID
+    from ckpt_tool.cli.app import app
+
+    for case_id in sorted(k for k, c in BY_ID.items() if "intact" in c.tags):
+        path = str(corpus.path(case_id))
+        full = [argv[0], path, *argv[1:]]
+        if argv[0] == "convert":
+            full = ["convert", path, str(tmp_path / case_id.replace("/", "-")), *argv[1:]]
+        elif argv[0] == "diff":
+            full = ["diff", str(corpus.intact(BY_ID[case_id].base)), path]
+        r = CliRunner().invoke(app, full)
+        assert r.exit_code == 0, (case_id, full, r.stderr)
