@@ -8,7 +8,7 @@ import typer
 from ckpt_tool.cli._errors import handle_errors
 from ckpt_tool.cli._options import (DebugFlag, IterationOption, JsonFlag, MaxMemoryOption,
                                     NoProgressFlag, NoVerifyFlag, OverwriteFlag, QuietFlag,
-                                    SourcePath, TrustFlag, completer, parse_size,
+                                    SourcePath, SwigluOption, TrustFlag, completer, parse_size,
                                     source_place)
 from ckpt_tool.cli._output import human_bytes, message, print_json
 from ckpt_tool.cli._progress import progress_bar
@@ -71,6 +71,7 @@ def convert(
     iteration: IterationOption = None,
     quiet: QuietFlag = False,
     no_progress: NoProgressFlag = False,
+    swiglu: SwigluOption = None,
     debug: DebugFlag = False,
 ) -> None:
     """Convert a checkpoint to another format, streaming (peak memory ~ the largest tensor).

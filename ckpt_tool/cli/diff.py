@@ -10,7 +10,7 @@ import typer
 
 from ckpt_tool.cli._errors import handle_errors, state
 from ckpt_tool.cli._options import (DebugFlag, IterationOption, JsonFlag, NoProgressFlag,
-                                    QuietFlag, TrustFlag, at_iteration)
+                                    QuietFlag, SwigluOption, TrustFlag, at_iteration)
 from ckpt_tool.cli._output import message, print_json, print_text
 from ckpt_tool.errors import plural
 
@@ -55,6 +55,7 @@ def diff(
     iteration: IterationOption = None,
     quiet: QuietFlag = False,
     no_progress: NoProgressFlag = False,
+    swiglu: SwigluOption = None,
     debug: DebugFlag = False,
 ) -> None:
     """Compare two checkpoints of any formats: keys on one side only, dtype/shape changes, every

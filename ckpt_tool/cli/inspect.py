@@ -6,7 +6,7 @@ import typer
 
 from ckpt_tool.cli._errors import handle_errors
 from ckpt_tool.cli._options import (CheckpointPath, DebugFlag, IterationOption, JsonFlag,
-                                    TrustFlag, at_iteration)
+                                    SwigluOption, TrustFlag, at_iteration)
 from ckpt_tool.cli._output import human_bytes, message, print_json, print_text, stdout
 from ckpt_tool.errors import plural
 
@@ -29,6 +29,7 @@ def inspect(
     common: Annotated[bool, typer.Option(
         "--common", help="Print the full common state (every field, args in full).")] = False,
     iteration: IterationOption = None,
+    swiglu: SwigluOption = None,
     debug: DebugFlag = False,
 ) -> None:
     """Show a checkpoint's tensors, objects and common state (metadata only).

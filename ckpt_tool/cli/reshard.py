@@ -8,7 +8,7 @@ import typer
 from ckpt_tool.cli._errors import handle_errors, state
 from ckpt_tool.cli._options import (DebugFlag, IterationOption, JsonFlag, NoProgressFlag,
                                     NoVerifyFlag, OverwriteFlag, QuietFlag, SourcePath,
-                                    TrustFlag, VerboseFlag, completer, source_place)
+                                    SwigluOption, TrustFlag, VerboseFlag, completer, source_place)
 from ckpt_tool.cli._output import human_bytes, message, print_json, print_text
 from ckpt_tool.cli._progress import progress_bar
 from ckpt_tool.errors import plural
@@ -92,6 +92,7 @@ def reshard(
     quiet: QuietFlag = False,
     verbose: VerboseFlag = False,
     no_progress: NoProgressFlag = False,
+    swiglu: SwigluOption = None,
     debug: DebugFlag = False,
 ) -> None:
     """Rewrite a checkpoint for another TP/PP/EP layout (feasibility is checked first: every

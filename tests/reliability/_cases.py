@@ -625,6 +625,21 @@ def tar_with_link(rel, target="secret"):
     return _f(rel, fn)
 
 
+def rank_args(rel, fn):
+    """Edit the ``args`` of one legacy rank file with ``fn(state)`` (torch.load, torch.save:
+    the file stays what the real library writes)."""
+    def mut(p):
+        import torch
+
+        state = torch.load(p, weights_only=False)
+        fn(state)
+        torch.save(state, p)
+    return _f(rel, mut)
+
+
+LEG2 = "iter_0000010/mp_rank_01_001/model_optim_rng.pt"
+
+
 def _hostile_corpus() -> list[Case]:
     C = Case
     outside = dict(must_reject=True, oracle=False, tags=("outside",))
@@ -635,6 +650,13 @@ def _hostile_corpus() -> list[Case]:
         C("rank-file-tar-link-outside", "legacy", tar_with_link(LEG), **outside),
         C("rank-file-tar-link-fifo", "legacy", tar_with_link(LEG, "fifo"), **hang),
         C("tar-link-outside", "torch", tar_with_link(ST), **outside),
+        # the layout is read from what the rank files say, never guessed (the real loader,
+        # torch.load, reads every file: the layout is ckpt's own reading, so must_reject)
+        C("first-rank-without-args", "legacy", rank_args(LEG, lambda s: s.pop("args")),
+          must_reject=True, tags=("layout",)),
+        C("ranks-disagree-on-swiglu", "legacy",
+          rank_args(LEG2, lambda s: setattr(s["args"], "swiglu", False)), must_reject=True,
+          tags=("layout",)),
         # a symlink nothing references, to a directory full of devices: not a damage at all
         C("stray-link-to-root", "torch_dist", lambda ck: os.symlink("/", ck / "rootfs"),
           tags=("intact",)),

@@ -101,3 +101,29 @@ def test_intact_cases_succeed(corpus, argv, tmp_path):
             full = ["diff", str(corpus.intact(BY_ID[case_id].base)), path]
         r = CliRunner().invoke(app, full)
         assert r.exit_code == 0, (case_id, full, r.stderr)
+
+
+def test_a_layout_no_rank_file_says_is_supplied_by_the_flag(corpus, tmp_path):
+    """A rank file without ``args`` is refused (the layout is never guessed); with the flag
+    the error names, the conversion equals the intact checkpoint's."""
+    from typer.testing import CliRunner
+
+    from ckpt_tool.cli.app import app
+
+    path = str(corpus.path("legacy/first-rank-without-args"))
+    run = CliRunner().invoke
+    r = run(app, ["convert", path, str(tmp_path / "a"), "--to", "torch_dist"])
+    assert r.exit_code == 2 and "--swiglu/--no-swiglu" in r.stderr, r.stderr
+    r = run(app, ["validate", path])
+    assert r.exit_code == 1 and "has no args" in r.stdout + r.stderr
+    r = run(app, ["convert", path, str(tmp_path / "a"), "--to", "torch_dist", "--swiglu"])
+    assert r.exit_code == 0, r.stderr
+    r = run(app, ["convert", str(corpus.intact("legacy")), str(tmp_path / "b"), "--to",
+                  "torch_dist"])
+    assert r.exit_code == 0, r.stderr
+    r = run(app, ["diff", str(tmp_path / "a"), str(tmp_path / "b"), "--json"])
+    import json
+
+    report = json.loads(r.stdout)
+    assert report["values"] == [] and report["stats"]["tensors_equal_bytes"] == \
+        report["stats"]["tensors_common"] > 0, report["stats"]
