@@ -59,10 +59,46 @@ def check_output_target(dst: str | Path, *, sources: tuple[str | Path, ...] = ()
     if os.path.lexists(out) and not overwrite:
         raise UsageError("the output already exists", path=out,
                          hint="pass --overwrite to replace it, or choose another path")
+    if os.path.lexists(out):
+        _check_replaceable(out)
     if not out.parent.is_dir():
         raise UsageError("the output's parent directory does not exist", path=out.parent,
                          hint="create it first")
     return out
+
+
+def _check_replaceable(out: Path) -> None:
+    """``--overwrite`` replaces only a checkpoint (one ckpt recognizes, a training save
+    directory, or an output ckpt wrote: its integrity manifest is there) or an empty directory; anything else (a
+    directory of someone's files, a file of another kind) is refused by name, untouched."""
+    from ckpt_tool.errors import CkptError
+    from ckpt_tool.formats.base import detect
+    from ckpt_tool.formats.save_dir import LATEST_FILE
+    from ckpt_tool.integrity_manifest import FILE_SUFFIX, SIDECAR
+
+    if os.path.isdir(out):
+        try:
+            names = sorted(os.listdir(out))
+        except OSError:
+            names = None
+        if names == [] or (names and {SIDECAR, "integrity.json", LATEST_FILE} & set(names)):
+            return  # empty; an output ckpt wrote; a training save directory (its tracker)
+    elif os.path.lexists(str(out) + FILE_SUFFIX):
+        return
+    try:
+        detect(out)
+        return
+    except CkptError:
+        pass
+    if os.path.isdir(out):
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3
+                                        else "") if names else "entries that cannot be listed"
+        what = f"a directory that is not a checkpoint (it holds {shown})"
+    else:
+        what = "a file that is not a checkpoint"
+    raise UsageError(f"--overwrite replaces only a checkpoint or an empty directory: the output "
+                     f"is {what}", path=out,
+                     hint="remove it yourself if it is to go, or choose another output path")
 
 
 def _check_remote_target(out: Any, sources: tuple[str | Path, ...], overwrite: bool) -> Any:
