@@ -31,13 +31,30 @@ from ckpt_tool._program import cleanup_on_stop
 from ckpt_tool.errors import UsageError
 from ckpt_tool.storage import as_path, is_remote
 
-__all__ = ["STAGING_MARK", "OLD_MARK", "LOCK_SUFFIX", "PARKED_NAME", "leftovers",
+__all__ = ["STAGING_MARK", "OLD_MARK", "LOCK_SUFFIX", "PARKED_NAME", "side_prefix", "leftovers",
            "describe_leftovers", "parked_previous", "restore_command", "target_lock", "reclaim"]
 
 STAGING_MARK = ".ckpt-staging-"
 OLD_MARK = ".ckpt-old-"
 LOCK_SUFFIX = ".ckpt-lock"
 PARKED_NAME = "old"  # the previous output inside its ``.<name>.ckpt-old-*`` directory
+_NAME_MAX = 255  # bytes in one file name (Linux, most file systems)
+_RANDOM = 8  # what tempfile.mkdtemp appends
+
+
+def side_prefix(out: Path, mark: str) -> str:
+    """The name of what a write to ``out`` keeps beside it, up to its random part:
+    ``.<name><mark>``. A name too long for that to fit in a file name (255 bytes) is cut and
+    made unique again with a digest of the whole: ``.<first bytes>~<digest><mark>``."""
+    import hashlib
+
+    raw = os.fsencode(out.name)
+    longest = max(len(STAGING_MARK), len(OLD_MARK), len(LOCK_SUFFIX)) + _RANDOM + 1
+    if len(raw) + longest <= _NAME_MAX:
+        return f".{out.name}{mark}"
+    digest = hashlib.sha256(raw).hexdigest()[:10]
+    keep = raw[:_NAME_MAX - longest - len(digest) - 1]
+    return f".{os.fsdecode(keep)}~{digest}{mark}"
 
 
 def leftovers(target: str | Path) -> list[Path]:
@@ -53,7 +70,7 @@ def leftovers(target: str | Path) -> list[Path]:
         names = os.listdir(out.parent)
     except OSError:
         return []
-    heads = (f".{out.name}{STAGING_MARK}", f".{out.name}{OLD_MARK}")
+    heads = (side_prefix(out, STAGING_MARK), side_prefix(out, OLD_MARK))
     return sorted(out.parent / n for n in names if n.startswith(heads))
 
 
@@ -65,7 +82,8 @@ def parked_previous(target: str | Path) -> Path | None:
     if os.path.lexists(out):
         return None
     parked = [p / PARKED_NAME for p in leftovers(out)
-              if p.name.startswith(f".{out.name}{OLD_MARK}") and os.path.lexists(p / PARKED_NAME)]
+              if p.name.startswith(side_prefix(out, OLD_MARK))
+              and os.path.lexists(p / PARKED_NAME)]
     if not parked:
         return None
     return max(parked, key=lambda p: (_mtime(p.parent), p.parent.name))
@@ -125,7 +143,7 @@ def target_lock(target: str | Path) -> Iterator[None]:
     it points at. A lock taken on a file another run removed meanwhile is taken again on the
     file now at the name (two runs never both hold a lock)."""
     out = Path(os.path.abspath(target))
-    path = out.parent / f".{out.name}{LOCK_SUFFIX}"
+    path = out.parent / side_prefix(out, LOCK_SUFFIX)
     while True:
         fd = _open_lock(path)
         try:

@@ -30,7 +30,8 @@ from ckpt_tool._pause_points import pause_point
 from ckpt_tool._program import cleanup_on_stop, committing
 from ckpt_tool.errors import OutputError, UsageError, plural
 from ckpt_tool.digests import take as take_digests
-from ckpt_tool.leftovers import OLD_MARK, PARKED_NAME, STAGING_MARK, reclaim, target_lock
+from ckpt_tool.leftovers import (OLD_MARK, PARKED_NAME, STAGING_MARK, reclaim, side_prefix,
+                                 target_lock)
 from ckpt_tool.integrity_manifest import current_umask, fsync_dir
 from ckpt_tool.storage import as_path, is_remote
 
@@ -234,7 +235,7 @@ def _out_of_space(exc: BaseException, out: Path) -> bool:
 @contextlib.contextmanager
 def _staged(out: Path, overwrite: bool, file_name: str | None,
             inner: str | None = None) -> Iterator[Path]:
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}{STAGING_MARK}", dir=out.parent))
+    staging = Path(tempfile.mkdtemp(prefix=side_prefix(out, STAGING_MARK), dir=out.parent))
     try:
         with cleanup_on_stop(lambda: shutil.rmtree(staging, ignore_errors=True)):
             pause_point("staging")
@@ -302,7 +303,7 @@ def _put_in_place(out: Path, produced: Path, side: Path | None, overwrite: bool)
     if not os.path.lexists(out):
         os.rename(produced, out)
     elif not exchange(produced, out):
-        parking = Path(tempfile.mkdtemp(prefix=f".{out.name}{OLD_MARK}", dir=out.parent))
+        parking = Path(tempfile.mkdtemp(prefix=side_prefix(out, OLD_MARK), dir=out.parent))
         os.rename(out, parking / PARKED_NAME)
         fsync_dir(out.parent)
         pause_point("between-renames")

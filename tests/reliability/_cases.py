@@ -657,6 +657,11 @@ def _hostile_corpus() -> list[Case]:
         C("ranks-disagree-on-swiglu", "legacy",
           rank_args(LEG2, lambda s: setattr(s["args"], "swiglu", False)), must_reject=True,
           tags=("layout",)),
+        # fields parsed as the real loader parses them (int() of the tracker's text)
+        C("tracker-superscript-two", "legacy",
+          write("latest_checkpointed_iteration.txt", "\u00b2\n".encode())),
+        C("tracker-5000-digits", "legacy",
+          write("latest_checkpointed_iteration.txt", b"9" * 5000 + b"\n")),
         # a symlink nothing references, to a directory full of devices: not a damage at all
         C("stray-link-to-root", "torch_dist", lambda ck: os.symlink("/", ck / "rootfs"),
           tags=("intact",)),
