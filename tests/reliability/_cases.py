@@ -640,6 +640,31 @@ def rank_args(rel, fn):
 LEG2 = "iter_0000010/mp_rank_01_001/model_optim_rng.pt"
 
 
+def st_key_escape(rel, escaped: str):
+    """The safetensors header's ``fc.bias`` key rewritten as ``fc<escaped>bias`` in the JSON
+    text itself (``\\ud800``: a lone surrogate, which ``json.dumps`` cannot write)."""
+    def fn(p):
+        header, body = m.read_st(p)
+        raw = json.dumps(header).encode().replace(b'"fc.bias"',
+                                                  b'"fc' + escaped.encode() + b'bias"', 1)
+        m.write_st(p, header, body, raw_header=raw)
+    return _f(rel, fn)
+
+
+def _chunk_field(fqn, field, as_type):
+    """Every chunk of ``fqn`` in ``.metadata`` with ``field`` (sizes/offsets) of another type."""
+    def fn(md, ck):
+        for c in md.state_dict_metadata[fqn].chunks:
+            setattr(c, field, [as_type(v) for v in getattr(c, field)])
+    return dcp_meta(fn)
+
+
+def _dtype_string(fqn):
+    def fn(md, ck):
+        md.state_dict_metadata[fqn].properties.dtype = "float32"
+    return dcp_meta(fn)
+
+
 def _hostile_corpus() -> list[Case]:
     C = Case
     outside = dict(must_reject=True, oracle=False, tags=("outside",))
@@ -662,6 +687,32 @@ def _hostile_corpus() -> list[Case]:
           write("latest_checkpointed_iteration.txt", "\u00b2\n".encode())),
         C("tracker-5000-digits", "legacy",
           write("latest_checkpointed_iteration.txt", b"9" * 5000 + b"\n")),
+        C("key-with-nul", "safetensors", st_header(
+            ST, lambda h: h.update({"fc\u0000bias": h.pop("fc.bias")}))),
+        C("key-lone-surrogate", "safetensors", st_key_escape(ST, "\\ud800")),
+        C("storage-length-2-70", "torch_dist", _set_storage(OUT_W, length=1 << 70),
+          isolate=True),
+        C("common-200000-deep", "torch_dist", _f("common.pt", lambda p: m.rewrite_zip_member(
+            p, "data.pkl", lambda b: m.deep_list_pickle(200_000)))),
+        C("common-self-referential", "torch_dist", _f("common.pt", lambda p: m.rewrite_zip_member(
+            p, "data.pkl", lambda b: m.self_referential_pickle()))),
+        C("deflated-records", "torch", _f(ST, m.deflate_zip)),
+        # what the real loaders refuse, validate refuses (fields of the wrong type or range)
+        C("shape-float", "safetensors", st_header(ST, lambda h: h["fc.bias"].update(
+            shape=[8.0]))),
+        C("shape-string", "safetensors", st_header(ST, lambda h: h["fc.bias"].update(
+            shape=["8"]))),
+        C("offsets-float", "safetensors", st_header(ST, lambda h: h["fc.bias"].update(
+            data_offsets=[float(x) for x in h["fc.bias"]["data_offsets"]]))),
+        C("offsets-string", "safetensors", st_header(ST, lambda h: h["fc.bias"].update(
+            data_offsets=[str(x) for x in h["fc.bias"]["data_offsets"]]))),
+        C("chunk-sizes-float", "torch_dist", _chunk_field(OUT_W, "sizes", float)),
+        C("chunk-offsets-string", "torch_dist", _chunk_field(OUT_W, "offsets", str)),
+        C("dtype-a-string", "dcp", _dtype_string(DCP_HEAD)),
+        C("backend-version-99", "torch_dist", json_edit(
+            "metadata.json", lambda d, p: d.update(sharded_backend_version=99))),
+        C("common-backend-zarr", "torch_dist", json_edit(
+            "metadata.json", lambda d, p: d.update(common_backend="zarr"))),
         # a symlink nothing references, to a directory full of devices: not a damage at all
         C("stray-link-to-root", "torch_dist", lambda ck: os.symlink("/", ck / "rootfs"),
           tags=("intact",)),

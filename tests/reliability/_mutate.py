@@ -213,3 +213,29 @@ def tar_torch_save(link_target: str) -> bytes:
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
     return buf.getvalue()
+
+
+# -- pickles no torch.save writes: deep, self-referential --------------------------------------
+
+def deep_list_pickle(depth: int) -> bytes:
+    """A protocol-2 pickle of ``{"args": [[[...]]]}`` nested ``depth`` lists deep, built as
+    the unpickler builds it (no recursion): ``depth`` empty lists, each appended to the one
+    before."""
+    body = b"]" * depth + b"a" * (depth - 1)
+    return b"\x80\x02}X\x04\x00\x00\x00args" + body + b"s."
+
+
+def self_referential_pickle() -> bytes:
+    """``{"args": l}`` where ``l`` is a list holding itself (a memo reference)."""
+    return b"\x80\x02}X\x04\x00\x00\x00args]q\x00h\x00as."
+
+
+def deflate_zip(path: Path) -> None:
+    """Rewrite a torch.save zip with every record deflate-compressed (``torch.load`` reads
+    it: miniz inflates)."""
+    src = zipfile.ZipFile(io.BytesIO(path.read_bytes()))
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as dst:
+        for info in src.infolist():
+            dst.writestr(info.filename, src.read(info))
+    path.write_bytes(out.getvalue())

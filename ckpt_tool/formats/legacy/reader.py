@@ -42,7 +42,7 @@ from typing import Any, Callable
 
 from ckpt_tool.errors import CorruptCheckpointError, InputError
 from ckpt_tool.formats.base import Format, Reader, register
-from ckpt_tool.formats.containers.torch_zip.torch_save_files import refuse_tar_form
+from ckpt_tool.formats.containers.torch_zip.torch_save_files import mmap_safe, refuse_tar_form
 from ckpt_tool.formats.legacy import layout as L
 from ckpt_tool.formats.legacy import optim as _O
 from ckpt_tool.formats.legacy import pieces as P
@@ -136,7 +136,8 @@ class LegacyReader(Reader):
 
             check_file(path, f"rank file {rel}")
         try:
-            state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+            state = torch.load(path, map_location="cpu", mmap=mmap_safe(path),
+                           weights_only=True)
         except pickle.UnpicklingError:
             from ckpt_tool.formats.containers.pickle.safe_pickle import load_torch_file
 

@@ -27,6 +27,7 @@ from ckpt_tool.formats.containers.torch_zip.torch_save_files import (
     LEGACY_MAGIC,
     ZIP_MAGIC,
     flatten_state,
+    mmap_safe,
     placeholder_chunk,
     refuse_tar_form,
     zip_storages,
@@ -148,7 +149,8 @@ class TorchSaveReader(Reader):
 
             self._check()
             try:
-                state = torch.load(self.path, map_location="cpu", mmap=True, weights_only=True)
+                state = torch.load(self.path, map_location="cpu", mmap=mmap_safe(self.path),
+                               weights_only=True)
             except pickle.UnpicklingError:
                 from ckpt_tool.formats.containers.pickle.safe_pickle import load_torch_file
 
@@ -185,7 +187,8 @@ class TorchSaveReader(Reader):
 
         self._check()
         try:
-            state = torch.load(self.path, map_location="cpu", mmap=True, weights_only=True)
+            state = torch.load(self.path, map_location="cpu", mmap=mmap_safe(self.path),
+                           weights_only=True)
         except pickle.UnpicklingError:
             from ckpt_tool.formats.containers.pickle.safe_pickle import load_torch_file
 

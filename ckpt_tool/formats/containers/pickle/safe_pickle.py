@@ -22,6 +22,7 @@ This module does not import torch; :func:`load_torch_file` imports it when calle
 from __future__ import annotations
 
 import _compat_pickle
+import argparse
 import copyreg
 import importlib
 import io
@@ -266,6 +267,12 @@ class SafeUnpickler(pickle.Unpickler):
         self._overrides = overrides or {}
         self._fallback = fallback
 
+    def load(self) -> Any:
+        """The unpickled object, checked to be a tree no deeper than :data:`MAX_NESTING`."""
+        obj = super().load()
+        check_nesting(obj)
+        return obj
+
     def find_class(self, module: str, name: str) -> Any:
         # Protocol <= 2 pickles name Python 2 modules (``__builtin__``, ``commands``): check and
         # report the Python 3 global the default unpickler would import.
@@ -293,6 +300,53 @@ class SafeUnpickler(pickle.Unpickler):
             f"the pickle references {qual}, which is not on the allowlist of safe globals",
             hint=TRUST_HINT,
         )
+
+
+#: How deep an unpickled state may nest containers (a checkpoint's states nest a few tens of
+#: levels; every walk over them, the summaries of inspect, the comparisons of diff, the
+#: pickling of a target, recurses).
+MAX_NESTING = 1000
+
+
+def _children(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return [*obj.keys(), *obj.values()]
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        return obj
+    d = getattr(obj, "__dict__", None) if isinstance(obj, (StandIn, argparse.Namespace)) \
+        else None
+    return None if d is None else list(d.values())
+
+
+def check_nesting(obj: Any) -> None:
+    """CorruptCheckpointError when ``obj`` nests containers deeper than :data:`MAX_NESTING`
+    or holds a container that contains itself: no checkpoint's state is built so, and the
+    walks over it would end in a RecursionError (iterative: any depth is checked)."""
+    stack: list[tuple[Any, int, bool]] = [(obj, 0, False)]
+    on_path: set[int] = set()
+    done: set[int] = set()
+    while stack:
+        o, depth, leaving = stack.pop()
+        if leaving:
+            on_path.discard(id(o))
+            done.add(id(o))
+            continue
+        children = _children(o)
+        if not children:
+            continue
+        if id(o) in on_path:
+            raise CorruptCheckpointError(
+                f"the pickled state holds a {type(o).__name__} that contains itself (a cycle)",
+                hint="no checkpoint's state is built so: the file is damaged or crafted")
+        if id(o) in done:
+            continue
+        if depth >= MAX_NESTING:
+            raise CorruptCheckpointError(
+                f"the pickled state nests containers more than {MAX_NESTING} levels deep",
+                hint="no checkpoint's state is built so: the file is damaged or crafted")
+        on_path.add(id(o))
+        stack.append((o, depth, True))
+        stack.extend((c, depth + 1, False) for c in children)
 
 
 def _torch_safe_global(module: str, name: str) -> Any:
