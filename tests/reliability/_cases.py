@@ -697,6 +697,11 @@ def _hostile_corpus() -> list[Case]:
         C("common-self-referential", "torch_dist", _f("common.pt", lambda p: m.rewrite_zip_member(
             p, "data.pkl", lambda b: m.self_referential_pickle()))),
         C("deflated-records", "torch", _f(ST, m.deflate_zip)),
+        C("deflated-records", "legacy", _f(LEG, m.deflate_zip)),
+        C("common-object-with-stand-in-names", "torch_dist", _f(
+            "common.pt", lambda p: m.rewrite_zip_member(p, "data.pkl", lambda b: (
+                m.with_megatron_object(b, {"_args": 5, "_items": 3, "_state": "x",
+                                           "hidden_size": 8}))))),
         # what the real loaders refuse, validate refuses (fields of the wrong type or range)
         C("shape-float", "safetensors", st_header(ST, lambda h: h["fc.bias"].update(
             shape=[8.0]))),

@@ -239,3 +239,13 @@ def deflate_zip(path: Path) -> None:
         for info in src.infolist():
             dst.writestr(info.filename, src.read(info))
     path.write_bytes(out.getvalue())
+
+
+def with_megatron_object(data_pkl: bytes, state: dict) -> bytes:
+    """``data_pkl`` (a pickled dict) with one more entry, ``"obj"``: an instance of a real
+    Megatron-Core class (``TransformerConfig``, created empty and given ``state``, as pickle
+    does for any object)."""
+    obj = (b"cmegatron.core.transformer.transformer_config\nTransformerConfig\n)\x81"
+           + pickle.dumps(state, protocol=2)[2:-1] + b"b")
+    assert data_pkl.endswith(b".")
+    return data_pkl[:-1] + b"X\x03\x00\x00\x00obj" + obj + b"s."

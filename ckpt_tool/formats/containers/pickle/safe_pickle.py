@@ -124,22 +124,32 @@ class StandIn:
     """An inert object standing in for an instance of a class that was not imported.
 
     It accepts any constructor arguments and pickle state and keeps them: keyword fields and
-    dict state become attributes, positional arguments go to ``_args``, list/dict payloads
-    appended by the unpickler to ``_items``. ``repr`` shows the original qualified name.
+    dict state become attributes, positional arguments, a state that is not a dict and
+    list/dict payloads appended by the unpickler are kept in slots of their own (so a field
+    of the real object may have any name, ``_args`` included). ``repr`` shows the original
+    qualified name.
     """
 
+    __slots__ = ("__dict__", "__weakref__", "_stand_in_args", "_stand_in_state",
+                 "_stand_in_items")
     __stand_in_for__ = "?"
 
     def __new__(cls, *args: Any, **kwargs: Any) -> StandIn:
         obj = object.__new__(cls)
         if args:
-            obj.__dict__["_args"] = args
+            obj._stand_in_args = args
         return obj
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         if args:
-            self.__dict__["_args"] = args
+            self._stand_in_args = args
         self.__dict__.update(kwargs)
+
+    def _slot(self, name: str, default: Any = None) -> Any:
+        try:
+            return object.__getattribute__(self, name)
+        except AttributeError:
+            return default
 
     def __setstate__(self, state: Any) -> None:
         if isinstance(state, dict):
@@ -149,17 +159,25 @@ class StandIn:
             for part in state:
                 self.__dict__.update(part or {})
         else:
-            self.__dict__["_state"] = state
+            self._stand_in_state = state
 
     # Payloads of list/dict subclasses arrive through append/extend/__setitem__.
     def append(self, item: Any) -> None:
-        self.__dict__.setdefault("_items", []).append(item)
+        self._list_items().append(item)
 
     def extend(self, items: Any) -> None:
-        self.__dict__.setdefault("_items", []).extend(items)
+        self._list_items().extend(items)
+
+    def _list_items(self) -> list:
+        items = self._slot("_stand_in_items")
+        if not isinstance(items, list):
+            items = self._stand_in_items = []
+        return items
 
     def __setitem__(self, key: Any, value: Any) -> None:
-        items = self.__dict__.setdefault("_items", {})
+        items = self._slot("_stand_in_items")
+        if items is None:
+            items = self._stand_in_items = {}
         if isinstance(items, dict):
             items[key] = value
 
@@ -167,17 +185,23 @@ class StandIn:
         raise AttributeError(f"{self.__stand_in_for__} stand-in has no field {name!r}")
 
     def fields(self) -> dict[str, Any]:
-        """The kept fields (constructor keywords and pickle state)."""
-        return dict(self.__dict__)
+        """The kept fields (constructor keywords and pickle state; for display, the
+        positional arguments as ``_args``, a non-dict state as ``_state``, payloads as
+        ``_items``, unless a field of the object has that name)."""
+        shown = {name: value for name, value in (
+            ("_args", self._slot("_stand_in_args")), ("_state", self._slot("_stand_in_state")),
+            ("_items", self._slot("_stand_in_items"))) if value is not None}
+        return {**shown, **self.__dict__}
 
     def __reduce_ex__(self, protocol: int) -> tuple:
         """What pickles it back as the object it stands for (with :class:`StandInPickler`):
         called with its arguments (``REDUCE``: an enum member ``AttnBackend(5)``), else
         created empty (``NEWOBJ``); then its state and list/dict items."""
         fields = dict(self.__dict__)
-        args = fields.pop("_args", ())
-        items = fields.pop("_items", None)
-        state = fields.pop("_state") if "_state" in fields else (fields or None)
+        args = self._slot("_stand_in_args", ())
+        items = self._slot("_stand_in_items")
+        raw = self._slot("_stand_in_state", _UNSET)
+        state = raw if raw is not _UNSET else (fields or None)
         lists = iter(items) if isinstance(items, list) else None
         pairs = iter(items.items()) if isinstance(items, dict) else None
         if args:
@@ -185,11 +209,12 @@ class StandIn:
         return copyreg.__newobj__, (type(self),), state, lists, pairs
 
     def __repr__(self) -> str:
-        parts = [repr(a) for a in self.__dict__.get("_args", ())]
-        parts += [f"{k}={v!r}" for k, v in self.__dict__.items() if k != "_args"]
+        parts = [repr(a) for a in self._slot("_stand_in_args", ())]
+        parts += [f"{k}={v!r}" for k, v in self.__dict__.items()]
         return f"{self.__stand_in_for__}({', '.join(parts)})"
 
 
+_UNSET = object()
 _STAND_INS: dict[str, type] = {}
 
 
