@@ -696,6 +696,8 @@ def _hostile_corpus() -> list[Case]:
             p, "data.pkl", lambda b: m.deep_list_pickle(200_000)))),
         C("common-self-referential", "torch_dist", _f("common.pt", lambda p: m.rewrite_zip_member(
             p, "data.pkl", lambda b: m.self_referential_pickle()))),
+        C("common-asks-2GB", "torch_dist", _f("common.pt", lambda p: m.rewrite_zip_member(
+            p, "data.pkl", lambda b: m.allocating_pickle(2_000_000_000))), isolate=True),
         C("deflated-records", "torch", _f(ST, m.deflate_zip)),
         C("deflated-records", "legacy", _f(LEG, m.deflate_zip)),
         C("common-object-with-stand-in-names", "torch_dist", _f(

@@ -249,3 +249,9 @@ def with_megatron_object(data_pkl: bytes, state: dict) -> bytes:
            + pickle.dumps(state, protocol=2)[2:-1] + b"b")
     assert data_pkl.endswith(b".")
     return data_pkl[:-1] + b"X\x03\x00\x00\x00obj" + obj + b"s."
+
+
+def allocating_pickle(n: int) -> bytes:
+    """``{"args": bytearray(n)}`` as a pickle (a few dozen bytes asking for ``n``)."""
+    return (b"\x80\x02}X\x04\x00\x00\x00argsc__builtin__\nbytearray\nJ"
+            + n.to_bytes(4, "little", signed=True) + b"\x85Rs.")

@@ -315,7 +315,8 @@ class SafeUnpickler(pickle.Unpickler):
         if self._trust:
             return super().find_class(module, name)
         if is_allowed(module, name):
-            return _import_global(module, name)
+            found = _import_global(module, name)
+            return _capped(qual, found) if qual in _SIZED else found
         added = _torch_safe_global(module, name)
         if added is not None:
             return added
@@ -372,6 +373,48 @@ def check_nesting(obj: Any) -> None:
         on_path.add(id(o))
         stack.append((o, depth, True))
         stack.extend((c, depth + 1, False) for c in children)
+
+
+#: The most one call to an allowlisted constructor may allocate while unpickling
+#: (``bytearray(2_000_000_000)`` is a 120-byte pickle): a checkpoint's pickles carry their
+#: data in their own bytes, never as a size to allocate. ``--trust`` lifts the cap.
+MAX_ALLOCATION = 256 << 20
+# constructors that allocate what an argument says (an int: a size; a range: its length) and
+# that pickles only ever call (never pass on as a type, as numpy's and torch's rebuilders
+# take ``numpy.ndarray``, ``torch.Tensor`` and storage classes)
+_SIZED = frozenset({"builtins.bytearray", "builtins.bytes", "builtins.list", "builtins.tuple",
+                    "builtins.set", "builtins.frozenset", "builtins.dict",
+                    "collections.Counter", "collections.OrderedDict"})
+
+
+def _requested(args: tuple, kwargs: dict) -> int:
+    """About the bytes a constructor call with ``args`` allocates from sizes alone."""
+    total = 0
+    for a in (*args, *kwargs.values()):
+        if type(a) is int:
+            total += max(a, 0)
+        elif isinstance(a, range):
+            total += 8 * len(a)  # (a pointer per element, at least)
+    return total
+
+
+def _capped(qual: str, ctor: Any) -> Any:
+    """``ctor`` refusing (CorruptCheckpointError) a call that would allocate more than
+    :data:`MAX_ALLOCATION` from its arguments' sizes."""
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            need = _requested(args, kwargs)
+        except (OverflowError, TypeError, ValueError):
+            need = MAX_ALLOCATION + 1
+        if need > MAX_ALLOCATION:
+            raise CorruptCheckpointError(
+                f"the pickle asks {qual} for about {need:,} bytes, over the "
+                f"{MAX_ALLOCATION >> 20} MiB one unpickled constructor call may allocate",
+                hint="a checkpoint carries its data in its bytes, not as sizes to allocate; "
+                     "--trust unpickles without the cap (only for files you trust)")
+        return ctor(*args, **kwargs)
+    call.__name__ = call.__qualname__ = getattr(ctor, "__name__", "capped")
+    return call
 
 
 def _torch_safe_global(module: str, name: str) -> Any:
