@@ -665,6 +665,16 @@ def _dtype_string(fqn):
     return dcp_meta(fn)
 
 
+def _link_outside(rel):
+    """``rel`` moved beside the copy (``outside/``) and replaced by a symlink to it."""
+    def fn(p):
+        outside = _marker(p).parent / "outside"
+        outside.mkdir(exist_ok=True)
+        shutil.move(p, outside / p.name)
+        os.symlink(os.path.relpath(outside / p.name, p.parent), p)
+    return _f(rel, fn)
+
+
 def _hostile_corpus() -> list[Case]:
     C = Case
     outside = dict(must_reject=True, oracle=False, tags=("outside",))
@@ -675,6 +685,7 @@ def _hostile_corpus() -> list[Case]:
         C("rank-file-tar-link-outside", "legacy", tar_with_link(LEG), **outside),
         C("rank-file-tar-link-fifo", "legacy", tar_with_link(LEG, "fifo"), **hang),
         C("tar-link-outside", "torch", tar_with_link(ST), **outside),
+        C("data-file-links-outside", "dcp", _link_outside(D0), **outside),
         # the layout is read from what the rank files say, never guessed (the real loader,
         # torch.load, reads every file: the layout is ckpt's own reading, so must_reject)
         C("first-rank-without-args", "legacy", rank_args(LEG, lambda s: s.pop("args")),

@@ -127,3 +127,28 @@ def test_a_layout_no_rank_file_says_is_supplied_by_the_flag(corpus, tmp_path):
     report = json.loads(r.stdout)
     assert report["values"] == [] and report["stats"]["tensors_equal_bytes"] == \
         report["stats"]["tensors_common"] > 0, report["stats"]
+
+
+def test_a_hugging_face_cache_snapshot_links_into_its_blobs(tmp_path):
+    """The one layout whose files are links out of the directory named: a Hugging Face hub
+    cache snapshot (``<repo>/snapshots/<rev>/*`` -> ``<repo>/blobs/<hash>``) reads as it is;
+    a link out of the repository directory is refused."""
+    from safetensors.torch import save_file
+    import torch
+    from typer.testing import CliRunner
+
+    from ckpt_tool.cli.app import app
+
+    repo = tmp_path / "models--org--tiny"
+    (repo / "blobs").mkdir(parents=True)
+    snap = repo / "snapshots" / "0123abc"
+    snap.mkdir(parents=True)
+    save_file({"w": torch.ones(2, 2)}, str(repo / "blobs" / "f00d"))
+    os.symlink("../../blobs/f00d", snap / "model.safetensors")
+    r = CliRunner().invoke(app, ["validate", str(snap)])
+    assert r.exit_code == 0, r.stdout + r.stderr
+    os.rename(repo / "blobs" / "f00d", tmp_path / "f00d")
+    os.unlink(snap / "model.safetensors")
+    os.symlink(tmp_path / "f00d", snap / "model.safetensors")
+    r = CliRunner().invoke(app, ["validate", str(snap)])
+    assert r.exit_code == 2 and "outside the checkpoint" in r.stderr, r.stdout + r.stderr
