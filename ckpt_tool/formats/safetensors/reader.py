@@ -82,7 +82,8 @@ def _file_tensors(path: Path, rel: str) -> tuple[dict[str, TensorMeta], dict[str
         raise CorruptCheckpointError("__metadata__ is not a map of strings to strings "
                                      "(safetensors refuses the file)", path=path)
     tensors: dict[str, TensorMeta] = {}
-    for key, entry in header.items():
+    for key in list(header):
+        entry = header.pop(key)  # (each parsed entry freed as its TensorMeta is made)
         _check_key(key, path)
         try:
             code, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
@@ -109,7 +110,8 @@ def _file_tensors(path: Path, rel: str) -> tuple[dict[str, TensorMeta], dict[str
             raise CorruptCheckpointError(
                 f"tensor {key!r}: data_offsets end {end} beyond the {data_size} data bytes in "
                 "the file (truncated?)", path=path)
-        chunk = ChunkRef(offsets=(0,) * len(shape), sizes=shape, file=rel,
+        chunk = ChunkRef(offsets=_ZEROS[len(shape)] if len(shape) < len(_ZEROS)
+                         else (0,) * len(shape), sizes=shape, file=rel,
                          byte_offset=8 + n + start, byte_length=nbytes, layout="raw")
         tensors[key] = TensorMeta(key=key, dtype=dtype, shape=shape, chunks=(chunk,))
     _check_packed(tensors, data_size, 8 + n, path)
@@ -117,13 +119,18 @@ def _file_tensors(path: Path, rel: str) -> tuple[dict[str, TensorMeta], dict[str
 
 
 _U64 = 1 << 64
+_ZEROS = tuple((0,) * n for n in range(9))  # one tuple of offsets per rank, shared
 
 
 def _uints(value: Any) -> bool:
     """A JSON list of integers a ``u64``/``usize`` holds, as safetensors parses shapes and
     offsets (a float ``8.0``, a string ``"8"``, ``true`` or a negative number: refused)."""
-    return isinstance(value, list) and all(
-        type(v) is int and 0 <= v < _U64 for v in value)
+    if type(value) is not list:
+        return False
+    for v in value:
+        if type(v) is not int or not 0 <= v < _U64:
+            return False
+    return True
 
 
 def _check_key(key: str, path: Path) -> None:
