@@ -42,7 +42,8 @@ from typing import Any, Callable
 
 from ckpt_tool.errors import CorruptCheckpointError, InputError
 from ckpt_tool.formats.base import Format, Reader, register
-from ckpt_tool.formats.containers.torch_zip.torch_save_files import mmap_safe, refuse_tar_form
+from ckpt_tool.formats.containers.torch_zip.tar_form import refuse_tar_form
+from ckpt_tool.formats.containers.torch_zip.torch_save_files import mmap_safe
 from ckpt_tool.formats.legacy import layout as L
 from ckpt_tool.formats.legacy import optim as _O
 from ckpt_tool.formats.legacy import pieces as P

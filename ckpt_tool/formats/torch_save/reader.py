@@ -23,13 +23,13 @@ from typing import Any
 
 from ckpt_tool.errors import CorruptCheckpointError, InputError, UnsupportedError
 from ckpt_tool.formats.base import Format, Reader, register
+from ckpt_tool.formats.containers.torch_zip.tar_form import refuse_tar_form
 from ckpt_tool.formats.containers.torch_zip.torch_save_files import (
     LEGACY_MAGIC,
     ZIP_MAGIC,
     flatten_state,
     mmap_safe,
     placeholder_chunk,
-    refuse_tar_form,
     zip_storages,
 )
 from ckpt_tool.integrity_manifest import is_manifest

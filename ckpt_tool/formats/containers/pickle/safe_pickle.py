@@ -513,7 +513,7 @@ def load_torch_file(path_or_fileobj: str | os.PathLike | IO[bytes], *, trust: bo
 
         raise InputError("no such file", path=where, hint="check the path")
     if where is not None and not is_remote(where):
-        from ckpt_tool.formats.containers.torch_zip.torch_save_files import refuse_tar_form
+        from ckpt_tool.formats.containers.torch_zip.tar_form import refuse_tar_form
 
         refuse_tar_form(where)
     if verify:

@@ -16,46 +16,12 @@ from typing import Any
 from ckpt_tool.errors import CorruptCheckpointError
 from ckpt_tool.model import ChunkRef, dtype_itemsize
 
-__all__ = ["ZIP_MAGIC", "LEGACY_MAGIC", "refuse_tar_form", "mmap_safe", "flatten_state", "zip_storages", "zip_data_offsets",
+__all__ = ["ZIP_MAGIC", "LEGACY_MAGIC", "mmap_safe", "flatten_state", "zip_storages", "zip_data_offsets",
            "placeholder_chunk"]
 
 ZIP_MAGIC = b"PK\x03\x04"
 # A legacy torch.save file starts with the pickled magic number 0x1950a86a20f9469cfc6c.
 LEGACY_MAGIC = b"\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19"
-_TAR_BLOCK = 512
-
-
-def refuse_tar_form(path: str | Path, what: str | None = None) -> None:
-    """UnsupportedError when the file at ``path`` is the oldest form of ``torch.save``, a tar
-    archive (``storages``, ``tensors``, ``pickle`` members): ``torch.load`` extracts its
-    members into a temporary directory and opens them there (``torch/serialization.py``,
-    ``legacy_load``), following a member that is a symlink to any file outside the
-    checkpoint (or a FIFO: the read blocks). It is never handed to ``torch.load``; its first
-    block is recognized the way ``tarfile.open`` recognizes a tar header (a valid checksum)."""
-    import tarfile
-
-    from ckpt_tool.formats.regular_files import open_regular
-
-    try:
-        with open_regular(path) as f:
-            block = f.read(_TAR_BLOCK)
-    except OSError:
-        return  # the read that follows reports it
-    if len(block) < _TAR_BLOCK:
-        return
-    try:
-        tarfile.TarInfo.frombuf(block, "utf-8", "surrogateescape")
-    except tarfile.HeaderError:
-        return
-    from ckpt_tool.errors import UnsupportedError
-
-    raise UnsupportedError(
-        f"{what + ': ' if what else ''}the old tar form of torch.save (PyTorch < 0.4) is not "
-        "read (loading it extracts its members, links included, outside the checkpoint)",
-        path=path, hint="re-save it with a recent torch where it can be trusted: "
-        "torch.save(torch.load(f, weights_only=False), f2)")
-
-
 def _is_tensor(v: Any) -> bool:
     from ckpt_tool.formats.containers.pickle.torch_stand_ins import TensorPlaceholder
 
