@@ -21,6 +21,7 @@ the marker's run is gone.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 from pathlib import Path
@@ -30,13 +31,30 @@ from ckpt_tool._program import cleanup_on_stop
 from ckpt_tool.errors import UsageError
 from ckpt_tool.storage import as_path, is_remote
 
-__all__ = ["STAGING_MARK", "OLD_MARK", "LOCK_SUFFIX", "PARKED_NAME", "leftovers",
+__all__ = ["STAGING_MARK", "OLD_MARK", "LOCK_SUFFIX", "PARKED_NAME", "side_prefix", "leftovers",
            "describe_leftovers", "parked_previous", "restore_command", "target_lock", "reclaim"]
 
 STAGING_MARK = ".ckpt-staging-"
 OLD_MARK = ".ckpt-old-"
 LOCK_SUFFIX = ".ckpt-lock"
 PARKED_NAME = "old"  # the previous output inside its ``.<name>.ckpt-old-*`` directory
+_NAME_MAX = 255  # bytes in one file name (Linux, most file systems)
+_RANDOM = 8  # what tempfile.mkdtemp appends
+
+
+def side_prefix(out: Path, mark: str) -> str:
+    """The name of what a write to ``out`` keeps beside it, up to its random part:
+    ``.<name><mark>``. A name too long for that to fit in a file name (255 bytes) is cut and
+    made unique again with a digest of the whole: ``.<first bytes>~<digest><mark>``."""
+    import hashlib
+
+    raw = os.fsencode(out.name)
+    longest = max(len(STAGING_MARK), len(OLD_MARK), len(LOCK_SUFFIX)) + _RANDOM + 1
+    if len(raw) + longest <= _NAME_MAX:
+        return f".{out.name}{mark}"
+    digest = hashlib.sha256(raw).hexdigest()[:10]
+    keep = raw[:_NAME_MAX - longest - len(digest) - 1]
+    return f".{os.fsdecode(keep)}~{digest}{mark}"
 
 
 def leftovers(target: str | Path) -> list[Path]:
@@ -52,7 +70,7 @@ def leftovers(target: str | Path) -> list[Path]:
         names = os.listdir(out.parent)
     except OSError:
         return []
-    heads = (f".{out.name}{STAGING_MARK}", f".{out.name}{OLD_MARK}")
+    heads = (side_prefix(out, STAGING_MARK), side_prefix(out, OLD_MARK))
     return sorted(out.parent / n for n in names if n.startswith(heads))
 
 
@@ -64,7 +82,8 @@ def parked_previous(target: str | Path) -> Path | None:
     if os.path.lexists(out):
         return None
     parked = [p / PARKED_NAME for p in leftovers(out)
-              if p.name.startswith(f".{out.name}{OLD_MARK}") and os.path.lexists(p / PARKED_NAME)]
+              if p.name.startswith(side_prefix(out, OLD_MARK))
+              and os.path.lexists(p / PARKED_NAME)]
     if not parked:
         return None
     return max(parked, key=lambda p: (_mtime(p.parent), p.parent.name))
@@ -117,19 +136,24 @@ def describe_leftovers(found: list[Path]) -> str:
 def target_lock(target: str | Path) -> Iterator[None]:
     """Hold ``.<name>.ckpt-lock`` beside ``target`` for the duration (UsageError, exit 2, when
     another live run holds it). The file holds the owner's pid for people; the owner removes
-    it when done (a killed owner's file is harmless: its lock died with it)."""
-    import fcntl
+    it when done (a killed owner's file is harmless: its lock died with it).
 
+    The lock file is opened with ``O_NOFOLLOW`` and must be a regular file with one link: a
+    symlink or hard link planted at its name never makes the run write (or truncate) the file
+    it points at. A lock taken on a file another run removed meanwhile is taken again on the
+    file now at the name (two runs never both hold a lock)."""
     out = Path(os.path.abspath(target))
-    path = out.parent / f".{out.name}{LOCK_SUFFIX}"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
-    try:
+    path = out.parent / side_prefix(out, LOCK_SUFFIX)
+    while True:
+        fd = _open_lock(path)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            owner = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
-            raise UsageError(f"another ckpt run (pid {owner}) is writing this output", path=out,
-                             hint="wait for it to finish, or choose another output") from None
+            if _flock(fd, path, out):
+                break
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+    try:
         with contextlib.suppress(OSError):  # the pid is for people; a full disk is reported
             os.ftruncate(fd, 0)               # by the write itself
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
@@ -141,6 +165,62 @@ def target_lock(target: str | Path) -> Iterator[None]:
                 os.unlink(path)  # still holding the lock
     finally:
         os.close(fd)  # releases the lock
+
+
+def _open_lock(path: Path) -> int:
+    """The lock file, created if missing, never through a link (UsageError when what is at its
+    name is not a plain file of its own)."""
+    import stat
+
+    flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0) \
+        | getattr(os, "O_NONBLOCK", 0)
+    try:
+        fd = os.open(path, flags, 0o666)
+    except OSError as exc:
+        if os.path.islink(path) or exc.errno == errno.ELOOP:
+            raise UsageError("a symlink is at the lock file's name: not ckpt's lock, so not "
+                             "followed", path=path, hint="remove it, then rerun") from None
+        raise
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+        os.close(fd)
+        raise UsageError("what is at the lock file's name is not a plain file of its own (a "
+                         "hard link, a FIFO, a device): not ckpt's lock, so not written",
+                         path=path, hint="remove it, then rerun")
+    os.set_blocking(fd, True)
+    return fd
+
+
+def _flock(fd: int, path: Path, out: Path) -> bool:
+    """Lock ``fd``: True when held on the file still at ``path``, False when that file was
+    replaced meanwhile (retry), UsageError when another live run holds it."""
+    import fcntl
+
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        owner = _owner(fd)
+        who = f"another ckpt run (pid {owner})" if owner else "another ckpt run"
+        raise UsageError(f"{who} is writing this output", path=out,
+                         hint="wait for it to finish, or choose another output") from None
+    try:
+        st, now = os.fstat(fd), os.lstat(path)
+    except FileNotFoundError:
+        return False
+    return (st.st_dev, st.st_ino) == (now.st_dev, now.st_ino)
+
+
+def _owner(fd: int) -> str | None:
+    """The pid the lock's holder wrote (it writes it just after taking the lock: a reader that
+    comes in between waits a moment for it; None when it never shows)."""
+    import time
+
+    for _ in range(50):
+        text = os.pread(fd, 64, 0).decode(errors="replace").strip()
+        if text.isdigit():
+            return text
+        time.sleep(0.01)
+    return None
 
 
 def reclaim(target: str | Path) -> tuple[str | None, bool]:

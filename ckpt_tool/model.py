@@ -62,7 +62,7 @@ def dtype_itemsize(dtype: str) -> int:
         raise ValueError(f"unknown dtype {dtype!r}") from None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ChunkRef:
     """Where one stored piece of a global tensor lives.
 
@@ -103,7 +103,7 @@ class ChunkRef:
         )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TensorMeta:
     """One global tensor: its key, dtype, global shape and the chunks that store it.
 

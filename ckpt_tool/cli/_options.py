@@ -8,7 +8,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 __all__ = ["CheckpointPath", "SourcePath", "JsonFlag", "TrustFlag", "OverwriteFlag", "NoVerifyFlag",
-           "VerifyOption", "verify_level",
+           "VerifyOption", "verify_level", "SwigluOption",
            "MaxMemoryOption", "DebugFlag", "QuietFlag", "VerboseFlag", "NoProgressFlag",
            "IterationOption", "at_iteration", "source_place", "parse_size", "completer",
            "HfDtypeOption", "PlotOption"]
@@ -62,6 +62,17 @@ def _set_quiet(value: bool) -> bool:
     return value
 
 
+def _supply_swiglu(value: Optional[bool]) -> Optional[bool]:
+    from ckpt_tool.formats.legacy.metadata import supply_swiglu
+
+    supply_swiglu(value)
+    return value
+
+
+SwigluOption = Annotated[Optional[bool], typer.Option(
+    "--swiglu/--no-swiglu", callback=_supply_swiglu, show_default=False,
+    help="Megatron-LM legacy checkpoints whose rank files lack args: whether linear_fc1 is a "
+         "gated (SwiGLU) pair (decides how its TP shards merge; never guessed).")]
 DebugFlag = Annotated[bool, typer.Option("--debug", callback=_set_debug,
                                          help="Show tracebacks on errors.")]
 QuietFlag = Annotated[bool, typer.Option(

@@ -8,8 +8,8 @@ import typer
 from ckpt_tool.cli._errors import handle_errors
 from ckpt_tool.cli._options import (DebugFlag, HfDtypeOption, IterationOption, JsonFlag, MaxMemoryOption,
                                     NoProgressFlag, NoVerifyFlag, OverwriteFlag, QuietFlag,
-                                    SourcePath, TrustFlag, VerifyOption, completer, parse_size,
-                                    source_place, verify_level)
+                                    SourcePath, SwigluOption, TrustFlag, VerifyOption, completer,
+                                    parse_size, source_place, verify_level)
 from ckpt_tool.cli._output import human_bytes, message, print_json, print_resume
 from ckpt_tool.cli._progress import progress_bar
 from ckpt_tool.errors import plural
@@ -78,6 +78,7 @@ def convert(
     iteration: IterationOption = None,
     quiet: QuietFlag = False,
     no_progress: NoProgressFlag = False,
+    swiglu: SwigluOption = None,
     debug: DebugFlag = False,
 ) -> None:
     """Convert a checkpoint to another format, streaming (peak memory ~ the largest tensor).

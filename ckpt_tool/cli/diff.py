@@ -10,7 +10,7 @@ import typer
 
 from ckpt_tool.cli._errors import handle_errors, state
 from ckpt_tool.cli._options import (DebugFlag, IterationOption, JsonFlag, NoProgressFlag,
-                                    PlotOption, QuietFlag, TrustFlag, at_iteration)
+                                    PlotOption, QuietFlag, SwigluOption, TrustFlag, at_iteration)
 from ckpt_tool.cli._output import message, print_json, print_text
 from ckpt_tool.errors import plural
 
@@ -56,6 +56,7 @@ def diff(
     iteration: IterationOption = None,
     quiet: QuietFlag = False,
     no_progress: NoProgressFlag = False,
+    swiglu: SwigluOption = None,
     debug: DebugFlag = False,
 ) -> None:
     """Compare two checkpoints of any formats: keys on one side only, dtype/shape changes, every

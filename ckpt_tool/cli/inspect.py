@@ -7,7 +7,7 @@ import typer
 
 from ckpt_tool.cli._errors import handle_errors
 from ckpt_tool.cli._options import (CheckpointPath, DebugFlag, IterationOption, JsonFlag,
-                                    TrustFlag, at_iteration)
+                                    SwigluOption, TrustFlag, at_iteration)
 from ckpt_tool.cli._output import (human_bytes, message, print_json, print_text, stdout,
                                    terminal_width)
 from ckpt_tool.errors import NotACheckpointError, plural
@@ -31,6 +31,7 @@ def inspect(
     common: Annotated[bool, typer.Option(
         "--common", help="Print the full common state (every field, args in full).")] = False,
     iteration: IterationOption = None,
+    swiglu: SwigluOption = None,
     debug: DebugFlag = False,
 ) -> None:
     """Show a checkpoint's tensors, objects and common state (metadata only).

@@ -8,7 +8,7 @@ import typer
 from ckpt_tool.cli._errors import handle_errors, state
 from ckpt_tool.cli._options import (DebugFlag, IterationOption, JsonFlag, NoProgressFlag,
                                     NoVerifyFlag, OverwriteFlag, QuietFlag, SourcePath,
-                                    TrustFlag, VerboseFlag, VerifyOption, completer,
+                                    SwigluOption, TrustFlag, VerboseFlag, VerifyOption, completer,
                                     source_place, verify_level)
 from ckpt_tool.cli._output import human_bytes, message, print_json, print_resume, print_text
 from ckpt_tool.cli._progress import progress_bar
@@ -94,6 +94,7 @@ def reshard(
     quiet: QuietFlag = False,
     verbose: VerboseFlag = False,
     no_progress: NoProgressFlag = False,
+    swiglu: SwigluOption = None,
     debug: DebugFlag = False,
 ) -> None:
     """Rewrite a checkpoint for another TP/PP/EP layout (feasibility is checked first: every

@@ -12,7 +12,8 @@ import typer
 
 from ckpt_tool.cli._errors import describe, handle_errors, state
 from ckpt_tool.cli._options import (CheckpointPath, DebugFlag, IterationOption, JsonFlag,
-                                    NoProgressFlag, QuietFlag, TrustFlag, at_iteration)
+                                    NoProgressFlag, QuietFlag, SwigluOption, TrustFlag,
+                                    at_iteration)
 from ckpt_tool.cli._output import message, print_json
 from ckpt_tool.errors import plural
 
@@ -44,6 +45,7 @@ def validate(
     iteration: IterationOption = None,
     quiet: QuietFlag = False,
     no_progress: NoProgressFlag = False,
+    swiglu: SwigluOption = None,
     debug: DebugFlag = False,
 ) -> None:
     """Check a checkpoint for completeness and integrity (CI job): exit 0 valid, 1 problems found,

@@ -66,12 +66,20 @@ def check_regular(path: str | Path) -> None:
         raise _refuse(path, kind)
 
 
-def check_tree(root: str | Path, depth: int = MAX_DEPTH) -> None:
-    """InputError naming the first entry under the directory ``root`` (``depth`` levels down,
-    symlinks followed) that is neither a regular file nor a directory. Entries that cannot be
-    stat'ed (broken links, loops, no permission) are left to the reads that report them."""
+def check_tree(root: str | Path, depth: int = MAX_DEPTH, *, _inside: str | None = None
+               ) -> None:
+    """InputError naming the first entry under the directory ``root`` (``depth`` levels down)
+    that is neither a regular file nor a directory (a symlink judged by what it resolves
+    to), or a symlink to a file outside the checkpoint (``root`` resolved first, so the root
+    itself may be a link; a Hugging Face cache snapshot, ``snapshots/<rev>``, holds links
+    into its repository's ``blobs/``: the repository directory is the checkpoint's).
+    A symlink to a directory is not descended: nothing a checkpoint references lies behind
+    one (a stray ``rootfs -> /`` must not make the scan walk ``/dev``). Entries that cannot
+    be stat'ed (broken links, loops, no permission) are left to the reads that report them."""
     if is_remote(root):
         return
+    if _inside is None:
+        _inside = _container_of(os.path.realpath(root))
     try:
         entries = sorted(os.scandir(root), key=lambda e: e.name)
     except OSError:
@@ -79,9 +87,16 @@ def check_tree(root: str | Path, depth: int = MAX_DEPTH) -> None:
     for entry in entries:
         try:
             if entry.is_dir():  # follows a symlink (its d_type: no system call otherwise)
-                if depth > 1:
-                    check_tree(entry.path, depth - 1)
+                if depth > 1 and not entry.is_symlink():
+                    check_tree(entry.path, depth - 1, _inside=_inside)
                 continue
+            if entry.is_symlink() and entry.is_file():
+                target = os.path.realpath(entry.path)
+                if os.path.commonpath([target, _inside]) != _inside:
+                    raise InputError(
+                        f"a symlink to {target}, outside the checkpoint: not followed",
+                        path=entry.path, hint="a checkpoint's files lie inside its directory: "
+                        "copy the file in, or point the command at the directory holding both")
             if entry.is_file():
                 continue
             mode = entry.stat().st_mode
@@ -90,6 +105,15 @@ def check_tree(root: str | Path, depth: int = MAX_DEPTH) -> None:
         kind = kind_of(mode)
         if kind is not None:
             raise _refuse(entry.path, kind)
+
+
+def _container_of(real_root: str) -> str:
+    """The directory a checkpoint's files may link into: the checkpoint's own, or for a
+    Hugging Face cache snapshot (``<repo>/snapshots/<rev>``) its repository directory."""
+    parent = os.path.dirname(real_root)
+    if os.path.basename(parent) == "snapshots":
+        return os.path.dirname(parent)
+    return real_root
 
 
 def open_regular(path: str | Path) -> BinaryIO:

@@ -36,7 +36,8 @@ NEMO_WEIGHTS, NEMO_CONTEXT = "weights", "context"
 #: Megatron-Bridge's configuration in each iteration directory.
 BRIDGE_RUN_CONFIG = "run_config.yaml"
 _METADATA_FILES = ("metadata.json", ".metadata")
-_ITER_DIR = re.compile(r"iter_(\d+)")
+_ITER_DIR = re.compile(r"iter_([0-9]{1,18})")  # ASCII digits an int64 holds
+_MAX_DIGITS = 18
 
 
 def is_iteration_dir_name(name: str) -> bool:
@@ -58,9 +59,12 @@ def read_latest(save_dir: Path) -> str:
         text = f.read_text(encoding="utf-8", errors="replace").strip()
     except OSError as exc:
         raise InputError(f"cannot read {LATEST_FILE} ({exc.strerror})", path=save_dir) from None
-    if text != "release" and not text.isdigit():
-        raise InputError(f"{LATEST_FILE} holds {text[:40]!r}, not an iteration number or "
-                         "'release'", path=save_dir)
+    if text != "release" and not (text.isascii() and text.isdigit()
+                                  and len(text) <= _MAX_DIGITS):
+        raise InputError(f"{LATEST_FILE} holds {text[:40]!r}"
+                         f"{' (' + str(len(text)) + ' characters)' if len(text) > 40 else ''}, "
+                         "not an iteration number or 'release'", path=save_dir,
+                         hint="write the iteration there (e.g. 1000) or 'release'")
     return text
 
 

@@ -30,7 +30,8 @@ from ckpt_tool._pause_points import pause_point
 from ckpt_tool._program import cleanup_on_stop, committing
 from ckpt_tool.errors import OutputError, UsageError, plural
 from ckpt_tool.digests import take as take_digests
-from ckpt_tool.leftovers import OLD_MARK, PARKED_NAME, STAGING_MARK, reclaim, target_lock
+from ckpt_tool.leftovers import (OLD_MARK, PARKED_NAME, STAGING_MARK, reclaim, side_prefix,
+                                 target_lock)
 from ckpt_tool.integrity_manifest import current_umask, fsync_dir
 from ckpt_tool.storage import as_path, is_remote
 
@@ -59,10 +60,46 @@ def check_output_target(dst: str | Path, *, sources: tuple[str | Path, ...] = ()
     if os.path.lexists(out) and not overwrite:
         raise UsageError("the output already exists", path=out,
                          hint="pass --overwrite to replace it, or choose another path")
+    if os.path.lexists(out):
+        _check_replaceable(out)
     if not out.parent.is_dir():
         raise UsageError("the output's parent directory does not exist", path=out.parent,
                          hint="create it first")
     return out
+
+
+def _check_replaceable(out: Path) -> None:
+    """``--overwrite`` replaces only a checkpoint (one ckpt recognizes, a training save
+    directory, or an output ckpt wrote: its integrity manifest is there) or an empty directory; anything else (a
+    directory of someone's files, a file of another kind) is refused by name, untouched."""
+    from ckpt_tool.errors import CkptError
+    from ckpt_tool.formats.base import detect
+    from ckpt_tool.formats.save_dir import LATEST_FILE
+    from ckpt_tool.integrity_manifest import FILE_SUFFIX, SIDECAR
+
+    if os.path.isdir(out):
+        try:
+            names = sorted(os.listdir(out))
+        except OSError:
+            names = None
+        if names == [] or (names and {SIDECAR, "integrity.json", LATEST_FILE} & set(names)):
+            return  # empty; an output ckpt wrote; a training save directory (its tracker)
+    elif os.path.lexists(str(out) + FILE_SUFFIX):
+        return
+    try:
+        detect(out)
+        return
+    except CkptError:
+        pass
+    if os.path.isdir(out):
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3
+                                        else "") if names else "entries that cannot be listed"
+        what = f"a directory that is not a checkpoint (it holds {shown})"
+    else:
+        what = "a file that is not a checkpoint"
+    raise UsageError(f"--overwrite replaces only a checkpoint or an empty directory: the output "
+                     f"is {what}", path=out,
+                     hint="remove it yourself if it is to go, or choose another output path")
 
 
 def _check_remote_target(out: Any, sources: tuple[str | Path, ...], overwrite: bool) -> Any:
@@ -198,7 +235,7 @@ def _out_of_space(exc: BaseException, out: Path) -> bool:
 @contextlib.contextmanager
 def _staged(out: Path, overwrite: bool, file_name: str | None,
             inner: str | None = None) -> Iterator[Path]:
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}{STAGING_MARK}", dir=out.parent))
+    staging = Path(tempfile.mkdtemp(prefix=side_prefix(out, STAGING_MARK), dir=out.parent))
     try:
         with cleanup_on_stop(lambda: shutil.rmtree(staging, ignore_errors=True)):
             pause_point("staging")
@@ -266,7 +303,7 @@ def _put_in_place(out: Path, produced: Path, side: Path | None, overwrite: bool)
     if not os.path.lexists(out):
         os.rename(produced, out)
     elif not exchange(produced, out):
-        parking = Path(tempfile.mkdtemp(prefix=f".{out.name}{OLD_MARK}", dir=out.parent))
+        parking = Path(tempfile.mkdtemp(prefix=side_prefix(out, OLD_MARK), dir=out.parent))
         os.rename(out, parking / PARKED_NAME)
         fsync_dir(out.parent)
         pause_point("between-renames")

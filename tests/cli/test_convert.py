@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from ckpt_tool.cli.app import app
@@ -56,12 +57,44 @@ def test_refuses_existing_output_and_output_inside_source(tmp_path):
 
 def test_overwrite_replaces(tmp_path):
     out = tmp_path / "out"
-    out.mkdir()
-    (out / "junk").write_text("x")
+    first = runner.invoke(app, ["convert", str(LEGACY), str(out), "--to", "safetensors"])
+    assert first.exit_code == 0, first.output
+    (out / "junk").write_text("x")  # a checkpoint with something more in it: still one
     result = runner.invoke(app, ["convert", str(LEGACY), str(out), "--to", "legacy",
                                  "--overwrite"])
     assert result.exit_code == 0, result.output
     assert not (out / "junk").exists() and (out / "latest_checkpointed_iteration.txt").exists()
+
+
+@pytest.mark.parametrize("kind", ["directory", "file"])
+def test_overwrite_refuses_what_is_not_a_checkpoint(tmp_path, kind):
+    """A directory of someone's files (or a plain file) is not replaced: one line naming it."""
+    out = tmp_path / "out"
+    if kind == "directory":
+        (out / "code").mkdir(parents=True)
+        (out / "notes.txt").write_text("mine")
+        (out / "code" / "train.py").write_text("print()")
+    else:
+        out.write_text("mine")
+    result = runner.invoke(app, ["convert", str(LEGACY), str(out), "--to", "legacy",
+                                 "--overwrite"])
+    assert result.exit_code == 2, result.output
+    assert "--overwrite replaces only a checkpoint" in result.stderr
+    if kind == "directory":
+        assert "notes.txt" in result.stderr
+        assert (out / "notes.txt").read_text() == "mine"
+        assert (out / "code" / "train.py").read_text() == "print()"
+    else:
+        assert out.read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_overwrite_fills_an_empty_directory(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    result = runner.invoke(app, ["convert", str(LEGACY), str(out), "--to", "legacy",
+                                 "--overwrite"])
+    assert result.exit_code == 0, result.output
 
 
 def test_usage_errors_exit_2(tmp_path):

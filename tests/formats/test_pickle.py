@@ -77,7 +77,7 @@ def test_load_torch_file_megatron_common_without_megatron(common_pt):
     assert isinstance(args, argparse.Namespace)
     assert args.tensor_model_parallel_size == 2 and args.params_dtype is torch.bfloat16
     assert isinstance(args.attention_backend, StandIn)
-    assert args.attention_backend._args == (5,)
+    assert args.attention_backend.fields()["_args"] == (5,)
     assert f"{ENUMS}.AttnBackend" in repr(args.attention_backend)
     assert args.optimizer_config.lr == 3e-4 and args.optimizer_config.optimizer == "adam"
     assert repr(args.optimizer_config).startswith(f"{OPT}.OptimizerConfig(")
@@ -159,7 +159,7 @@ def test_stand_ins_are_written_back_as_what_they_stand_for(common_pt, tmp_path):
     assert args.tensor_model_parallel_size == 1 and args.params_dtype is torch.bfloat16
     assert torch.equal(real["t"], torch.arange(4))
     again = load_torch_file(tmp_path / "again.pt")
-    assert again["args"].attention_backend._args == (5,)
+    assert again["args"].attention_backend.fields()["_args"] == (5,)
     assert repr(again["args"].optimizer_config) == repr(state["args"].optimizer_config)
 
 

@@ -476,7 +476,7 @@ def test_zarr_refuses_unsafe_keys_and_writes_stand_ins_back(tmp_path):
     again = load_torch_file(tmp_path / "s" / "common.pt")["args"]["attention_backend"]
     if "__stand_in_for__" in dir(again):  # read back without megatron: the stand-in again
         assert again.__stand_in_for__ == "megatron.core.transformer.enums.AttnBackend"
-        assert again._args == (5,)
+        assert again.fields()["_args"] == (5,)
     else:  # megatron imported in this process (an earlier test): the real enum
         assert f"{type(again).__module__}.{type(again).__qualname__}" == \
             "megatron.core.transformer.enums.AttnBackend"

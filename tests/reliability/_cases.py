@@ -603,6 +603,140 @@ def _robustness_corpus() -> list[Case]:
     ]
 
 
-CASES = _corpus() + _robustness_corpus()
+# -- hostile inputs: reads outside through links, guesses, hostile sizes and fields ------------
+# (a tar torch.save member that is a symlink: torch.load extracts it and opens its target; the
+# real loaders are not asked about links out of the checkpoint: must_reject)
+
+def tar_with_link(rel, target="secret"):
+    """``rel`` replaced by a torch.save file in its tar form whose ``storages`` member is a
+    symlink to ``outside/<target>`` beside the copy: a regular file holding what torch.load
+    would read there, or (``target="fifo"``) a FIFO, whose open blocks."""
+    def fn(p):
+        outside = _marker(p).parent / "outside"
+        outside.mkdir(exist_ok=True)
+        dst = outside / target
+        if target == "fifo":
+            os.mkfifo(dst)
+        else:
+            import pickle
+
+            dst.write_bytes(pickle.dumps(0, protocol=2) + pickle.dumps([], protocol=2))
+        p.write_bytes(m.tar_torch_save(str(dst)))
+    return _f(rel, fn)
+
+
+def rank_args(rel, fn):
+    """Edit the ``args`` of one legacy rank file with ``fn(state)`` (torch.load, torch.save:
+    the file stays what the real library writes)."""
+    def mut(p):
+        import torch
+
+        state = torch.load(p, weights_only=False)
+        fn(state)
+        torch.save(state, p)
+    return _f(rel, mut)
+
+
+LEG2 = "iter_0000010/mp_rank_01_001/model_optim_rng.pt"
+
+
+def st_key_escape(rel, escaped: str):
+    """The safetensors header's ``fc.bias`` key rewritten as ``fc<escaped>bias`` in the JSON
+    text itself (``\\ud800``: a lone surrogate, which ``json.dumps`` cannot write)."""
+    def fn(p):
+        header, body = m.read_st(p)
+        raw = json.dumps(header).encode().replace(b'"fc.bias"',
+                                                  b'"fc' + escaped.encode() + b'bias"', 1)
+        m.write_st(p, header, body, raw_header=raw)
+    return _f(rel, fn)
+
+
+def _chunk_field(fqn, field, as_type):
+    """Every chunk of ``fqn`` in ``.metadata`` with ``field`` (sizes/offsets) of another type."""
+    def fn(md, ck):
+        for c in md.state_dict_metadata[fqn].chunks:
+            setattr(c, field, [as_type(v) for v in getattr(c, field)])
+    return dcp_meta(fn)
+
+
+def _dtype_string(fqn):
+    def fn(md, ck):
+        md.state_dict_metadata[fqn].properties.dtype = "float32"
+    return dcp_meta(fn)
+
+
+def _link_outside(rel):
+    """``rel`` moved beside the copy (``outside/``) and replaced by a symlink to it."""
+    def fn(p):
+        outside = _marker(p).parent / "outside"
+        outside.mkdir(exist_ok=True)
+        shutil.move(p, outside / p.name)
+        os.symlink(os.path.relpath(outside / p.name, p.parent), p)
+    return _f(rel, fn)
+
+
+def _hostile_corpus() -> list[Case]:
+    C = Case
+    outside = dict(must_reject=True, oracle=False, tags=("outside",))
+    hang = dict(outside, isolate=True)
+    return [
+        C("common-tar-link-outside", "torch_dist", tar_with_link("common.pt"), **outside),
+        C("common-tar-link-fifo", "torch_dist", tar_with_link("common.pt", "fifo"), **hang),
+        C("rank-file-tar-link-outside", "legacy", tar_with_link(LEG), **outside),
+        C("rank-file-tar-link-fifo", "legacy", tar_with_link(LEG, "fifo"), **hang),
+        C("tar-link-outside", "torch", tar_with_link(ST), **outside),
+        C("data-file-links-outside", "dcp", _link_outside(D0), **outside),
+        # the layout is read from what the rank files say, never guessed (the real loader,
+        # torch.load, reads every file: the layout is ckpt's own reading, so must_reject)
+        C("first-rank-without-args", "legacy", rank_args(LEG, lambda s: s.pop("args")),
+          must_reject=True, tags=("layout",)),
+        C("ranks-disagree-on-swiglu", "legacy",
+          rank_args(LEG2, lambda s: setattr(s["args"], "swiglu", False)), must_reject=True,
+          tags=("layout",)),
+        # fields parsed as the real loader parses them (int() of the tracker's text)
+        C("tracker-superscript-two", "legacy",
+          write("latest_checkpointed_iteration.txt", "\u00b2\n".encode())),
+        C("tracker-5000-digits", "legacy",
+          write("latest_checkpointed_iteration.txt", b"9" * 5000 + b"\n")),
+        C("key-with-nul", "safetensors", st_header(
+            ST, lambda h: h.update({"fc\u0000bias": h.pop("fc.bias")}))),
+        C("key-lone-surrogate", "safetensors", st_key_escape(ST, "\\ud800")),
+        C("storage-length-2-70", "torch_dist", _set_storage(OUT_W, length=1 << 70),
+          isolate=True),
+        C("common-200000-deep", "torch_dist", _f("common.pt", lambda p: m.rewrite_zip_member(
+            p, "data.pkl", lambda b: m.deep_list_pickle(200_000)))),
+        C("common-self-referential", "torch_dist", _f("common.pt", lambda p: m.rewrite_zip_member(
+            p, "data.pkl", lambda b: m.self_referential_pickle()))),
+        C("common-asks-2GB", "torch_dist", _f("common.pt", lambda p: m.rewrite_zip_member(
+            p, "data.pkl", lambda b: m.allocating_pickle(2_000_000_000))), isolate=True),
+        C("deflated-records", "torch", _f(ST, m.deflate_zip)),
+        C("deflated-records", "legacy", _f(LEG, m.deflate_zip)),
+        C("common-object-with-stand-in-names", "torch_dist", _f(
+            "common.pt", lambda p: m.rewrite_zip_member(p, "data.pkl", lambda b: (
+                m.with_megatron_object(b, {"_args": 5, "_items": 3, "_state": "x",
+                                           "hidden_size": 8}))))),
+        # what the real loaders refuse, validate refuses (fields of the wrong type or range)
+        C("shape-float", "safetensors", st_header(ST, lambda h: h["fc.bias"].update(
+            shape=[8.0]))),
+        C("shape-string", "safetensors", st_header(ST, lambda h: h["fc.bias"].update(
+            shape=["8"]))),
+        C("offsets-float", "safetensors", st_header(ST, lambda h: h["fc.bias"].update(
+            data_offsets=[float(x) for x in h["fc.bias"]["data_offsets"]]))),
+        C("offsets-string", "safetensors", st_header(ST, lambda h: h["fc.bias"].update(
+            data_offsets=[str(x) for x in h["fc.bias"]["data_offsets"]]))),
+        C("chunk-sizes-float", "torch_dist", _chunk_field(OUT_W, "sizes", float)),
+        C("chunk-offsets-string", "torch_dist", _chunk_field(OUT_W, "offsets", str)),
+        C("dtype-a-string", "dcp", _dtype_string(DCP_HEAD)),
+        C("backend-version-99", "torch_dist", json_edit(
+            "metadata.json", lambda d, p: d.update(sharded_backend_version=99))),
+        C("common-backend-zarr", "torch_dist", json_edit(
+            "metadata.json", lambda d, p: d.update(common_backend="zarr"))),
+        # a symlink nothing references, to a directory full of devices: not a damage at all
+        C("stray-link-to-root", "torch_dist", lambda ck: os.symlink("/", ck / "rootfs"),
+          tags=("intact",)),
+    ]
+
+
+CASES = _corpus() + _robustness_corpus() + _hostile_corpus()
 BY_ID = {f"{c.base}/{c.name}": c for c in CASES}
 assert len(BY_ID) == len(CASES), "case names must be unique per base"

@@ -192,3 +192,66 @@ def flip_item_data(ck: Path, fqn: str, at: int = 5, mask: int = 0x10,
 def flip_record_data(path: Path, record: str = "/data/", at: int = 5, mask: int = 0x10) -> None:
     """The same in a whole ``torch.save`` file (a legacy rank file, a torch.save file)."""
     xor(path, record_start(path.read_bytes(), record) + at, mask)
+
+
+# -- the oldest torch.save form: a tar archive ---------------------------------------------------
+
+def tar_torch_save(link_target: str) -> bytes:
+    """A torch.save file in its tar form (``storages``, ``tensors``, ``pickle``, ``sys_info``
+    members, as PyTorch < 0.4 wrote it and ``torch.load`` still reads it) whose ``storages``
+    member is a symlink to ``link_target``: ``torch.load`` extracts it and opens the target."""
+    import tarfile
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        link = tarfile.TarInfo("storages")
+        link.type, link.linkname = tarfile.SYMTYPE, link_target
+        tar.addfile(link)
+        for name, obj in (("tensors", 0), ("pickle", {"args": None}), ("sys_info", {})):
+            data = pickle.dumps(obj, protocol=2)
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+# -- pickles no torch.save writes: deep, self-referential --------------------------------------
+
+def deep_list_pickle(depth: int) -> bytes:
+    """A protocol-2 pickle of ``{"args": [[[...]]]}`` nested ``depth`` lists deep, built as
+    the unpickler builds it (no recursion): ``depth`` empty lists, each appended to the one
+    before."""
+    body = b"]" * depth + b"a" * (depth - 1)
+    return b"\x80\x02}X\x04\x00\x00\x00args" + body + b"s."
+
+
+def self_referential_pickle() -> bytes:
+    """``{"args": l}`` where ``l`` is a list holding itself (a memo reference)."""
+    return b"\x80\x02}X\x04\x00\x00\x00args]q\x00h\x00as."
+
+
+def deflate_zip(path: Path) -> None:
+    """Rewrite a torch.save zip with every record deflate-compressed (``torch.load`` reads
+    it: miniz inflates)."""
+    src = zipfile.ZipFile(io.BytesIO(path.read_bytes()))
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as dst:
+        for info in src.infolist():
+            dst.writestr(info.filename, src.read(info))
+    path.write_bytes(out.getvalue())
+
+
+def with_megatron_object(data_pkl: bytes, state: dict) -> bytes:
+    """``data_pkl`` (a pickled dict) with one more entry, ``"obj"``: an instance of a real
+    Megatron-Core class (``TransformerConfig``, created empty and given ``state``, as pickle
+    does for any object)."""
+    obj = (b"cmegatron.core.transformer.transformer_config\nTransformerConfig\n)\x81"
+           + pickle.dumps(state, protocol=2)[2:-1] + b"b")
+    assert data_pkl.endswith(b".")
+    return data_pkl[:-1] + b"X\x03\x00\x00\x00obj" + obj + b"s."
+
+
+def allocating_pickle(n: int) -> bytes:
+    """``{"args": bytearray(n)}`` as a pickle (a few dozen bytes asking for ``n``)."""
+    return (b"\x80\x02}X\x04\x00\x00\x00argsc__builtin__\nbytearray\nJ"
+            + n.to_bytes(4, "little", signed=True) + b"\x85Rs.")

@@ -80,3 +80,75 @@ def test_every_command_on_a_path_that_is_not_utf8(tmp_path):
     assert r.returncode == 0, r.stderr[-4000:]
     verdicts = json.loads((tmp_path / "out.json").read_text())
     assert verdicts == {k: "ok" for k, _, _ in todo}, verdicts
+
+
+@pytest.mark.parametrize("argv", [["inspect"], ["validate"], ["validate", "--deep"],
+                                  ["convert", "--to", "safetensors"], ["diff"]])
+def test_intact_cases_succeed(corpus, argv, tmp_path):
+    """The corpus's intact cases (``tags=("intact",)``: a symlink to ``/`` nothing references
+    beside the files) are what they were: every command succeeds on them."""
+    from typer.testing import CliRunner
+
+    from _cases import BY_ID
+    from ckpt_tool.cli.app import app
+
+    for case_id in sorted(k for k, c in BY_ID.items() if "intact" in c.tags):
+        path = str(corpus.path(case_id))
+        full = [argv[0], path, *argv[1:]]
+        if argv[0] == "convert":
+            full = ["convert", path, str(tmp_path / case_id.replace("/", "-")), *argv[1:]]
+        elif argv[0] == "diff":
+            full = ["diff", str(corpus.intact(BY_ID[case_id].base)), path]
+        r = CliRunner().invoke(app, full)
+        assert r.exit_code == 0, (case_id, full, r.stderr)
+
+
+def test_a_layout_no_rank_file_says_is_supplied_by_the_flag(corpus, tmp_path):
+    """A rank file without ``args`` is refused (the layout is never guessed); with the flag
+    the error names, the conversion equals the intact checkpoint's."""
+    from typer.testing import CliRunner
+
+    from ckpt_tool.cli.app import app
+
+    path = str(corpus.path("legacy/first-rank-without-args"))
+    run = CliRunner().invoke
+    r = run(app, ["convert", path, str(tmp_path / "a"), "--to", "torch_dist"])
+    assert r.exit_code == 2 and "--swiglu/--no-swiglu" in r.stderr, r.stderr
+    r = run(app, ["validate", path])
+    assert r.exit_code == 1 and "has no args" in r.stdout + r.stderr
+    r = run(app, ["convert", path, str(tmp_path / "a"), "--to", "torch_dist", "--swiglu"])
+    assert r.exit_code == 0, r.stderr
+    r = run(app, ["convert", str(corpus.intact("legacy")), str(tmp_path / "b"), "--to",
+                  "torch_dist"])
+    assert r.exit_code == 0, r.stderr
+    r = run(app, ["diff", str(tmp_path / "a"), str(tmp_path / "b"), "--json"])
+    import json
+
+    report = json.loads(r.stdout)
+    assert report["values"] == [] and report["stats"]["tensors_equal_bytes"] == \
+        report["stats"]["tensors_common"] > 0, report["stats"]
+
+
+def test_a_hugging_face_cache_snapshot_links_into_its_blobs(tmp_path):
+    """The one layout whose files are links out of the directory named: a Hugging Face hub
+    cache snapshot (``<repo>/snapshots/<rev>/*`` -> ``<repo>/blobs/<hash>``) reads as it is;
+    a link out of the repository directory is refused."""
+    from safetensors.torch import save_file
+    import torch
+    from typer.testing import CliRunner
+
+    from ckpt_tool.cli.app import app
+
+    repo = tmp_path / "models--org--tiny"
+    (repo / "blobs").mkdir(parents=True)
+    snap = repo / "snapshots" / "0123abc"
+    snap.mkdir(parents=True)
+    save_file({"w": torch.ones(2, 2)}, str(repo / "blobs" / "f00d"))
+    os.symlink("../../blobs/f00d", snap / "model.safetensors")
+    r = CliRunner().invoke(app, ["validate", str(snap)])
+    assert r.exit_code == 0, r.stdout + r.stderr
+    os.rename(repo / "blobs" / "f00d", tmp_path / "f00d")
+    os.unlink(snap / "model.safetensors")
+    os.symlink(tmp_path / "f00d", snap / "model.safetensors")
+    r = CliRunner().invoke(app, ["validate", str(snap)])
+    assert r.exit_code == 2 and "outside the checkpoint" in r.stderr, r.stdout + r.stderr

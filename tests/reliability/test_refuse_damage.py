@@ -102,3 +102,14 @@ def test_workers_refuse_damage_too(corpus, tmp_path, target):
                             "--to", target, "--workers", "3"])
     _refused(f"--workers 3 --to {target}", r.exit_code, r.stderr, out, tmp_path)
     assert "fails its CRC-32 check" in r.stderr
+
+
+@pytest.mark.parametrize("case_id", sorted(k for k, c in BY_ID.items() if "outside" in c.tags))
+def test_inspect_refuses_what_would_read_outside(corpus, case_id, tmp_path, monkeypatch):
+    """``inspect`` too (it may show a checkpoint whose data is damaged, never read a file a
+    link inside it points at): one line, exit 2."""
+    case = BY_ID[case_id]
+    path = corpus.path(case_id)
+    code, stderr = _run(case, ["inspect", str(path)], tmp_path, monkeypatch, path)
+    _refused(f"{case_id} inspect", code, stderr, tmp_path / "none", tmp_path)
+    assert code == 2

@@ -86,7 +86,7 @@ def split_rule(key: str, *, swiglu: bool) -> tuple[str, int | None]:
 def is_model_key(key: object) -> bool:
     """``model`` or a virtual-pipeline chunk ``model0``, ``model1``, ..."""
     return isinstance(key, str) and (key == "model" or (key.startswith("model")
-                                                         and key[5:].isdigit()))
+                                                         and key[5:].isascii() and key[5:].isdigit()))
 
 
 def model_keys(state: object) -> list[str]:

@@ -19,12 +19,65 @@ from ckpt_tool.formats.legacy import optim as _O
 from ckpt_tool.formats.legacy import pieces as P
 from ckpt_tool.model import CheckpointMeta, ObjectMeta, TensorMeta
 
-__all__ = ["RankFileScan", "rank_dirs", "MODEL_FILE", "DISTRIB_OPTIM_FILE", "OPTIM_PREFIX"]
+__all__ = ["RankFileScan", "rank_dirs", "MODEL_FILE", "DISTRIB_OPTIM_FILE", "OPTIM_PREFIX",
+           "supply_swiglu", "LAYOUT_ARGS"]
 
 MODEL_FILE = "model_optim_rng.pt"
 DISTRIB_OPTIM_FILE = "distrib_optim.pt"
 _OBJECT_KEYS = ("optimizer", "opt_param_scheduler", "rng_state")
 OPTIM_PREFIX = "optimizer.state."
+# the ``args`` fields that decide where each rank's tensors go in the merged model
+LAYOUT_ARGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+               "expert_model_parallel_size", "expert_tensor_parallel_size", "swiglu",
+               "num_layers", "num_experts", "virtual_pipeline_model_parallel_size",
+               "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")
+SWIGLU_FLAG = "--swiglu/--no-swiglu"
+_supplied: dict[str, Any] = {}
+
+
+def supply_swiglu(value: bool | None) -> None:
+    """What the user says (``--swiglu``/``--no-swiglu``) about whether ``linear_fc1`` is a
+    gated pair, for rank files whose ``args`` do not say it (None: nothing supplied)."""
+    if value is None:
+        _supplied.pop("swiglu", None)
+    else:
+        _supplied["swiglu"] = bool(value)
+
+
+class _Args:
+    """The layout fields of the rank files' ``args``, agreed by all of them."""
+
+    def __init__(self, values: dict[str, Any]):
+        self.__dict__.update(values)
+
+
+def _layout_args(present: dict[str, Any], root: Path) -> tuple[Any, list[str]]:
+    """(the ``args`` the layout is read from, the rank files without ``args``). Every rank
+    file that has ``args`` must agree on the layout fields (CorruptCheckpointError naming
+    the two files and the field otherwise); the layout is the agreed one, with what the
+    user supplied for what no rank file says."""
+    with_args = {n: s["args"] for n, s in sorted(present.items())
+                 if isinstance(s, dict) and s.get("args") is not None}
+    without = sorted(n for n in present if n not in with_args)
+    if not with_args:
+        return (_Args(dict(_supplied)) if _supplied else None), without
+    names = list(with_args)
+    agreed = {}
+    for field in LAYOUT_ARGS:
+        first = _get(with_args[names[0]], field)
+        for n in names[1:]:
+            other = _get(with_args[n], field)
+            if other != first:
+                raise CorruptCheckpointError(
+                    f"the rank files disagree on args.{field}: {first!r} in "
+                    f"{names[0]}/{MODEL_FILE}, {other!r} in {n}/{MODEL_FILE}", path=root,
+                    hint="the rank files come from different runs: restore the checkpoint")
+        agreed[field] = first
+    base = with_args[names[0]]
+    supplied = {k: v for k, v in _supplied.items() if agreed.get(k) is None}
+    if not supplied:
+        return base, without
+    return _Args({**getattr(base, "__dict__", {}), **agreed, **supplied}), without
 
 
 def rank_dirs(root: Path) -> list[str]:
@@ -73,7 +126,7 @@ class RankFileScan:
                                          path=self.root)
         self.torch_free = present
         first = present[sorted(present)[0]]
-        args = first.get("args") if isinstance(first, dict) else None
+        args, without_args = _layout_args(present, self.root)
         tp_size = _get(args, "tensor_model_parallel_size")
         pp_size = _get(args, "pipeline_model_parallel_size")
         ep_size = _get(args, "expert_model_parallel_size") or 1
@@ -93,7 +146,7 @@ class RankFileScan:
             self.problems.append({"message": f"rank file {f} is missing (TP={tp_size} "
                                   f"PP={pp_size} EP={ep_size} from args)", "file": f})
 
-        swiglu = bool(_get(args, "swiglu"))
+        swiglu = self._swiglu(args, without_args, present, tp_size)
         num_layers = _get(args, "num_layers")
         model_keys = L.model_keys(first)
         offsets = self._stage_offsets(present, ranks, args, num_layers, pp_size)
@@ -180,6 +233,36 @@ class RankFileScan:
         return CheckpointMeta(format=format_name, root=str(self.root), tensors=tensors,
                               objects=tuple(objects), common=common, extras=extras,
                               version=None if version is None else str(version))
+
+    def _swiglu(self, args: Any, without_args: list[str], present: dict[str, Any],
+                tp_size: int) -> bool:
+        """Whether ``linear_fc1`` is a gated (SwiGLU) pair, from what the rank files say. It
+        decides how TP shards of ``linear_fc1`` merge (gate and up halves of each shard, or
+        plain rows), which nothing in the tensors shows: a rank file without ``args`` (or
+        ``args`` without ``swiglu``) when it matters is CorruptCheckpointError naming the
+        flag that supplies it."""
+        value = _get(args, "swiglu")
+        fc1 = tp_size > 1 and any(
+            str(k).endswith(("linear_fc1.weight", "linear_fc1.bias"))
+            for state in present.values() if isinstance(state, dict)
+            for mk in L.model_keys(state) if isinstance(state.get(mk), dict)
+            for k in state[mk])
+        if not fc1:
+            return bool(value)
+        if without_args and "swiglu" not in _supplied:
+            files = ", ".join(f"{n}/{MODEL_FILE}" for n in without_args[:3])
+            more = f" and {len(without_args) - 3} more" if len(without_args) > 3 else ""
+            raise CorruptCheckpointError(
+                f"{files}{more} has no args: whether linear_fc1 is a gated (SwiGLU) pair, "
+                "which decides how its TP shards merge, is not taken from another rank file "
+                "or guessed", path=self.root,
+                hint=f"restore the rank file, or say it with {SWIGLU_FLAG}")
+        if value is None:
+            raise CorruptCheckpointError(
+                "the rank files' args do not say whether linear_fc1 is a gated (SwiGLU) pair "
+                "(args.swiglu), which decides how its TP shards merge", path=self.root,
+                hint=f"say it with {SWIGLU_FLAG}")
+        return bool(value)
 
     def _zip(self, rel: str) -> Any:
         from ckpt_tool.formats.containers.torch_zip.torch_save_files import (

@@ -42,6 +42,8 @@ from typing import Any, Callable
 
 from ckpt_tool.errors import CorruptCheckpointError, InputError
 from ckpt_tool.formats.base import Format, Reader, register
+from ckpt_tool.formats.containers.torch_zip.tar_form import refuse_tar_form
+from ckpt_tool.formats.containers.torch_zip.torch_save_files import mmap_safe
 from ckpt_tool.formats.legacy import layout as L
 from ckpt_tool.formats.legacy import optim as _O
 from ckpt_tool.formats.legacy import pieces as P
@@ -129,12 +131,14 @@ class LegacyReader(Reader):
         path = self.root / rel
         if not path.is_file():
             raise CorruptCheckpointError(f"rank file {rel} is missing", path=self.root)
+        refuse_tar_form(path, f"rank file {rel}")
         if self.verify:  # torch.load does not check the CRCs: every record's first
             from ckpt_tool.formats.containers.torch_zip.archive_check import check_file
 
             check_file(path, f"rank file {rel}")
         try:
-            state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+            state = torch.load(path, map_location="cpu", mmap=mmap_safe(path),
+                           weights_only=True)
         except pickle.UnpicklingError:
             from ckpt_tool.formats.containers.pickle.safe_pickle import load_torch_file
 

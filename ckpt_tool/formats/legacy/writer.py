@@ -142,6 +142,8 @@ def write_legacy_ranks(directory: Path, plan: Any, source: Any,
         "release" if iteration is None else f"iter_{int(iteration):07d}"))
     iter_dir.mkdir(parents=True, exist_ok=True)
     args = updated_args(common.get("args"), plan.args_updates)
+    if getattr(args, "swiglu", None) is None:  # the files say how linear_fc1 was split
+        args.swiglu = bool(plan.sizes.gated_linear_unit)
     same_layout = all(getattr(plan.source, f) == getattr(plan.target, f)
                       for f in ("tp", "pp", "ep", "expert_tp", "vpp"))
     todo = plan.ranks

@@ -66,8 +66,25 @@ def _sniffer(backend: str):
             return exc.message if isinstance(exc, InputError) else str(exc)
         if cfg["sharded_backend"] != backend:
             return f"{METADATA_JSON} says sharded_backend {cfg['sharded_backend']!r}"
-        return None
+        return unknown_backend_version(cfg)
     return sniff
+
+
+#: What Megatron-Core's strategy registry loads (``strategies/base.py``,
+#: ``default_strategies[action][(backend, version)]``): version 1 of each backend, and
+#: ``torch`` (``common.pt``) for the common state (0.19 writes no common_backend fields).
+_KNOWN_VERSIONS = {"sharded_backend_version": (1,), "common_backend": ("torch",),
+                   "common_backend_version": (1,)}
+
+
+def unknown_backend_version(cfg: dict) -> str | None:
+    """Why Megatron-Core finds no strategy to load the checkpoint ``cfg`` describes (a
+    version it has none for, a common backend other than ``torch``), or None."""
+    for field, known in _KNOWN_VERSIONS.items():
+        if field in cfg and (cfg[field] not in known or type(cfg[field]) is bool):
+            return (f"{METADATA_JSON} says {field} {cfg[field]!r}: Megatron-Core has no "
+                    f"strategy to load it (it loads {', '.join(map(repr, known))})")
+    return None
 
 
 def infer_optimizer_sharding(tensors: dict[str, TensorMeta], objects: list[ObjectMeta] | tuple,

@@ -28,6 +28,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import os
 import pickle
 import re
 from pathlib import Path
@@ -141,6 +142,8 @@ class ZarrWriter(Writer):
                                                                     else "")
             notes.append(f"dropped {plural(len(dropped), 'object')} ({shown}): not ShardedObject "
                          "keys (<key>/shard_<offsets>_<shape>), which the zarr layout cannot address")
+        for name in [t.key for t in tensors] + [o.unique_key for o in objects]:
+            _check_entry_name(name)
         ranks = request.ranks
         main = ranks is None or ranks.is_main
         mine = my_share(ranks, [t.nbytes for t in tensors])
@@ -193,3 +196,16 @@ class ZarrWriter(Writer):
                     f.write(data)
                     del piece
                     request.progress(math.prod(inside) * itemsize)
+
+
+def _check_entry_name(name: str) -> None:
+    """UsageError when ``name`` (a tensor's array directory, an object's file) cannot be a
+    path inside the checkpoint: a NUL byte, an empty or ``.``/``..`` part, a part longer
+    than a file name may be."""
+    parts = name.split("/")
+    if "\0" in name or any(p in ("", ".", "..") or len(os.fsencode(p)) > 250 for p in parts):
+        from ckpt_tool.errors import UsageError
+
+        raise UsageError(f"the key {name!r} cannot name a file of a zarr checkpoint (one "
+                         "directory or file per key)",
+                         hint="rename it (--rename) or convert to another format")

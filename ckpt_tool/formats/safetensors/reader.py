@@ -82,14 +82,21 @@ def _file_tensors(path: Path, rel: str) -> tuple[dict[str, TensorMeta], dict[str
         raise CorruptCheckpointError("__metadata__ is not a map of strings to strings "
                                      "(safetensors refuses the file)", path=path)
     tensors: dict[str, TensorMeta] = {}
-    for key, entry in header.items():
+    for key in list(header):
+        entry = header.pop(key)  # (each parsed entry freed as its TensorMeta is made)
+        _check_key(key, path)
         try:
-            code, shape, (start, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
-            shape = tuple(int(s) for s in shape)
-            start, end = int(start), int(end)
-        except (TypeError, KeyError, ValueError) as exc:
+            code, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+        except (TypeError, KeyError) as exc:
             raise CorruptCheckpointError(f"tensor {key!r}: malformed header entry ({exc!r})",
                                          path=path) from None
+        if not isinstance(code, str) or not _uints(shape) or not _uints(offsets) \
+                or len(offsets) != 2:
+            raise CorruptCheckpointError(
+                f"tensor {key!r}: malformed header entry (dtype {code!r}, shape {shape!r}, "
+                f"data_offsets {offsets!r}: a string, a list of non-negative integers and two "
+                "of them; safetensors refuses the file)", path=path)
+        shape, (start, end) = tuple(shape), offsets
         dtype = SAFETENSORS_DTYPES.get(code)
         if dtype is None:
             raise UnsupportedError(f"tensor {key!r}: safetensors dtype {code!r} is not supported",
@@ -103,11 +110,39 @@ def _file_tensors(path: Path, rel: str) -> tuple[dict[str, TensorMeta], dict[str
             raise CorruptCheckpointError(
                 f"tensor {key!r}: data_offsets end {end} beyond the {data_size} data bytes in "
                 "the file (truncated?)", path=path)
-        chunk = ChunkRef(offsets=(0,) * len(shape), sizes=shape, file=rel,
+        chunk = ChunkRef(offsets=_ZEROS[len(shape)] if len(shape) < len(_ZEROS)
+                         else (0,) * len(shape), sizes=shape, file=rel,
                          byte_offset=8 + n + start, byte_length=nbytes, layout="raw")
         tensors[key] = TensorMeta(key=key, dtype=dtype, shape=shape, chunks=(chunk,))
     _check_packed(tensors, data_size, 8 + n, path)
     return tensors, extra
+
+
+_U64 = 1 << 64
+_ZEROS = tuple((0,) * n for n in range(9))  # one tuple of offsets per rank, shared
+
+
+def _uints(value: Any) -> bool:
+    """A JSON list of integers a ``u64``/``usize`` holds, as safetensors parses shapes and
+    offsets (a float ``8.0``, a string ``"8"``, ``true`` or a negative number: refused)."""
+    if type(value) is not list:
+        return False
+    for v in value:
+        if type(v) is not int or not 0 <= v < _U64:
+            return False
+    return True
+
+
+def _check_key(key: str, path: Path) -> None:
+    """A tensor name safetensors can hold: valid UTF-8 (a JSON escape of a lone surrogate,
+    ``\\ud800``, parses in Python but not in safetensors' parser)."""
+    try:
+        key.encode("utf-8")
+    except UnicodeEncodeError:
+        raise CorruptCheckpointError(
+            f"tensor name {key.encode('utf-8', 'backslashreplace').decode()!r} is not valid "
+            "Unicode (a lone surrogate escape); safetensors refuses the file",
+            path=path) from None
 
 
 def _check_packed(tensors: dict[str, TensorMeta], data_size: int, start: int,

@@ -23,10 +23,12 @@ from typing import Any
 
 from ckpt_tool.errors import CorruptCheckpointError, InputError, UnsupportedError
 from ckpt_tool.formats.base import Format, Reader, register
+from ckpt_tool.formats.containers.torch_zip.tar_form import refuse_tar_form
 from ckpt_tool.formats.containers.torch_zip.torch_save_files import (
     LEGACY_MAGIC,
     ZIP_MAGIC,
     flatten_state,
+    mmap_safe,
     placeholder_chunk,
     zip_storages,
 )
@@ -83,6 +85,7 @@ class TorchSaveReader(Reader):
         super().__init__(_in_dir(Path(path)), trust=trust)
         if not self.path.is_file():
             raise InputError("no such file", path=self.path, hint="check the path")
+        refuse_tar_form(self.path)
         with open(self.path, "rb") as f:
             if f.read(len(LEGACY_MAGIC)) == LEGACY_MAGIC:
                 raise UnsupportedError(
@@ -146,7 +149,8 @@ class TorchSaveReader(Reader):
 
             self._check()
             try:
-                state = torch.load(self.path, map_location="cpu", mmap=True, weights_only=True)
+                state = torch.load(self.path, map_location="cpu", mmap=mmap_safe(self.path),
+                               weights_only=True)
             except pickle.UnpicklingError:
                 from ckpt_tool.formats.containers.pickle.safe_pickle import load_torch_file
 
@@ -183,7 +187,8 @@ class TorchSaveReader(Reader):
 
         self._check()
         try:
-            state = torch.load(self.path, map_location="cpu", mmap=True, weights_only=True)
+            state = torch.load(self.path, map_location="cpu", mmap=mmap_safe(self.path),
+                           weights_only=True)
         except pickle.UnpicklingError:
             from ckpt_tool.formats.containers.pickle.safe_pickle import load_torch_file
 

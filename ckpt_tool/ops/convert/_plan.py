@@ -135,6 +135,13 @@ def plan_convert(meta: CheckpointMeta, options: ConvertOptions,
                                       chunks=chunks, origin=key)
         key_map[new_key] = key
 
+    if meta.tensors and not tensors and (keep is not None or drop is not None
+                                         or options.model_only):
+        raise UsageError(f"--filter/--exclude/--model-only leave none of the "
+                         f"{plural(len(meta.tensors), 'tensor')} (an output without tensors "
+                         "restores nothing)",
+                         hint="check the patterns against `ckpt inspect SRC` (regexes searched "
+                              "in each key)")
     objects: list[ObjectMeta] = []
     object_map: dict[str, str] = {}
     for o in meta.objects:

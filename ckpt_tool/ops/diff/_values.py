@@ -256,6 +256,10 @@ def _same(x: Any, y: Any) -> bool | None:
             return None
     if type(x) is not type(y):
         return False if isinstance(x, prim) or isinstance(y, prim) else None
+    from ckpt_tool.formats.containers.pickle.safe_pickle import StandIn
+
+    if isinstance(x, StandIn):  # an object of a class not imported: equal when its state is
+        return _same(x.fields(), y.fields())
     try:
         eq = x == y
         return eq if isinstance(eq, bool) else None

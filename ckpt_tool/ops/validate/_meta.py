@@ -21,7 +21,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ckpt_tool.model import DTYPE_ITEMSIZE, CheckpointMeta, is_optimizer_key
-from ckpt_tool.ops.validate._checks import error
+from ckpt_tool.ops.validate._checks import error, warning
 from ckpt_tool.model import Finding
 
 __all__ = ["check_meta_against_files", "check_common_state"]
@@ -35,9 +35,12 @@ def check_meta_against_files(root: Path, meta: CheckpointMeta) -> list[Finding]:
         out.append(error("metadata.json names the zarr backend, but the directory holds "
                          "torch_dist data (.metadata, *.distcp): metadata.json is damaged",
                          file="metadata.json"))
-    if not meta.tensors:
+    if not meta.tensors and meta.kind.zarr_arrays:  # no arrays: nothing says there were none
         out.append(error(f"no tensors: nothing a loader could restore (read as "
                          f"{meta.format})"))
+    elif not meta.tensors:  # the metadata says so: an empty save, valid for its loader
+        out.append(warning(f"no tensors: the metadata lists none (an empty save; read as "
+                           f"{meta.format})"))
     if meta.kind.zarr_arrays:
         out += _zarr_dtypes(meta)
     return out

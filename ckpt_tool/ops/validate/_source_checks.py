@@ -39,6 +39,7 @@ def check_source(meta: CheckpointMeta, keys: Iterable[str] | None = None, *,
     base = root if root.is_dir() else root.parent
     problems = check_meta_against_files(base, meta) + check_overlaps(meta) + (
         check_common_state(base, meta) if needs_common else [])
+    problems = [f for f in problems if f.severity == "error"]  # (an empty save: a warning)
     if problems:
         first = problems[0]
         where = f"{first.key}: " if first.key else ""

@@ -21,7 +21,7 @@ def plainify(x):
         return x
     stand_in = getattr(type(x), "__stand_in_for__", None)
     if stand_in is not None:
-        fields = dict(x.__dict__)
+        fields = x.fields() if hasattr(type(x), "fields") else dict(x.__dict__)
         args = fields.pop("_args", ())
         return ("obj", stand_in, plainify(tuple(args)), plainify(fields))
     qual = f"{type(x).__module__}.{type(x).__qualname__}"

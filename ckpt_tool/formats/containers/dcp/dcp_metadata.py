@@ -197,19 +197,21 @@ def dcp_tensor_metas(md: Any, *, mcore_data: dict[str, Any] | None = None
             info = storage.get((key, None))
             objects.append(_object_meta(key, info))
             continue
-        dtype = _dtype_str(item.properties.dtype)
-        size = tuple(int(s) for s in item.size)
+        dtype = _dtype_str(_checked_dtype(getattr(item.properties, "dtype", None), key))
+        size = _ints(item.size, "size", key)
         orig = (mcore_data.get(key) or {}).get("nd_reformulated_orig_global_shape")
         layout = "flat" if orig is not None else "torch_save"
         chunks = []
         for ch in item.chunks:
-            offsets = tuple(int(o) for o in ch.offsets)
+            offsets = _ints(ch.offsets, "chunk offsets", key)
             info = storage.get((key, offsets))
             chunks.append(ChunkRef(
-                offsets=offsets, sizes=tuple(int(s) for s in ch.sizes),
+                offsets=offsets, sizes=_ints(ch.sizes, "chunk sizes", key),
                 file=None if info is None else data_file_name(info.relative_path, key),
-                byte_offset=None if info is None else int(info.offset),
-                byte_length=None if info is None else int(info.length),
+                byte_offset=None if info is None else _ints(
+                    [info.offset], "storage offset", key)[0],
+                byte_length=None if info is None else _ints(
+                    [info.length], "storage length", key)[0],
                 transforms=tuple(getattr(info, "transform_descriptors", None) or ()),
                 layout=layout))
         chunks.sort(key=lambda c: c.offsets)
@@ -229,6 +231,37 @@ def data_file_name(name: Any, key: str) -> str:
     """A storage ``relative_path`` checked to stay inside the checkpoint directory (see
     :func:`ckpt_tool.formats.regular_files.inside_name`)."""
     return inside_name(name, f"item {key}: its data file", ".metadata")
+
+
+_INT64 = 1 << 63
+
+
+def _ints(values: Any, what: str, key: str) -> tuple[int, ...]:
+    """``values`` (a torch.Size, a tuple) as a tuple of ints, each an int of int64's range
+    and not negative, as torch builds tensors and reads bytes from them; anything else (a
+    float ``8.0``, a string, ``2**70``) is CorruptCheckpointError naming the field."""
+    try:
+        out = tuple(values)
+    except TypeError:
+        out = None
+    if out is None or not all(type(v) is int and 0 <= v < _INT64 for v in out):
+        shown = repr(values)[:80]
+        raise CorruptCheckpointError(
+            f"tensor {key}: {what} {shown} are not non-negative int64 integers "
+            "(torch refuses them)", hint=".metadata is damaged")
+    return out
+
+
+def _checked_dtype(dtype: Any, key: str) -> Any:
+    """A torch dtype (torch-free: a ``DtypeName``); a plain string or anything else is what
+    torch cannot build a tensor of: CorruptCheckpointError."""
+    from ckpt_tool.formats.containers.pickle.torch_stand_ins import DtypeName
+
+    if isinstance(dtype, DtypeName) or type(dtype).__module__ == "torch" \
+            and type(dtype).__name__ == "dtype":
+        return dtype
+    raise CorruptCheckpointError(f"tensor {key}: dtype {dtype!r} is not a torch dtype",
+                                 hint=".metadata is damaged")
 
 
 def _dtype_str(dtype: Any) -> str:

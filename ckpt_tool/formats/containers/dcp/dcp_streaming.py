@@ -259,10 +259,14 @@ class StreamingFileSystemWriter(McoreFileSystemWriter):
 # -- running a streaming DCP save for a Writer (both DCP writers) --------------------
 
 def serialized(value: Any) -> io.BytesIO:
+    """``torch.save`` of ``value`` (stand-ins of classes not imported pickled back as what
+    they stand for: ``safe_pickle.pickle_module_for``)."""
     import torch
 
+    from ckpt_tool.formats.containers.pickle.safe_pickle import pickle_module_for
+
     buf = io.BytesIO()
-    torch.save(value, buf)
+    torch.save(value, buf, pickle_module=pickle_module_for(value))
     buf.seek(0)
     return buf
 

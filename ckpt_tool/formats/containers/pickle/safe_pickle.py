@@ -22,6 +22,7 @@ This module does not import torch; :func:`load_torch_file` imports it when calle
 from __future__ import annotations
 
 import _compat_pickle
+import argparse
 import copyreg
 import importlib
 import io
@@ -123,22 +124,32 @@ class StandIn:
     """An inert object standing in for an instance of a class that was not imported.
 
     It accepts any constructor arguments and pickle state and keeps them: keyword fields and
-    dict state become attributes, positional arguments go to ``_args``, list/dict payloads
-    appended by the unpickler to ``_items``. ``repr`` shows the original qualified name.
+    dict state become attributes, positional arguments, a state that is not a dict and
+    list/dict payloads appended by the unpickler are kept in slots of their own (so a field
+    of the real object may have any name, ``_args`` included). ``repr`` shows the original
+    qualified name.
     """
 
+    __slots__ = ("__dict__", "__weakref__", "_stand_in_args", "_stand_in_state",
+                 "_stand_in_items")
     __stand_in_for__ = "?"
 
     def __new__(cls, *args: Any, **kwargs: Any) -> StandIn:
         obj = object.__new__(cls)
         if args:
-            obj.__dict__["_args"] = args
+            obj._stand_in_args = args
         return obj
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         if args:
-            self.__dict__["_args"] = args
+            self._stand_in_args = args
         self.__dict__.update(kwargs)
+
+    def _slot(self, name: str, default: Any = None) -> Any:
+        try:
+            return object.__getattribute__(self, name)
+        except AttributeError:
+            return default
 
     def __setstate__(self, state: Any) -> None:
         if isinstance(state, dict):
@@ -148,17 +159,25 @@ class StandIn:
             for part in state:
                 self.__dict__.update(part or {})
         else:
-            self.__dict__["_state"] = state
+            self._stand_in_state = state
 
     # Payloads of list/dict subclasses arrive through append/extend/__setitem__.
     def append(self, item: Any) -> None:
-        self.__dict__.setdefault("_items", []).append(item)
+        self._list_items().append(item)
 
     def extend(self, items: Any) -> None:
-        self.__dict__.setdefault("_items", []).extend(items)
+        self._list_items().extend(items)
+
+    def _list_items(self) -> list:
+        items = self._slot("_stand_in_items")
+        if not isinstance(items, list):
+            items = self._stand_in_items = []
+        return items
 
     def __setitem__(self, key: Any, value: Any) -> None:
-        items = self.__dict__.setdefault("_items", {})
+        items = self._slot("_stand_in_items")
+        if items is None:
+            items = self._stand_in_items = {}
         if isinstance(items, dict):
             items[key] = value
 
@@ -166,17 +185,23 @@ class StandIn:
         raise AttributeError(f"{self.__stand_in_for__} stand-in has no field {name!r}")
 
     def fields(self) -> dict[str, Any]:
-        """The kept fields (constructor keywords and pickle state)."""
-        return dict(self.__dict__)
+        """The kept fields (constructor keywords and pickle state; for display, the
+        positional arguments as ``_args``, a non-dict state as ``_state``, payloads as
+        ``_items``, unless a field of the object has that name)."""
+        shown = {name: value for name, value in (
+            ("_args", self._slot("_stand_in_args")), ("_state", self._slot("_stand_in_state")),
+            ("_items", self._slot("_stand_in_items"))) if value is not None}
+        return {**shown, **self.__dict__}
 
     def __reduce_ex__(self, protocol: int) -> tuple:
         """What pickles it back as the object it stands for (with :class:`StandInPickler`):
         called with its arguments (``REDUCE``: an enum member ``AttnBackend(5)``), else
         created empty (``NEWOBJ``); then its state and list/dict items."""
         fields = dict(self.__dict__)
-        args = fields.pop("_args", ())
-        items = fields.pop("_items", None)
-        state = fields.pop("_state") if "_state" in fields else (fields or None)
+        args = self._slot("_stand_in_args", ())
+        items = self._slot("_stand_in_items")
+        raw = self._slot("_stand_in_state", _UNSET)
+        state = raw if raw is not _UNSET else (fields or None)
         lists = iter(items) if isinstance(items, list) else None
         pairs = iter(items.items()) if isinstance(items, dict) else None
         if args:
@@ -184,11 +209,12 @@ class StandIn:
         return copyreg.__newobj__, (type(self),), state, lists, pairs
 
     def __repr__(self) -> str:
-        parts = [repr(a) for a in self.__dict__.get("_args", ())]
-        parts += [f"{k}={v!r}" for k, v in self.__dict__.items() if k != "_args"]
+        parts = [repr(a) for a in self._slot("_stand_in_args", ())]
+        parts += [f"{k}={v!r}" for k, v in self.__dict__.items()]
         return f"{self.__stand_in_for__}({', '.join(parts)})"
 
 
+_UNSET = object()
 _STAND_INS: dict[str, type] = {}
 
 
@@ -266,6 +292,12 @@ class SafeUnpickler(pickle.Unpickler):
         self._overrides = overrides or {}
         self._fallback = fallback
 
+    def load(self) -> Any:
+        """The unpickled object, checked to be a tree no deeper than :data:`MAX_NESTING`."""
+        obj = super().load()
+        check_nesting(obj)
+        return obj
+
     def find_class(self, module: str, name: str) -> Any:
         # Protocol <= 2 pickles name Python 2 modules (``__builtin__``, ``commands``): check and
         # report the Python 3 global the default unpickler would import.
@@ -283,7 +315,8 @@ class SafeUnpickler(pickle.Unpickler):
         if self._trust:
             return super().find_class(module, name)
         if is_allowed(module, name):
-            return _import_global(module, name)
+            found = _import_global(module, name)
+            return _capped(qual, found) if qual in _SIZED else found
         added = _torch_safe_global(module, name)
         if added is not None:
             return added
@@ -293,6 +326,95 @@ class SafeUnpickler(pickle.Unpickler):
             f"the pickle references {qual}, which is not on the allowlist of safe globals",
             hint=TRUST_HINT,
         )
+
+
+#: How deep an unpickled state may nest containers (a checkpoint's states nest a few tens of
+#: levels; every walk over them, the summaries of inspect, the comparisons of diff, the
+#: pickling of a target, recurses).
+MAX_NESTING = 1000
+
+
+def _children(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return [*obj.keys(), *obj.values()]
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        return obj
+    d = getattr(obj, "__dict__", None) if isinstance(obj, (StandIn, argparse.Namespace)) \
+        else None
+    return None if d is None else list(d.values())
+
+
+def check_nesting(obj: Any) -> None:
+    """CorruptCheckpointError when ``obj`` nests containers deeper than :data:`MAX_NESTING`
+    or holds a container that contains itself: no checkpoint's state is built so, and the
+    walks over it would end in a RecursionError (iterative: any depth is checked)."""
+    stack: list[tuple[Any, int, bool]] = [(obj, 0, False)]
+    on_path: set[int] = set()
+    done: set[int] = set()
+    while stack:
+        o, depth, leaving = stack.pop()
+        if leaving:
+            on_path.discard(id(o))
+            done.add(id(o))
+            continue
+        children = _children(o)
+        if not children:
+            continue
+        if id(o) in on_path:
+            raise CorruptCheckpointError(
+                f"the pickled state holds a {type(o).__name__} that contains itself (a cycle)",
+                hint="no checkpoint's state is built so: the file is damaged or crafted")
+        if id(o) in done:
+            continue
+        if depth >= MAX_NESTING:
+            raise CorruptCheckpointError(
+                f"the pickled state nests containers more than {MAX_NESTING} levels deep",
+                hint="no checkpoint's state is built so: the file is damaged or crafted")
+        on_path.add(id(o))
+        stack.append((o, depth, True))
+        stack.extend((c, depth + 1, False) for c in children)
+
+
+#: The most one call to an allowlisted constructor may allocate while unpickling
+#: (``bytearray(2_000_000_000)`` is a 120-byte pickle): a checkpoint's pickles carry their
+#: data in their own bytes, never as a size to allocate. ``--trust`` lifts the cap.
+MAX_ALLOCATION = 256 << 20
+# constructors that allocate what an argument says (an int: a size; a range: its length) and
+# that pickles only ever call (never pass on as a type, as numpy's and torch's rebuilders
+# take ``numpy.ndarray``, ``torch.Tensor`` and storage classes)
+_SIZED = frozenset({"builtins.bytearray", "builtins.bytes", "builtins.list", "builtins.tuple",
+                    "builtins.set", "builtins.frozenset", "builtins.dict",
+                    "collections.Counter", "collections.OrderedDict"})
+
+
+def _requested(args: tuple, kwargs: dict) -> int:
+    """About the bytes a constructor call with ``args`` allocates from sizes alone."""
+    total = 0
+    for a in (*args, *kwargs.values()):
+        if type(a) is int:
+            total += max(a, 0)
+        elif isinstance(a, range):
+            total += 8 * len(a)  # (a pointer per element, at least)
+    return total
+
+
+def _capped(qual: str, ctor: Any) -> Any:
+    """``ctor`` refusing (CorruptCheckpointError) a call that would allocate more than
+    :data:`MAX_ALLOCATION` from its arguments' sizes."""
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            need = _requested(args, kwargs)
+        except (OverflowError, TypeError, ValueError):
+            need = MAX_ALLOCATION + 1
+        if need > MAX_ALLOCATION:
+            raise CorruptCheckpointError(
+                f"the pickle asks {qual} for about {need:,} bytes, over the "
+                f"{MAX_ALLOCATION >> 20} MiB one unpickled constructor call may allocate",
+                hint="a checkpoint carries its data in its bytes, not as sizes to allocate; "
+                     "--trust unpickles without the cap (only for files you trust)")
+        return ctor(*args, **kwargs)
+    call.__name__ = call.__qualname__ = getattr(ctor, "__name__", "capped")
+    return call
 
 
 def _torch_safe_global(module: str, name: str) -> Any:
@@ -390,6 +512,10 @@ def load_torch_file(path_or_fileobj: str | os.PathLike | IO[bytes], *, trust: bo
         from ckpt_tool.errors import InputError
 
         raise InputError("no such file", path=where, hint="check the path")
+    if where is not None and not is_remote(where):
+        from ckpt_tool.formats.containers.torch_zip.tar_form import refuse_tar_form
+
+        refuse_tar_form(where)
     if verify:
         _check_zip(path_or_fileobj, where)
     if where is not None and is_remote(where):

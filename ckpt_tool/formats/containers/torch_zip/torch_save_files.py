@@ -16,14 +16,12 @@ from typing import Any
 from ckpt_tool.errors import CorruptCheckpointError
 from ckpt_tool.model import ChunkRef, dtype_itemsize
 
-__all__ = ["ZIP_MAGIC", "LEGACY_MAGIC", "flatten_state", "zip_storages", "zip_data_offsets",
+__all__ = ["ZIP_MAGIC", "LEGACY_MAGIC", "mmap_safe", "flatten_state", "zip_storages", "zip_data_offsets",
            "placeholder_chunk"]
 
 ZIP_MAGIC = b"PK\x03\x04"
 # A legacy torch.save file starts with the pickled magic number 0x1950a86a20f9469cfc6c.
 LEGACY_MAGIC = b"\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19"
-
-
 def _is_tensor(v: Any) -> bool:
     from ckpt_tool.formats.containers.pickle.torch_stand_ins import TensorPlaceholder
 
@@ -86,6 +84,18 @@ def zip_storages(path: Path) -> tuple[str, dict[str, tuple[int, int]], str]:
     except (zipfile.BadZipFile, OSError, EOFError, struct.error) as exc:
         raise CorruptCheckpointError(f"damaged zip archive ({exc})", path=path) from None
     return prefix, offsets, byteorder
+
+
+def mmap_safe(path: Path) -> bool:
+    """Whether ``torch.load(path, mmap=True)`` reads the right bytes: every record stored
+    uncompressed. (Its mmap path maps each storage at its record's data offset in the file;
+    a deflate-compressed record there is its compressed bytes, loaded silently as values:
+    such a file is loaded without mmap, which inflates.)"""
+    try:
+        with zipfile.ZipFile(path) as zf:
+            return all(i.compress_type == zipfile.ZIP_STORED for i in zf.infolist())
+    except (zipfile.BadZipFile, OSError, EOFError):
+        return True  # the load reports the damage
 
 
 def zip_data_offsets(raw: Any, header_offset: int) -> int:
