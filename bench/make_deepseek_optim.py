@@ -29,7 +29,7 @@ How it reaches several GB on a small machine while staying the real stack:
   (and TP rank where split); its fp32 main parameter views the fp32 pool at the same element
   offset, and the fp32 pool holds exactly the bf16 pool's values (bf16 values widened), so the
   main parameter cast to bf16 equals the weight, as DistributedOptimizer keeps it after every
-  step; ``exp_avg``/``exp_avg_sq`` and the padding view other offsets;
+  step; ``exp_avg`` views other offsets, ``exp_avg_sq`` a pool of squares (never negative);
 * ``megatron.core.dist_checkpointing.save`` (``torch_dist``) writes it, with Megatron-LM's
   common state (``args``, ``iteration``, ``content_metadata``, ...).
 
@@ -51,16 +51,19 @@ POOL_ELEMENTS = 96 << 20  # one pool of this many values, as bf16 and widened to
 ALIGN = 64  # elements
 
 
-def make_pools(bf16_path: str, fp32_path: str, seed: int) -> None:
-    """The bf16 pool (normal values * 0.02) and the fp32 pool of the same values widened."""
+def make_pools(bf16_path: str, fp32_path: str, square_path: str, seed: int) -> None:
+    """The bf16 pool (normal values * 0.02), the fp32 pool of the same values widened, and a
+    pool of fp32 squares (``exp_avg_sq`` is never negative)."""
     import numpy as np
 
-    if all(os.path.exists(p) for p in (bf16_path, fp32_path)) and \
-            os.path.getsize(fp32_path) == 4 * POOL_ELEMENTS:
+    paths = (bf16_path, fp32_path, square_path)
+    if all(os.path.exists(p) for p in paths) and \
+            os.path.getsize(square_path) == 4 * POOL_ELEMENTS:
         return
     rng = np.random.default_rng(seed)
     tmp = f".tmp{os.getpid()}"
-    with open(bf16_path + tmp, "wb") as fb, open(fp32_path + tmp, "wb") as ff:
+    with open(bf16_path + tmp, "wb") as fb, open(fp32_path + tmp, "wb") as ff, \
+            open(square_path + tmp, "wb") as fs:
         left = POOL_ELEMENTS
         while left:
             n = min(left, 16 << 20)
@@ -68,9 +71,10 @@ def make_pools(bf16_path: str, fp32_path: str, seed: int) -> None:
             upper = (v.view(np.uint32) >> 16).astype(np.uint16)  # bf16 (truncated)
             fb.write(upper.tobytes())
             ff.write((upper.astype(np.uint32) << 16).tobytes())  # the same value in fp32
+            fs.write((v * v * 0.01).astype(np.float32).tobytes())
             left -= n
-    os.replace(bf16_path + tmp, bf16_path)
-    os.replace(fp32_path + tmp, fp32_path)
+    for p in paths:
+        os.replace(p + tmp, p)
 
 
 class Pool:
@@ -140,11 +144,13 @@ def main() -> None:
                                  expert_model_parallel_size=world, expert_tensor_parallel_size=1)
     os.makedirs(a.pool_dir, exist_ok=True)
     paths = (os.path.join(a.pool_dir, "paired_bf16.pool"),
-             os.path.join(a.pool_dir, "paired_fp32.pool"))
+             os.path.join(a.pool_dir, "paired_fp32.pool"),
+             os.path.join(a.pool_dir, "square_fp32.pool"))
     if rank == 0:
         make_pools(*paths, seed=4321)
     torch.distributed.barrier()
     bf16_pool, fp32_pool = Pool(paths[0], torch.bfloat16), Pool(paths[1], torch.float32)
+    pools = {"param": fp32_pool, "exp_avg": fp32_pool, "exp_avg_sq": Pool(paths[2], torch.float32)}
 
     layers = 1 + a.moe_layers
     heads, q_lora, kv_lora, qk_head, qk_pos, v_head = a.heads, 384, 256, 64, 32, 64
@@ -224,14 +230,14 @@ def main() -> None:
                     for entry in entries:
                         if getattr(entry["padding"], "obj", entry["padding"]):
                             for k in ("param", "exp_avg", "exp_avg_sq"):
-                                entry[k].data = fp32_pool.view(0, tuple(entry[k].local_shape))
+                                entry[k].data = pools[k].view(0, tuple(entry[k].local_shape))
                             continue
                         p, ranges = next(params)
                         r = ranges["param"]
                         base = offset(names[p], p.numel())
                         entry["param"].data = fp32_pool.view(base + r.start, (r.size,))
                         for k in ("exp_avg", "exp_avg_sq"):
-                            entry[k].data = fp32_pool.view(
+                            entry[k].data = pools[k].view(
                                 offset(f"{names[p]}/{k}", p.numel()) + r.start, (r.size,))
                     assert next(params, None) is None
 
