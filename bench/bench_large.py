@@ -21,7 +21,12 @@ pages of mapped checkpoint files excluded), with ``uptime`` before and after:
   checkpoint dies alone instead of taking the machine): Megatron-Core ``load_plain_tensors`` +
   ``torch.save``, PyTorch DCP ``dcp_to_torch_save``;
 * ``curve``: ``convert --to safetensors``, ``--to torch_dist`` and ``reshard`` only;
-* ``dist``: ``convert --to torch_dist`` and ``reshard`` only.
+* ``dist``: ``convert --to torch_dist`` and ``reshard`` only (with ``validate``:
+  ``validate --deep`` too).
+
+``--reshard "--tp 1 --ep 8"``: the reshard job's target (default ``--tp 4 --ep 4``).
+``--dir``: an existing checkpoint instead of building one (``make_deepseek_optim.py``'s
+DeepSeek-V3-shaped one with ``dp_reshardable`` optimizer state, for example).
 
 ``--cold``: before every job, the page cache is emptied (``sync``, then
 ``/proc/sys/vm/drop_caches``) where the process may; where it may not, each file of the
@@ -178,7 +183,8 @@ def run_floor(src: Path, work: Path, nbytes: int, log: list) -> None:
 
 
 def run_ours(src: Path, work: Path, log: list, *, curve_only: bool = False,
-             workers: int = 1, dist_only: bool = False) -> None:
+             workers: int = 1, dist_only: bool = False, validate: bool = False,
+             reshard: str = "--tp 4 --ep 4") -> None:
     c = ckpt()
     out = work / "out"
     w = ["--workers", str(workers)] if workers > 1 else []
@@ -192,6 +198,7 @@ def run_ours(src: Path, work: Path, log: list, *, curve_only: bool = False,
 
     if not curve_only:
         job("ckpt inspect --json", ["inspect", "--json", str(src)])
+    if not curve_only or validate:
         job("ckpt validate --deep", ["validate", "--deep", str(src)])
     if not dist_only:
         job("ckpt convert --to safetensors", ["convert", str(src), str(out), "--to",
@@ -204,8 +211,8 @@ def run_ours(src: Path, work: Path, log: list, *, curve_only: bool = False,
         measure("ckpt diff (source vs its conversion)", c + ["diff", str(src), str(out)],
                 log=log)
         shutil.rmtree(out, ignore_errors=True)
-    job("ckpt reshard --tp 4 --ep 4 (with optimizer)",
-        ["reshard", str(src), str(out), "--tp", "4", "--ep", "4", *w])
+    job(f"ckpt reshard {reshard} (with optimizer)",
+        ["reshard", str(src), str(out), *reshard.split(), *w])
 
 
 def run_peers(src: Path, work: Path, log: list, cap: int, timeout: float | None) -> None:
@@ -266,7 +273,8 @@ def main() -> None:
     ap.add_argument("--dir", type=Path, help="an existing checkpoint instead of building one")
     ap.add_argument("--build-ranks", type=int, default=8)
     ap.add_argument("--jobs", nargs="+", default=["floor", "ours", "peers"],
-                    choices=["floor", "ours", "peers", "curve", "dist"])
+                    choices=["floor", "ours", "peers", "curve", "dist", "validate"])
+    ap.add_argument("--reshard", default="--tp 4 --ep 4", help="the reshard job's target")
     ap.add_argument("--cold", action="store_true", help="empty the page cache before each job")
     ap.add_argument("--code", type=Path, help="run ckpt from this checkout")
     ap.add_argument("--workers", type=int, default=1)
@@ -298,9 +306,10 @@ def main() -> None:
     log: list[dict] = []
     if "floor" in a.jobs:
         run_floor(src, a.work, nbytes, log)
-    if "ours" in a.jobs or "curve" in a.jobs or "dist" in a.jobs:
+    if {"ours", "curve", "dist", "validate"} & set(a.jobs):
         run_ours(src, a.work, log, curve_only="ours" not in a.jobs, workers=a.workers,
-                 dist_only=not {"ours", "curve"} & set(a.jobs))
+                 dist_only=not {"ours", "curve"} & set(a.jobs),
+                 validate="validate" in a.jobs, reshard=a.reshard)
     if "peers" in a.jobs:
         run_peers(src, a.work, log, int(a.peer_cap_gb * 1e9), a.peer_timeout)
     shutil.rmtree(a.work, ignore_errors=True)
