@@ -213,15 +213,24 @@ def _fp8_export(recipes: list[Recipe], target: CheckpointMeta, source: Any,
     return replace(target, tensors=tensors), Fp8Source(source, quantized, scheme)
 
 
-def _target(recipes: list[Recipe], to: str) -> CheckpointMeta:
+def _target(recipes: list[Recipe], to: str, max_memory: int | None = None) -> CheckpointMeta:
+    """The output's tensors: a chunk per layer of a stacked tensor; an untiled tensor of a
+    dist target cut into row chunks of at most ``max_memory`` bytes (default 256 MiB), so
+    that an embedding is written a slab at a time."""
+    from ckpt_tool.formats.write_pieces import DEFAULT_MAX_MEMORY
+    from ckpt_tool.ops.convert._plan import split_rows
+
     tensors = {}
     for r in recipes:
+        whole = ChunkRef(offsets=(0,) * len(r.shape), sizes=r.shape)
         if not FormatKind(to).hf_directory and any(p.index for p in r.parts):
             lead = len(r.parts[0].index)
             chunks = tuple(ChunkRef(offsets=(*p.index, *(0,) * (len(r.shape) - lead)),
                                     sizes=(*(1,) * lead, *r.shape[lead:])) for p in r.parts)
+        elif FormatKind(to).megatron_dist:
+            chunks = tuple(split_rows(whole, r.dtype, max_memory or DEFAULT_MAX_MEMORY))
         else:
-            chunks = (ChunkRef(offsets=(0,) * len(r.shape), sizes=r.shape),)
+            chunks = (whole,)
         tensors[r.key] = TensorMeta(key=r.key, dtype=r.dtype, shape=r.shape, chunks=chunks)
     return CheckpointMeta(format=to, root="", tensors=tensors)
 
@@ -258,7 +267,7 @@ def convert_hf(src: str | Path, dst: str | Path, options: Any, *, trust: bool = 
                 raise UsageError(f"--ep applies with --to torch_dist, not --to {options.to}",
                                  hint="import with --to torch_dist, or leave --ep out")
             recipes, common, extra = _import(reader, meta, options, tp or 1, pp or 1, ep or 1)
-        target = _target(recipes, options.to)
+        target = _target(recipes, options.to, options.max_memory)
         extra_states = None
         if FormatKind(options.to).megatron_dist:  # the model's _extra_state objects, as saved
             extra_states = ExtraStates(target.tensors, LOCAL if options.local_spec else TE)
