@@ -25,7 +25,8 @@ Content: FP8 codes uniform over the finite e4m3 codes, with 448 (the largest) in
 128x128 block, as a quantizer that scales each block's amax to 448 leaves them; scales
 ``2^u``, ``u`` uniform in [-16, -10] (``--pow2-scales``: integer ``u``, as DeepSeek-V3.1's
 ``ue8m0`` scales); bf16 weights of magnitude 2^-10..2^-3, norms in [1, 2). Each tensor is
-drawn from a generator seeded by its name (``tensor_bytes`` gives it again), written a slab of
+drawn from a generator seeded by its name (the MTP layer's ``embed_tokens`` and
+``shared_head.head``: the model's, whose copies they are) (``tensor_bytes`` gives it again), written a slab of
 at most 64 MiB at a time: memory stays near one slab whatever the model's size.
 """
 
@@ -156,6 +157,11 @@ def shards(ts: list) -> list[list]:
 def _rng(name: str, seed: int):
     import numpy as np
 
+    # the MTP layer's embedding and head are copies of the model's (the release shares them)
+    if name.endswith(".embed_tokens.weight"):
+        name = "model.embed_tokens.weight"
+    elif name.endswith(".shared_head.head.weight"):
+        name = "lm_head.weight"
     return np.random.Generator(np.random.PCG64([seed, zlib.crc32(name.encode())]))
 
 
