@@ -47,6 +47,10 @@ def convert(
         "--pp", min=1, metavar="N",
         help="With --to legacy: the source's PP size (reshard changes it); from an HF "
         "directory: the PP size to record.", show_default=False)] = None,
+    ep: Annotated[Optional[int], typer.Option(
+        "--ep", min=1, metavar="N",
+        help="From an HF directory: the expert-parallel size to record (it must divide the "
+        "routed experts).", show_default=False)] = None,
     hf_config: Annotated[Optional[Path], typer.Option(
         "--hf-config", metavar="FILE", help="--to hf: a config.json giving what the "
         "checkpoint's args lack (its values win).", show_default=False)] = None,
@@ -105,7 +109,8 @@ def convert(
                              hf_experts=hf_experts)
     with progress_bar(f"convert -> {to}", enabled=not (quiet or no_progress)) as bar:
         result = run_convert(place, dst, options, trust=trust, overwrite=overwrite,
-                             verify=verify_level(verify, no_verify), verify_source=not no_verify, tp=tp, pp=pp,
+                             verify=verify_level(verify, no_verify), verify_source=not no_verify,
+                             tp=tp, pp=pp, ep=ep,
                              max_shard_size=parse_size(max_shard_size, "--max-shard-size"),
                              progress=bar, workers=workers)
     for note in result.notes:

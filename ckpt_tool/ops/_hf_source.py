@@ -4,7 +4,10 @@ Writers ask for rectangles of target tensors; each part of the recipe that the r
 touches is computed from its source tensors (one decoder layer, or one whole untiled tensor)
 and the requested region copied out. The last part computed is kept, so a writer pulling a
 tensor in row slabs reads its sources once; a request for a whole untiled tensor gets the
-computed tensor itself (no copy). Peak memory is about one layer's tensor.
+computed tensor itself (no copy). Peak memory is about one layer's tensor. Rows of an untiled
+tensor that is its source's rows as they are (``copy``; ``rows``: vocab padding cut or added)
+are read from the source itself, never the whole: an embedding or output layer (1.85 GB in
+DeepSeek-V3) costs one slab of rows.
 """
 
 from __future__ import annotations
@@ -148,6 +151,9 @@ class HfSource:
             with self._lock:
                 self._cache = None
             return self._count(key, r, value.to(dtype))
+        rows = self._source_rows(r, offsets, sizes)
+        if rows is not None:
+            return self._count(key, r, rows.to(dtype))
         whole = _whole_part(r, offsets, sizes)
         if whole is not None:  # exactly one whole part (a layer's chunk): handed out, no copy
             n, p = whole
@@ -171,6 +177,31 @@ class HfSource:
             dst = tuple(i - o for i, o in zip(p.index, offsets))
             out[dst] = value[src].to(out.dtype)
         return self._count(key, r, out)
+
+    def _source_rows(self, r: Recipe, offsets: tuple[int, ...], sizes: tuple[int, ...]
+                     ) -> Any:
+        """Rows ``offsets[0]:+sizes[0]`` (all columns) of an untiled recipe whose value is
+        its one source's rows (zero rows past the source's end: vocab padding), read from
+        the source alone; None for any other recipe or rectangle."""
+        import torch
+
+        p = r.parts[0] if len(r.parts) == 1 else None
+        if (p is None or p.index or p.op not in ("copy", "rows") or len(p.sources) != 1
+                or p.sources[0].index or not sizes or any(offsets[1:])
+                or tuple(sizes[1:]) != tuple(r.shape[1:])):
+            return None
+        src = self.reader.metadata().tensors.get(p.sources[0].key)
+        if src is None or tuple(src.shape[1:]) != tuple(r.shape[1:]) or (
+                p.op == "copy" and tuple(src.shape) != tuple(r.shape)):
+            return None
+        start, stop = offsets[0], min(offsets[0] + sizes[0], src.shape[0])
+        got = (self.reader.read(src.key, (slice(start, stop),)) if stop > start else None)
+        if got is not None and stop - start == sizes[0]:
+            return got
+        out = torch.zeros(sizes, dtype=got.dtype if got is not None else torch.float32)
+        if got is not None:
+            out[:stop - start] = got
+        return out
 
     def _count(self, key: str, r: Recipe, out: Any) -> Any:
         n_bytes = out.numel() * out.element_size()

@@ -299,3 +299,66 @@ def test_fp8_export_is_the_release_and_transformers_loads_it(dirs):
     assert torch.equal(ours, release)
     err = float((ours - ref).norm() / ref.norm())
     assert 0 < err < 2 ** -4, err
+
+
+def test_fp8_whole_block_arithmetic_is_the_per_element_one():
+    """The whole-block path (table lookup, broadcast scales) gives the bytes of the
+    per-element formula of the module docstring; the caller's float32 input is not changed."""
+    from ckpt_tool.formats.hf.quant_codecs import dequantize_fp8, expand_scales, quantize_fp8
+
+    torch.manual_seed(0)
+    for shape in [(256, 384), (3, 128, 256)]:
+        raw = torch.randint(0, 256, shape, dtype=torch.uint8)
+        raw[(raw & 0x7F) == 0x7F] = 0
+        w = raw.view(torch.float8_e4m3fn)
+        s = torch.rand(*shape[:-2], shape[-2] // 128, shape[-1] // 128) * 1e-3
+        rows, cols = (0, shape[-2]), (0, shape[-1])
+        for dtype, view in ((torch.bfloat16, torch.int16), (torch.float32, torch.int32)):
+            want = (w.to(torch.float32) * expand_scales(s, (128, 128), rows, cols)).to(dtype)
+            assert torch.equal(dequantize_fp8(w, s, (128, 128), dtype).view(view),
+                               want.view(view))
+        x = torch.randn(shape) * 0.02
+        x[..., :128, :128] = 0  # an all-zero block: scale 1
+        before = x.clone()
+        q, inv = quantize_fp8(x, (128, 128))
+        assert torch.equal(x, before)
+        amax = x.abs().reshape(*shape[:-2], shape[-2] // 128, 128, shape[-1] // 128,
+                               128).amax(dim=(-3, -1))
+        scale = torch.where(amax > 0, 448.0 / torch.where(amax > 0, amax, 1.0),
+                            torch.ones_like(amax))
+        full = expand_scales(scale, (128, 128), rows, cols)
+        want_q = torch.clamp(x * full, -448.0, 448.0).to(torch.float8_e4m3fn)
+        assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+        assert torch.equal(inv, (1.0 / scale).to(torch.float32))
+
+
+def test_fp8_release_round_trip_through_torch_dist_in_row_chunks(dirs):
+    """Release -> torch_dist (--pp 2, the embedding in row chunks under --max-memory) -> FP8
+    export: the quantized weights come back byte for byte (each block's amax is 448 in a
+    release, so requantizing the bf16 values finds the same codes), the rest as stored."""
+    mc, back = dirs.tmp / "mc_rows", dirs.tmp / "fp8_back"
+    ckpt("convert", dirs.fp8, mc, "--to", "torch_dist", "--pp", "2", "--max-memory", "64KiB",
+         "--no-progress")
+    doc = json.loads(ckpt("inspect", mc, "--json").stdout)
+    assert doc["tensors"]["embedding.word_embeddings.weight"]["chunks"] == 2  # 128 KiB
+    assert doc["common"]["parallel"]["pp"] == 2
+    ckpt("convert", mc, back, "--to", "hf", "--hf-dtype", "fp8", "--no-progress")
+    src, got = load_file(str(dirs.fp8 / "model.safetensors")), {}
+    for f in back.glob("*.safetensors"):
+        got.update(load_file(str(f)))
+    exact = 0
+    for k, v in src.items():
+        if v.dtype == torch.float8_e4m3fn:
+            assert torch.equal(got[k].view(torch.uint8), v.view(torch.uint8)), k
+            exact += 1
+        elif not k.endswith("_scale_inv"):
+            assert torch.equal(got[k], v), k
+    assert exact > 0
+
+
+def test_ep_is_recorded_from_an_hf_directory_and_checked(dirs, tmp_path):
+    out = ckpt("convert", dirs.fp8, tmp_path / "a", "--to", "torch_dist", "--ep", "2",
+               code=2).output
+    assert "no routed experts" in out and not (tmp_path / "a").exists()
+    out = ckpt("convert", dirs.fp8, tmp_path / "b", "--to", "hf", "--ep", "2", code=2).output
+    assert "--ep" in out

@@ -93,7 +93,7 @@ def convert(src: str | Path | SourcePlace, dst: str | Path, options: ConvertOpti
             trust: bool = False, overwrite: bool = False, verify: bool = True,
             tp: int | None = None, pp: int | None = None, max_shard_size: int | None = None,
             progress: Progress | None = None, workers: int = 1,
-            verify_source: bool = True) -> ConvertResult:
+            verify_source: bool = True, ep: int | None = None) -> ConvertResult:
     """Convert checkpoint ``src`` into ``dst`` in format ``options.to``; see the module doc.
     ``src``: a path or ``formats.save_dir.locate_source``'s answer (``--iteration``).
     ``verify``: validate the output before it is moved into place (True: data files
@@ -118,8 +118,11 @@ def convert(src: str | Path | SourcePlace, dst: str | Path, options: ConvertOpti
             done = ConvertResult(**convert_hf(
                 place.checkpoint, dst, options, trust=trust, overwrite=overwrite,
                 verify=verify, tp=tp, pp=pp, max_shard_size=max_shard_size,
-                progress=progress, verify_source=verify_source))
+                progress=progress, verify_source=verify_source, ep=ep))
             return _with_resume_of_import(done)
+    if ep is not None:
+        raise UsageError("--ep only applies to an import from an HF directory",
+                         hint="use 'ckpt reshard --ep N' to change the expert-parallel layout")
     if (tp is not None or pp is not None) and not writer_cls.takes_layout:
         raise UsageError("--tp/--pp only apply with --to legacy",
                          hint="use 'ckpt reshard' to change the parallel layout")

@@ -125,7 +125,24 @@ def _export(reader: Reader, meta: CheckpointMeta, options: Any
     return recipes, {}, extra
 
 
-def _import(reader: Reader, meta: CheckpointMeta, options: Any, tp: int, pp: int
+def _record_ep(args: dict[str, Any], ep: int) -> int:
+    """Record expert-parallel size ``ep`` in ``args``; the data-parallel size it needs (EP x
+    ETP divides TP x DP in Megatron-Core)."""
+    import math
+
+    experts = int(args.get("num_experts") or 0)
+    if ep > 1 and not experts:
+        raise UsageError(f"--ep {ep}: the model has no routed experts", hint="leave --ep out")
+    if experts % ep:
+        raise UsageError(f"--ep {ep} does not divide the {experts} routed experts",
+                         hint="pick an EP size that divides the expert count")
+    args["expert_model_parallel_size"] = ep
+    tp = int(args["tensor_model_parallel_size"])
+    span = ep * int(args.get("expert_tensor_parallel_size") or tp)
+    return span // math.gcd(span, tp)
+
+
+def _import(reader: Reader, meta: CheckpointMeta, options: Any, tp: int, pp: int, ep: int = 1
             ) -> tuple[list[Recipe], dict[str, Any], dict[str, Any]]:
     import argparse
 
@@ -136,9 +153,11 @@ def _import(reader: Reader, meta: CheckpointMeta, options: Any, tp: int, pp: int
     rule = rule_named(options.hf_arch) if options.hf_arch else rule_for_config(config)
     if isinstance(rule, Family):
         recipes, args, notes = import_layered(meta, config, rule, options, tp, pp)
-        common = {"args": namespace(args, tp, pp), "checkpoint_version": 3.0, "iteration": 0}
+        dp = _record_ep(args, ep)
+        common = {"args": namespace(args, tp, pp, dp), "checkpoint_version": 3.0,
+                  "iteration": 0}
         return recipes, common, {"source_common_summary": {"parallel": {
-            "tp": tp, "pp": pp, "ep": 1, "dp": 1}}, "local_spec": options.local_spec,
+            "tp": tp, "pp": pp, "ep": ep, "dp": dp}}, "local_spec": options.local_spec,
             "notes": notes}
     moe_layers_check(config, rule)
     args = args_from_hf_config(config, rule, tp=tp, pp=pp, local_spec=options.local_spec)
@@ -156,10 +175,11 @@ def _import(reader: Reader, meta: CheckpointMeta, options: Any, tp: int, pp: int
                           spec="local" if options.local_spec else "te")
     if any(k.endswith(".mlp.experts.gate_up_proj") for k in meta.tensors):
         args["hf_experts"] = "fused"  # an export writes the experts as the source had them
+    dp = _record_ep(args, ep)
     ns = argparse.Namespace(**{**args, "params_dtype": torch_dtype(args["params_dtype"]),
-                               "world_size": tp * pp, "data_parallel_size": 1})
+                               "world_size": tp * pp * dp, "data_parallel_size": dp})
     common = {"args": ns, "checkpoint_version": 3.0, "iteration": 0}
-    extra = {"source_common_summary": {"parallel": {"tp": tp, "pp": pp, "ep": 1, "dp": 1}},
+    extra = {"source_common_summary": {"parallel": {"tp": tp, "pp": pp, "ep": ep, "dp": dp}},
              "local_spec": options.local_spec}
     return recipes, common, extra
 
@@ -194,15 +214,24 @@ def _fp8_export(recipes: list[Recipe], target: CheckpointMeta, source: Any,
     return replace(target, tensors=tensors), Fp8Source(source, quantized, scheme)
 
 
-def _target(recipes: list[Recipe], to: str) -> CheckpointMeta:
+def _target(recipes: list[Recipe], to: str, max_memory: int | None = None) -> CheckpointMeta:
+    """The output's tensors: a chunk per layer of a stacked tensor; an untiled tensor of a
+    dist target cut into row chunks of at most ``max_memory`` bytes (default 256 MiB), so
+    that an embedding is written a slab at a time."""
+    from ckpt_tool.formats.write_pieces import DEFAULT_MAX_MEMORY
+    from ckpt_tool.ops.convert._plan import split_rows
+
     tensors = {}
     for r in recipes:
+        whole = ChunkRef(offsets=(0,) * len(r.shape), sizes=r.shape)
         if not FormatKind(to).hf_directory and any(p.index for p in r.parts):
             lead = len(r.parts[0].index)
             chunks = tuple(ChunkRef(offsets=(*p.index, *(0,) * (len(r.shape) - lead)),
                                     sizes=(*(1,) * lead, *r.shape[lead:])) for p in r.parts)
+        elif FormatKind(to).megatron_dist:
+            chunks = tuple(split_rows(whole, r.dtype, max_memory or DEFAULT_MAX_MEMORY))
         else:
-            chunks = (ChunkRef(offsets=(0,) * len(r.shape), sizes=r.shape),)
+            chunks = (whole,)
         tensors[r.key] = TensorMeta(key=r.key, dtype=r.dtype, shape=r.shape, chunks=chunks)
     return CheckpointMeta(format=to, root="", tensors=tensors)
 
@@ -210,7 +239,8 @@ def _target(recipes: list[Recipe], to: str) -> CheckpointMeta:
 def convert_hf(src: str | Path, dst: str | Path, options: Any, *, trust: bool = False,
                overwrite: bool = False, verify: bool = True, tp: int | None = None,
                pp: int | None = None, max_shard_size: int | None = None,
-               progress: Any = None, verify_source: bool = True) -> dict[str, Any]:
+               progress: Any = None, verify_source: bool = True,
+               ep: int | None = None) -> dict[str, Any]:
     """Convert between a Megatron checkpoint and an HF directory (see the module doc);
     returns the fields of ``ops.convert.ConvertResult``."""
     start = time.perf_counter()
@@ -227,15 +257,18 @@ def convert_hf(src: str | Path, dst: str | Path, options: Any, *, trust: bool = 
         if verify_source:
             check_source_manifest(as_path(src), as_path(meta.root), r)
         if FormatKind(options.to).hf_directory:
-            if tp is not None or pp is not None:
-                raise UsageError("--tp/--pp do not apply with --to hf",
+            if tp is not None or pp is not None or ep is not None:
+                raise UsageError("--tp/--pp/--ep do not apply with --to hf",
                                  hint="an HF directory has no parallel layout")
             recipes, common, extra = _export(reader, meta, options)
             if options.hf_dtype is not None:
                 recipes = _hf_dtype_recipes(recipes, options.hf_dtype)
         else:
-            recipes, common, extra = _import(reader, meta, options, tp or 1, pp or 1)
-        target = _target(recipes, options.to)
+            if (ep or 1) > 1 and not FormatKind(options.to).megatron_dist:
+                raise UsageError(f"--ep applies with --to torch_dist, not --to {options.to}",
+                                 hint="import with --to torch_dist, or leave --ep out")
+            recipes, common, extra = _import(reader, meta, options, tp or 1, pp or 1, ep or 1)
+        target = _target(recipes, options.to, options.max_memory)
         extra_states = None
         if FormatKind(options.to).megatron_dist:  # the model's _extra_state objects, as saved
             extra_states = ExtraStates(target.tensors, LOCAL if options.local_spec else TE)

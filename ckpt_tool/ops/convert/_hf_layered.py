@@ -88,8 +88,8 @@ def import_layered(meta: CheckpointMeta, config: dict[str, Any], family: Family,
     return recipes, args, notes
 
 
-def namespace(args: dict[str, Any], tp: int, pp: int) -> argparse.Namespace:
+def namespace(args: dict[str, Any], tp: int, pp: int, dp: int = 1) -> argparse.Namespace:
     from ckpt_tool.formats.containers.torch_zip.torch_zip_read import torch_dtype
 
     return argparse.Namespace(**{**args, "params_dtype": torch_dtype(args["params_dtype"]),
-                                 "world_size": tp * pp, "data_parallel_size": 1})
+                                 "world_size": tp * pp * dp, "data_parallel_size": dp})

@@ -28,7 +28,7 @@ from ckpt_tool.formats.writer import WRITERS, Writer, writer_for
 from ckpt_tool.model import (CheckpointMeta, ChunkRef, ObjectMeta, TensorMeta, dtype_itemsize,
                              is_optimizer_key)
 
-__all__ = ["ConvertOptions", "ConvertPlan", "plan_convert", "parse_rename", "DTYPE_ALIASES",
+__all__ = ["ConvertOptions", "ConvertPlan", "plan_convert", "parse_rename", "split_rows", "DTYPE_ALIASES",
            "TARGETS", "left_behind"]
 
 TARGETS = tuple(WRITERS)  # what --to names
@@ -182,7 +182,7 @@ def _target_chunks(t: TensorMeta, writer: type[Writer], dtype: str, max_memory: 
                      if not (c.offsets in seen or seen.add(c.offsets)))
     if max_memory is None or not writer.chunked:
         return grid
-    return tuple(piece for c in grid for piece in _split_rows(c, dtype, max_memory))
+    return tuple(piece for c in grid for piece in split_rows(c, dtype, max_memory))
 
 
 def _is_plain_tiling(t: TensorMeta) -> bool:
@@ -200,7 +200,7 @@ def _is_plain_tiling(t: TensorMeta) -> bool:
     return in_bounds and covered == t.numel
 
 
-def _split_rows(c: ChunkRef, dtype: str, max_memory: int) -> list[ChunkRef]:
+def split_rows(c: ChunkRef, dtype: str, max_memory: int) -> list[ChunkRef]:
     nbytes = c.numel * dtype_itemsize(dtype)
     if not c.sizes or nbytes <= max_memory or c.sizes[0] <= 1:
         return [c]
