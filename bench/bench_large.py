@@ -32,7 +32,7 @@ DeepSeek-V3-shaped one with ``dp_reshardable`` optimizer state, for example).
 ``/proc/sys/vm/drop_caches``) where the process may; where it may not, each file of the
 source is evicted with ``posix_fadvise(DONTNEED)`` instead; each record says which
 (``"cold"``). ``--code DIR``: run ``ckpt`` from that checkout (``PYTHONPATH``), to time
-another version of the code in the same session (``"code"`` in each record).
+another version of the code in the same run (``"code"`` in each record).
 
 Outputs go to ``--work`` and are deleted after each job (the disk holds the input and one
 output). ``--out`` writes the records as JSON; ``--plot`` draws time per GB and peak memory
